@@ -1,0 +1,25 @@
+"""composable: composable data parallelism for PyTorch on DTensor.
+
+Each API is a plain function that installs hooks and one state object on a module and
+returns the same module: `fully_shard` (FSDP), `replicate` (DDP) and `checkpoint`
+(activation checkpointing) compose freely on one module tree.
+"""
+
+from .accumulate import no_sync, set_requires_gradient_sync
+from .checkpoint import checkpoint
+from .fsdp import ShardingStrategy, fully_shard
+from .mixed_precision import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .replicate import replicate
+
+try:  # written alongside; re-exported once present
+    from .clip_grad import clip_grad_norm_
+    from .grad_scaler import ShardedGradScaler
+except ImportError:  # pragma: no cover
+    pass
+
+__all__ = [
+    "fully_shard", "replicate", "checkpoint",
+    "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "ShardingStrategy",
+    "no_sync", "set_requires_gradient_sync",
+    "clip_grad_norm_", "ShardedGradScaler",
+]

@@ -1,0 +1,34 @@
+"""Which parameters an API call manages: those of the subtree that no API applied earlier to
+a descendant manages (bottom-up claiming), minus ignored ones; each with every slot it is
+registered under (tied parameters have several)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ._contract import iter_param_states
+
+
+def claim_parameters(module: nn.Module, ignored: set[nn.Parameter]) -> list[tuple[str, list[tuple[nn.Module, str]], nn.Parameter]]:
+    """[(fqn, slots, parameter)] in registration order, one entry per distinct parameter."""
+    claimed: set[int] = {id(p) for p in ignored}
+    for _, sub, state in iter_param_states(module):
+        if sub is not module and state.group is not None:
+            claimed.update(id(mp.sharded_param) for mp in state.group.params)
+    found: dict[int, tuple[str, list[tuple[nn.Module, str]], nn.Parameter]] = {}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for name, param in sub._parameters.items():
+            if param is None or id(param) in claimed:
+                continue
+            fqn = f"{prefix}.{name}" if prefix else name
+            entry = found.setdefault(id(param), (fqn, [], param))
+            if (sub, name) not in [(m, n) for m, n in entry[1]]:
+                entry[1].append((sub, name))
+    return list(found.values())
+
+
+def check_same_device(api: str, params: list[torch.Tensor]) -> None:
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise ValueError(f"{api}: all managed parameters must be on one device, got {sorted(map(str, devices))}")

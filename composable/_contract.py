@@ -1,0 +1,81 @@
+"""How a composable API installs its state on a module and finds it again.
+
+Every API (`fully_shard`, `replicate`, `checkpoint`) is a plain function that leaves the
+module's class, identity and parameter names alone. Its only footprint is one state object
+stored in the module's ``__dict__`` under a private key (so it is invisible to
+``named_modules``/``state_dict``) plus the hooks that state registers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch.nn as nn
+
+_STATES_KEY = "_composable_states"
+
+# The APIs whose states own parameters (claim them bottom-up). `checkpoint` owns none.
+PARAM_OWNING_APIS = ("fully_shard", "replicate")
+
+
+def check_module(api: str, module: Any) -> nn.Module:
+    """Raise `TypeError` unless `module` is an `nn.Module`; return it."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{api}: argument 'module' must be an nn.Module, got {type(module).__name__}: {module!r:.80}")
+    return module
+
+
+def get_state(module: nn.Module, api: str) -> Any | None:
+    """The state `api` installed on exactly `module`, or None."""
+    return module.__dict__.get(_STATES_KEY, {}).get(api)
+
+
+def install_state(module: nn.Module, api: str, state: Any) -> None:
+    """Record `state` as `api`'s state on `module`; applying an API twice is a `RuntimeError`."""
+    states = module.__dict__.setdefault(_STATES_KEY, {})
+    if api in states:
+        raise RuntimeError(f"{api} has already been applied to this {type(module).__name__}; apply each API at most once per module")
+    states[api] = state
+
+
+def owning_api(module: nn.Module) -> str | None:
+    """Name of the parameter-owning API applied to `module`, if any."""
+    states = module.__dict__.get(_STATES_KEY, {})
+    for api in PARAM_OWNING_APIS:
+        if api in states:
+            return api
+    return None
+
+
+def iter_param_states(module: nn.Module) -> Iterator[tuple[str, nn.Module, Any]]:
+    """(api, submodule, state) for every parameter-owning state in `module`'s subtree, pre-order."""
+    for sub in module.modules():
+        states = sub.__dict__.get(_STATES_KEY)
+        if not states:
+            continue
+        for api in PARAM_OWNING_APIS:
+            if api in states:
+                yield api, sub, states[api]
+
+
+def check_composable(api: str, module: nn.Module) -> None:
+    """Forbid two parameter-owning APIs (or one API twice) on the same module."""
+    other = owning_api(module)
+    if other is not None and other != api:
+        raise RuntimeError(
+            f"Cannot apply {api} to {type(module).__name__}: it is already managed by {other}; "
+            f"apply {api} to a different module of the tree (they nest freely)"
+        )
+    if get_state(module, api) is not None:
+        raise RuntimeError(f"{api} has already been applied to this {type(module).__name__}; apply each API at most once per module")
+
+
+def attach_state_accessor(api_fn: Any, api: str) -> Any:
+    """Give `api_fn` a `.state(module)` function returning the state `api` installed there."""
+
+    def state(module: nn.Module) -> Any | None:
+        return get_state(module, api)
+
+    state.__doc__ = f"The state `{api}` installed on exactly `module`, or None."
+    api_fn.state = state
+    return api_fn

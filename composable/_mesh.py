@@ -1,0 +1,51 @@
+"""Device meshes: validation, the default mesh, and the compute device a mesh implies."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+def infer_device_type(module: nn.Module) -> str:
+    """The device type to build a default mesh on: the module's accelerator if it has one,
+    else the current accelerator when the default group can use it (NCCL), else the CPU."""
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        if tensor.device.type not in ("cpu", "meta"):
+            return tensor.device.type
+    if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return "cuda"
+    return "cpu"
+
+
+def default_mesh(api: str, module: nn.Module) -> DeviceMesh:
+    """A 1D mesh over the whole default process group."""
+    if not dist.is_initialized():
+        raise RuntimeError(f"{api}: torch.distributed is not initialised; call dist.init_process_group() or pass 'mesh'")
+    return init_device_mesh(infer_device_type(module), (dist.get_world_size(),))
+
+
+def check_mesh(api: str, mesh: object, allowed_ndims: tuple[int, ...]) -> DeviceMesh:
+    """Raise `TypeError`/`ValueError` naming `api` unless `mesh` is a DeviceMesh of an allowed rank."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"{api}: 'mesh' must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}: {mesh!r:.80}")
+    if mesh.ndim not in allowed_ndims:
+        dims = " or ".join(f"{n}D" for n in allowed_ndims)
+        raise ValueError(f"{api}: 'mesh' must be {dims}, got a {mesh.ndim}D mesh of shape {tuple(mesh.shape)}")
+    return mesh
+
+
+def compute_device(mesh: DeviceMesh) -> torch.device:
+    """The device unsharded parameters live on: the current accelerator of the mesh's type."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, mesh.device_type)
+    return torch.device(mesh.device_type, module.current_device())
+
+
+def mesh_from_process_group(api: str, group: dist.ProcessGroup, device_type: str) -> DeviceMesh:
+    """A 1D DeviceMesh over an existing process group."""
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{api}: 'process_group' must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
+    return DeviceMesh.from_group(group, device_type)

@@ -1,0 +1,256 @@
+"""The per-module state shared by `fully_shard` and `replicate`: hooks that drive a parameter
+group through forward and backward, root detection, lazy initialisation, and the end-of-
+backward callback that finishes every group's gradient reduction.
+
+Order of events for one module (root marked *):
+  pre_forward   lazy init*, refresh sharded params*, unshard (+ prefetch), cast inputs,
+                attach the post-backward function to the inputs
+  post_forward  reshard if `reshard_after_forward` (or no backward can follow), attach
+                pre-backward hooks to the outputs, cast outputs
+  pre_backward  (first output gradient) queue the root's final callback, unshard
+  post_backward (all input gradients done) launch gradient reduction, reshard
+  final*        reduce groups whose post_backward never fired (inputs without grad),
+                wait for all reductions, reshard everything, reset
+During backward a re-run forward (activation checkpointing) neither reshards nor re-hooks.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from ._contract import iter_param_states
+from .fsdp._param_group import ParamGroup
+from .mixed_precision import MixedPrecisionPolicy
+
+
+class TrainingState(Enum):
+    IDLE = auto()
+    FORWARD = auto()
+    PRE_BACKWARD = auto()
+    POST_BACKWARD = auto()
+
+
+class ModuleState:
+    """State one parameter-owning API installs on one module."""
+
+    api_name = "composable"
+
+    def __init__(self, module: nn.Module, group: ParamGroup | None, mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool, reshard_is_default: bool) -> None:
+        self.module = module
+        self.group = group
+        self.mp_policy = mp_policy
+        self.reshard_after_forward = reshard_after_forward
+        self._reshard_is_default = reshard_is_default
+        self.training_state = TrainingState.IDLE
+        self.requires_gradient_sync = True
+        self.is_root: bool | None = None  # decided at lazy init
+        self._tree_states: list[ModuleState] = []  # root only: every state under it
+        self._final_callback_queued = False
+        self.forward_prefetch: list[ModuleState] = []
+        self.backward_prefetch: list[ModuleState] = []
+        self._hook_handles = [
+            module.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
+            module.register_forward_hook(self._post_forward, always_call=False),
+        ]
+
+    # -- public helpers ---------------------------------------------------------------------
+    @property
+    def param_names(self) -> list[str]:
+        return [] if self.group is None else [mp.fqn for mp in self.group.params]
+
+    def unshard(self) -> None:
+        """All-gather this module's parameters and register the unsharded ones."""
+        if self.group is not None:
+            self.group.unshard()
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters and register the sharded DTensors again."""
+        if self.group is not None:
+            self.group.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False: backward accumulates unsharded gradients locally (more memory: a full
+        gradient per parameter is held) and communicates nothing; the next backward with
+        True reduces everything accumulated."""
+        if not isinstance(requires_gradient_sync, bool):
+            raise TypeError(f"set_requires_gradient_sync: 'requires_gradient_sync' must be a bool, got {requires_gradient_sync!r}")
+        targets = [s for _, _, s in iter_param_states(self.module)] if recurse else [self]
+        for state in targets:
+            state.requires_gradient_sync = requires_gradient_sync
+
+    # -- lazy init ----------------------------------------------------------------------------
+    def _lazy_init(self) -> None:
+        if self.is_root is not None:
+            return
+        self.is_root = True
+        self._tree_states = [s for _, _, s in iter_param_states(self.module)]
+        for state in self._tree_states:
+            if state is not self:
+                state.is_root = False
+                state._root_state = self
+        # The root's parameters are needed again right at the start of backward.
+        if self._reshard_is_default:
+            self.reshard_after_forward = False
+
+    # -- forward ------------------------------------------------------------------------------
+    @staticmethod
+    def _in_backward() -> bool:
+        return torch._C._current_graph_task_id() != -1
+
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self._in_backward():
+            # Activation checkpointing re-runs the forward inside backward: gather if needed
+            # and keep the parameters until this module's own post_backward reshards them.
+            if self.group is not None:
+                self.group.unshard()
+            return self._cast_inputs(args, kwargs)
+        self._lazy_init()
+        if self.is_root:
+            self._root_pre_forward()
+        self.training_state = TrainingState.FORWARD
+        if self.group is not None:
+            self.group.unshard()
+            self._after_unshard()
+            for other in self.forward_prefetch:
+                if other.group is not None:
+                    other.group.unshard(async_op=True)
+        args, kwargs = self._cast_inputs(args, kwargs)
+        if torch.is_grad_enabled():
+            args, kwargs = _attach_post_backward(self, args, kwargs)
+        return args, kwargs
+
+    def _root_pre_forward(self) -> None:
+        for state in self._tree_states:
+            if state.group is not None:
+                state.group.finish_reduce()  # in case a previous backward did not finish
+                state.group.refresh_sharded_params()
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if self._in_backward():
+            return output
+        backward_follows = torch.is_grad_enabled() and _any_requires_grad(output)
+        if self.group is not None and (self.reshard_after_forward or not backward_follows):
+            self.group.reshard()
+        if backward_follows:
+            output = _attach_pre_backward(self, output)
+        self.training_state = TrainingState.IDLE
+        if self.mp_policy.output_dtype is not None:
+            output = _cast_floating(output, self.mp_policy.output_dtype)
+        return output
+
+    def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        dtype = self.mp_policy.param_dtype
+        if dtype is None or not self.mp_policy.cast_forward_inputs:
+            return args, kwargs
+        return _cast_floating(args, dtype), _cast_floating(kwargs, dtype)
+
+    # -- backward -----------------------------------------------------------------------------
+    def _pre_backward(self) -> None:
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            return
+        root = self._root()
+        if root is not None and not root._final_callback_queued:
+            root._final_callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(root._final_callback)
+        self.training_state = TrainingState.PRE_BACKWARD
+        if self.group is not None:
+            self.group.unshard()
+            for other in self.backward_prefetch:
+                if other.group is not None and other.training_state is not TrainingState.PRE_BACKWARD:
+                    other.group.unshard(async_op=True)
+
+    def _post_backward(self) -> None:
+        self.training_state = TrainingState.POST_BACKWARD
+        if self.group is None:
+            return
+        if self.requires_gradient_sync:
+            self._launch_reduction()
+        self.group.reshard()
+
+    def _after_unshard(self) -> None:
+        """Hook for subclasses: the unsharded parameters exist now."""
+
+    def _launch_reduction(self) -> None:
+        self.group.reduce_grads()  # type: ignore[union-attr]
+
+    def _root(self) -> "ModuleState | None":
+        if self.is_root:
+            return self
+        return getattr(self, "_root_state", None)
+
+    def _final_callback(self) -> None:
+        """End of backward (root only): finish every group in the tree."""
+        for state in self._tree_states:
+            group = state.group
+            if group is not None:
+                if state.requires_gradient_sync and group.has_unsharded_grads():
+                    state._launch_reduction()
+                group.reshard()
+            state.training_state = TrainingState.IDLE
+        for state in self._tree_states:
+            if state.group is not None:
+                state.group.finish_reduce()
+        self._final_callback_queued = False
+
+
+# -- autograd plumbing --------------------------------------------------------------------------
+class _PostBackward(torch.autograd.Function):
+    """Identity on the module's inputs; its backward runs once all input gradients (and so,
+    since AccumulateGrad runs first, the module's parameter gradients) are computed."""
+
+    @staticmethod
+    def forward(ctx: Any, state: ModuleState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.state = state
+        return tuple(t.view_as(t) for t in inputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.state._post_backward()
+        return (None, *grads)
+
+
+def _attach_post_backward(state: ModuleState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    flat, spec = tree_flatten((args, kwargs))
+    idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not idx:
+        return args, kwargs
+    outs = _PostBackward.apply(state, *[flat[i] for i in idx])
+    for i, out in zip(idx, outs):
+        flat[i] = out
+    return tree_unflatten(flat, spec)
+
+
+def _attach_pre_backward(state: ModuleState, output: Any) -> Any:
+    def hook(_grad: torch.Tensor) -> None:
+        state._pre_backward()
+
+    for t in tree_flatten(output)[0]:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.register_hook(hook)
+    return output
+
+
+def _any_requires_grad(tree: Any) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(tree)[0])
+
+
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    return tree_map(cast, tree)
+
+
+def all_states_in(module: nn.Module) -> list[ModuleState]:
+    """Every parameter-owning state in `module`'s subtree."""
+    return [s for _, _, s in iter_param_states(module)]
+
+
+HookFn = Callable[..., Any]

@@ -1,0 +1,40 @@
+"""Gradient accumulation across every API in a module tree."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch.nn as nn
+
+from ._contract import check_module, iter_param_states
+
+
+def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:
+    """Turn gradient communication on or off for every `fully_shard`/`replicate` in the tree.
+
+    While off, backward communicates nothing and gradients accumulate locally, unsharded
+    (a full-size gradient per parameter is held: the memory cost of skipping communication).
+    The first backward with it on reduces everything accumulated.
+    """
+    check_module("set_requires_gradient_sync", module)
+    if not isinstance(requires_gradient_sync, bool):
+        raise TypeError(f"set_requires_gradient_sync: 'requires_gradient_sync' must be a bool, got {requires_gradient_sync!r}")
+    for _, _, state in iter_param_states(module):
+        state.requires_gradient_sync = requires_gradient_sync
+
+
+@contextmanager
+def no_sync(module: nn.Module) -> Iterator[None]:
+    """Context manager: no gradient communication inside (see `set_requires_gradient_sync`);
+    each state's previous setting is restored on exit."""
+    check_module("no_sync", module)
+    states = [s for _, _, s in iter_param_states(module)]
+    previous = [s.requires_gradient_sync for s in states]
+    for state in states:
+        state.requires_gradient_sync = False
+    try:
+        yield
+    finally:
+        for state, flag in zip(states, previous):
+            state.requires_gradient_sync = flag

@@ -1,0 +1,89 @@
+"""`checkpoint`: non-reentrant activation checkpointing installed by hooks.
+
+The forward pre-hook (prepended, so it runs before any other API's pre-hook and captures the
+module's raw inputs) enters PyTorch's non-reentrant checkpoint context; the forward hook
+leaves it. Inside, autograd saves only the inputs; backward re-runs the module call with the
+captured inputs — hooks included, so `fully_shard`'s input casts and parameter gathering
+happen again exactly as in the original forward — under the same RNG state.
+"""
+
+from __future__ import annotations
+
+import inspect
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import _checkpoint_without_reentrant_generator, noop_context_fn
+
+from .._contract import attach_state_accessor, check_module, get_state, install_state
+
+# torch 2.11-2.13 share this private generator; its keyword-only tail grew over time.
+_GENERATOR_PARAMS = list(inspect.signature(_checkpoint_without_reentrant_generator).parameters)
+
+
+class CheckpointState:
+    """What `checkpoint.state(module)` returns: `preserve_rng_state`, `enabled`."""
+
+    def __init__(self, preserve_rng_state: bool) -> None:
+        self.preserve_rng_state = preserve_rng_state
+        self.enabled = True
+        self._generator: Iterator[None] | None = None
+
+    @contextmanager
+    def _disabled(self) -> Iterator[None]:
+        previous, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = previous
+
+
+def checkpoint(module: nn.Module, *, preserve_rng_state: bool = True) -> nn.Module:
+    """Activation checkpointing on `module`; returns `module` itself.
+
+    Activations inside `module` are not kept; backward recomputes its forward from the saved
+    inputs with the same RNG state (when `preserve_rng_state`), the same parameters and
+    inputs of the same dtype. Composes with `fully_shard` and `replicate` on the same module
+    (either order), on ancestors and on descendants.
+    """
+    api = "checkpoint"
+    check_module(api, module)
+    if not isinstance(preserve_rng_state, bool):
+        raise TypeError(f"checkpoint: 'preserve_rng_state' must be a bool, got {preserve_rng_state!r}")
+    if get_state(module, api) is not None:
+        raise RuntimeError(f"checkpoint has already been applied to this {type(module).__name__}; apply each API at most once per module")
+    state = CheckpointState(preserve_rng_state)
+
+    def recompute(*args: Any, **kwargs: Any) -> Any:
+        with state._disabled():
+            return module(*args, **kwargs)
+
+    def pre_hook(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not state.enabled or not torch.is_grad_enabled():
+            return
+        positional = [recompute, state.preserve_rng_state, noop_context_fn, "default", False]
+        if "early_stop" in _GENERATOR_PARAMS:
+            positional.append(True)
+        generator = _checkpoint_without_reentrant_generator(*positional, *args, **kwargs)
+        next(generator)
+        state._generator = generator
+
+    def post_hook(mod: nn.Module, args: tuple, output: Any) -> None:
+        generator, state._generator = state._generator, None
+        if generator is None:
+            return
+        try:
+            next(generator)
+        except StopIteration:
+            return
+        raise RuntimeError("checkpoint: the checkpoint context was entered twice")
+
+    module.register_forward_pre_hook(pre_hook, prepend=True, with_kwargs=True)
+    module.register_forward_hook(post_hook, prepend=True, always_call=True)
+    install_state(module, api, state)
+    return module
+
+
+attach_state_accessor(checkpoint, "checkpoint")

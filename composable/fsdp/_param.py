@@ -1,0 +1,155 @@
+"""One managed parameter: its sharded layout, its sharded DTensor and its unsharded twin.
+
+Vocabulary (used everywhere in this package):
+- sharded parameter: the `nn.Parameter(DTensor)` the optimizer sees; registered on the module
+  outside forward/backward.
+- local shard: the sharded parameter's `_local_tensor`: a view of this rank's region of the
+  group's flat sharded buffer. The region is padded to `chunk_rows` rows so every rank's
+  region has the same size (uneven dim-0 sizes are allowed; padding never leaks out).
+- all-gather input / output: the flat sharded buffer (cast if needed) / the flat buffer of all
+  ranks' regions, rank-major.
+- unsharded parameter: the plain `nn.Parameter` the module computes with during
+  forward/backward; a view into padded unsharded storage that `reshard` frees (storage resized
+  to 0) and `unshard` refills in place, so autograd's saved references stay valid.
+- unsharded gradient: the unsharded parameter's `.grad`, written by autograd.
+- sharded gradient: the sharded parameter's `.grad`, a DTensor like the parameter.
+
+Layout over a shard group of `W` ranks: a parameter with `n` rows of `row_numel` elements is
+split torch.chunk-style into `chunk_rows = ceil(n / W)` rows per rank; rank `r` owns rows
+`[r * chunk_rows, min(n, (r + 1) * chunk_rows))` (possibly none) — exactly DTensor's `Shard(0)`.
+A 0-d parameter cannot be split: every rank's region holds the whole value (placement
+`Replicate()`), and its gradient is summed by the same reduce-scatter by feeding a copy of
+it into every rank's region.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+
+@dataclass
+class ParamLayout:
+    """Where one parameter lives in its group's flat buffers (all sizes in elements)."""
+
+    shape: torch.Size  # ND: the parameter's global shape
+    rows: int  # dim-0 size (1 for a 0-d parameter)
+    row_numel: int  # elements per row
+    chunk_rows: int  # rows per rank region, padded (== rows when replicated)
+    local_rows: int  # rows this rank really owns
+    replicated: bool  # True: every rank holds all rows (0-d params, NO_SHARD)
+    offset: int = 0  # start of this parameter in a rank region
+
+    @property
+    def region_numel(self) -> int:
+        """Elements this parameter takes in one rank region (padded)."""
+        return self.chunk_rows * self.row_numel
+
+    @staticmethod
+    def make(shape: torch.Size, shard_world: int, shard_rank: int, replicated: bool) -> "ParamLayout":
+        rows = shape[0] if len(shape) > 0 else 1
+        row_numel = math.prod(shape[1:]) if len(shape) > 1 else 1
+        if replicated or len(shape) == 0:
+            return ParamLayout(shape, rows, row_numel, rows, rows, True)
+        chunk = -(-rows // shard_world) if rows > 0 else 0
+        local = max(0, min(chunk, rows - shard_rank * chunk))
+        return ParamLayout(shape, rows, row_numel, chunk, local, False)
+
+    def local_shape(self) -> torch.Size:
+        if len(self.shape) == 0:
+            return self.shape
+        if self.replicated:
+            return self.shape
+        return torch.Size((self.local_rows, *self.shape[1:]))
+
+
+@dataclass
+class ManagedParam:
+    """A parameter managed by one parameter group.
+
+    `slots` lists every (module, attribute) the parameter is registered under inside the
+    group's subtree (shared/tied parameters have several); `fqn` is the first one, relative
+    to the module the API was applied to.
+    """
+
+    fqn: str
+    slots: list[tuple[nn.Module, str]]
+    layout: ParamLayout
+    requires_grad: bool
+    sharded_param: nn.Parameter | None = None  # DTensor parameter the optimizer sees
+    unsharded_param: nn.Parameter | None = None  # plain parameter the module computes with
+    unsharded_padded: torch.Tensor | None = None  # 1D padded storage behind unsharded_param
+    extra: dict = field(default_factory=dict)
+
+    # -- sharded side -------------------------------------------------------------------
+    def local_view(self, flat_shard: torch.Tensor) -> torch.Tensor:
+        """This rank's unpadded local shard as a view of the flat sharded buffer."""
+        lay = self.layout
+        start = lay.offset
+        return flat_shard[start : start + lay.local_rows * lay.row_numel].view(lay.local_shape())
+
+    def make_sharded_param(self, local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> nn.Parameter:
+        """Wrap `local` (a view of the flat sharded buffer) as the sharded DTensor parameter."""
+        dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=self.layout.shape, stride=_contiguous_stride(self.layout.shape))
+        return nn.Parameter(dt, requires_grad=self.requires_grad)
+
+    def point_local_shard_at(self, local: torch.Tensor) -> None:
+        """Make the existing sharded parameter's local shard be `local` (keeps its identity)."""
+        self.sharded_param._local_tensor = local  # type: ignore[union-attr]
+
+    def local_shard(self) -> torch.Tensor:
+        return self.sharded_param._local_tensor  # type: ignore[union-attr]
+
+    # -- unsharded side -----------------------------------------------------------------
+    def alloc_unsharded(self, world: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Create (first time) or re-grow (after `free_unsharded`) the padded unsharded storage."""
+        lay = self.layout
+        numel = world * lay.region_numel
+        if self.unsharded_padded is None or self.unsharded_padded.dtype != dtype or self.unsharded_padded.device != device:
+            self.unsharded_padded = torch.empty(numel, dtype=dtype, device=device)
+            view = self.unsharded_padded[: lay.rows * lay.row_numel].view(lay.shape)
+            self.unsharded_param = nn.Parameter(view, requires_grad=self.requires_grad)
+            return
+        storage = self.unsharded_padded.untyped_storage()
+        nbytes = numel * self.unsharded_padded.element_size()
+        if storage.size() != nbytes:
+            storage.resize_(nbytes)
+
+    def free_unsharded(self) -> None:
+        """Release the unsharded storage; views (and autograd's saved references) stay valid."""
+        if self.unsharded_padded is not None:
+            self.unsharded_padded.untyped_storage().resize_(0)
+
+    def is_unsharded_allocated(self) -> bool:
+        return self.unsharded_padded is not None and self.unsharded_padded.untyped_storage().size() > 0
+
+    # -- registration on modules --------------------------------------------------------
+    def register(self, param: nn.Parameter) -> None:
+        """Register `param` in every slot (without going through `setattr` checks)."""
+        for module, name in self.slots:
+            module._parameters[name] = param
+
+    def registered(self) -> nn.Parameter:
+        module, name = self.slots[0]
+        return module._parameters[name]  # type: ignore[return-value]
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+def shard_placements(mesh_ndim: int, replicated: bool, hsdp: bool) -> tuple[Placement, ...]:
+    """DTensor placements of a sharded parameter."""
+    inner: Placement = Replicate() if replicated else Shard(0)
+    if mesh_ndim == 1:
+        return (inner,)
+    return (Replicate(), inner) if hsdp else (Replicate(), Replicate())

@@ -1,0 +1,229 @@
+"""A parameter group: the parameters one API call manages on one module.
+
+It owns their sharded storage (one flat buffer per group, the local shards are views of it),
+gathers them (`unshard`), frees them (`reshard`) and reduces their gradients
+(`reduce_grads` launches, `finish_reduce` waits and writes the sharded gradients).
+
+Two communication modes share everything else:
+- sharded (`Shard(0)`, HSDP `(Replicate(), Shard(0))`): one all-gather per unshard, one
+  reduce-scatter (+ one all-reduce across replicas for HSDP) per gradient reduction;
+- replicated (NO_SHARD, replicate): no all-gather; gradients all-reduced, either as one flat
+  buffer or, for `replicate`, in buckets launched as soon as their gradients are ready.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum, auto
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement
+
+from . import _collectives as comm
+from ._param import ManagedParam, shard_placements
+from ._reducer import GradReducer
+
+
+class GroupState(Enum):
+    SHARDED = auto()
+    UNSHARDING = auto()  # all-gather in flight
+    UNSHARDED = auto()
+
+
+@dataclass(frozen=True)
+class GroupConfig:
+    """How a group lays out and communicates; decided by the API at the call."""
+
+    mesh: DeviceMesh
+    device: torch.device  # compute device
+    sharded: bool  # True: Shard(0) over `shard_dim`; False: replicated everywhere
+    hsdp: bool  # 2D mesh: replicate over dim 0, shard over dim 1
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+    offload: bool
+    pin_memory: bool
+    bucket_cap_bytes: int | None = None  # replicate: bucketed all-reduce as gradients become ready
+
+    @property
+    def shard_group(self) -> dist.ProcessGroup | None:
+        if not self.sharded:
+            return None
+        return self.mesh.get_group(self.mesh.ndim - 1)
+
+    @property
+    def replicate_groups(self) -> list[dist.ProcessGroup]:
+        """Groups gradients are all-reduced over (after the reduce-scatter, if sharded)."""
+        if self.sharded:
+            return [self.mesh.get_group(0)] if self.hsdp else []
+        return [self.mesh.get_group(d) for d in range(self.mesh.ndim)]
+
+
+def _world_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if group is None:
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+class ParamGroup:
+    """Sharded storage and communication for a list of parameters of one module subtree."""
+
+    def __init__(self, params: list[ManagedParam], originals: list[torch.Tensor], config: GroupConfig) -> None:
+        self.params = params
+        self.config = config
+        self.shard_world, self.shard_rank = _world_and_rank(config.shard_group)
+        self.state = GroupState.SHARDED
+        self._pending_gather: tuple[dist.Work | None, torch.Tensor] | None = None
+        self.reducer = GradReducer(self)
+        self._build_flat_shard(originals, fresh=True)
+
+    # -- sharded storage ----------------------------------------------------------------
+    @property
+    def orig_dtype(self) -> torch.dtype:
+        return self.flat_shard.dtype
+
+    @property
+    def unsharded_dtype(self) -> torch.dtype:
+        return self.config.param_dtype or self.orig_dtype
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        return self.config.reduce_dtype or self.config.param_dtype or self.orig_dtype
+
+    def placements(self, mp: ManagedParam) -> tuple[Placement, ...]:
+        return shard_placements(self.config.mesh.ndim, mp.layout.replicated, self.config.hsdp)
+
+    def _storage_device(self, like: torch.Tensor) -> torch.device:
+        if like.device.type == "meta":
+            return like.device
+        return torch.device("cpu") if self.config.offload else self.config.device
+
+    def _build_flat_shard(self, sources: list[torch.Tensor], fresh: bool) -> None:
+        """(Re)build the flat sharded buffer from `sources`: full tensors when `fresh`, else the
+        current local shards (after `module.half()`, `to_empty`, ...). Re-points every
+        sharded parameter's local shard at a view of the new buffer."""
+        dtypes = {t.dtype for t in sources}
+        if len(dtypes) > 1:
+            raise NotImplementedError(
+                f"fully_shard: parameters of one group must share a dtype, got {sorted(map(str, dtypes))} for {[p.fqn for p in self.params]}"
+            )
+        dtype = dtypes.pop() if dtypes else torch.float32
+        device = self._storage_device(sources[0]) if sources else self.config.device
+        offset = 0
+        for mp in self.params:
+            mp.layout.offset = offset
+            offset += mp.layout.region_numel
+        flat = torch.zeros(offset, dtype=dtype, device=device)
+        if self.config.offload and self.config.pin_memory and device.type == "cpu" and torch.cuda.is_available():
+            flat = flat.pin_memory()
+        self.flat_shard = flat  # 1D, this rank's region
+        with torch.no_grad():
+            for mp, src in zip(self.params, sources):
+                local = mp.local_view(flat)
+                if device.type != "meta":
+                    local.copy_(self._local_rows(mp, src) if fresh else src)
+                if fresh:
+                    mp.sharded_param = mp.make_sharded_param(local, self.config.mesh, self.placements(mp))
+                else:
+                    mp.point_local_shard_at(local)
+                mp.extra["local"] = mp.sharded_param._local_tensor
+        self._unsharded_aliases_shard = (
+            not self.config.sharded and not self.config.offload and self.unsharded_dtype == dtype and device.type != "meta"
+        )
+
+    def _local_rows(self, mp: ManagedParam, full: torch.Tensor) -> torch.Tensor:
+        if mp.layout.replicated or full.dim() == 0:
+            return full.detach()
+        start = self.shard_rank * mp.layout.chunk_rows
+        return full.detach()[start : start + mp.layout.local_rows]
+
+    def refresh_sharded_params(self) -> None:
+        """Adopt sharded parameters that were swapped or re-materialised behind our back
+        (`model.half()`, `to_empty`, `load_state_dict(assign=True)`) so the flat buffer, the
+        local shards and the registered parameters agree again."""
+        stale = False
+        for mp in self.params:
+            registered = mp.registered()
+            if registered is not mp.sharded_param and self.state is GroupState.SHARDED:
+                if not isinstance(registered, DTensor) or registered.shape != mp.layout.shape:
+                    raise RuntimeError(f"fully_shard: parameter '{mp.fqn}' was replaced by a {type(registered).__name__} of shape {tuple(registered.shape)}; expected a DTensor of shape {tuple(mp.layout.shape)}")
+                mp.sharded_param = registered
+                mp.register(registered)
+            if mp.sharded_param._local_tensor is not mp.extra.get("local"):
+                stale = True
+        if stale:
+            self._build_flat_shard([mp.sharded_param._local_tensor for mp in self.params], fresh=False)
+            for mp in self.params:  # unsharded storage must follow a dtype change
+                mp.unsharded_padded = None
+
+    # -- unshard / reshard ------------------------------------------------------------------
+    def unshard(self, async_op: bool = False) -> None:
+        """Gather the unsharded parameters and register them on their modules."""
+        if self.state is GroupState.SHARDED:
+            self._start_unshard()
+        if not async_op:
+            self.wait_for_unshard()
+
+    def _start_unshard(self) -> None:
+        cfg = self.config
+        if self._unsharded_aliases_shard:
+            self.state = GroupState.UNSHARDING
+            self._pending_gather = None
+            return
+        # One fused copy (+cast): the all-gather input lives on the compute device in the
+        # unsharded dtype. No copy at all when neither a cast nor an offload is needed.
+        gather_in = self.flat_shard.to(device=cfg.device, dtype=self.unsharded_dtype, non_blocking=True)
+        if not cfg.sharded:
+            self._pending_gather = (None, gather_in)
+        else:
+            gather_out = torch.empty(self.shard_world * gather_in.numel(), dtype=gather_in.dtype, device=cfg.device)
+            work = comm.all_gather(gather_out, gather_in, cfg.shard_group, async_op=True)
+            self._pending_gather = (work, gather_out)
+        self.state = GroupState.UNSHARDING
+
+    def wait_for_unshard(self) -> None:
+        if self.state is not GroupState.UNSHARDING:
+            return
+        if self._unsharded_aliases_shard:
+            for mp in self.params:
+                if mp.unsharded_param is None or mp.extra.get("alias_of") is not mp.extra["local"]:
+                    mp.unsharded_param = nn.Parameter(mp.extra["local"], requires_grad=mp.requires_grad)
+                    mp.extra["alias_of"] = mp.extra["local"]
+        else:
+            work, gathered = self._pending_gather  # type: ignore[misc]
+            if work is not None:
+                work.wait()
+            world = self.shard_world
+            for mp in self.params:
+                mp.alloc_unsharded(world, gathered.dtype, self.config.device)
+            comm.copy_out(gathered, world, [mp.layout.region_numel for mp in self.params], [mp.unsharded_padded for mp in self.params])
+        self._pending_gather = None
+        for mp in self.params:
+            mp.register(mp.unsharded_param)
+        self.state = GroupState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Register the sharded parameters again and free the unsharded storage."""
+        if self.state is GroupState.UNSHARDING:
+            self.wait_for_unshard()
+        if self.state is GroupState.SHARDED:
+            return
+        for mp in self.params:
+            mp.register(mp.sharded_param)
+            if not self._unsharded_aliases_shard:
+                mp.free_unsharded()
+        self.state = GroupState.SHARDED
+
+    # -- gradients --------------------------------------------------------------------------
+    def has_unsharded_grads(self) -> bool:
+        return any(mp.unsharded_param is not None and mp.unsharded_param.grad is not None for mp in self.params)
+
+    def reduce_grads(self) -> None:
+        """Launch the reduction of the accumulated unsharded gradients (asynchronously)."""
+        self.reducer.launch()
+
+    def finish_reduce(self) -> None:
+        """Wait for launched reductions and accumulate them into the sharded gradients."""
+        self.reducer.finish()

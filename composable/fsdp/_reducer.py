@@ -1,0 +1,226 @@
+"""Gradient reduction for one parameter group.
+
+`launch` turns the accumulated unsharded gradients into one flat reduction input and starts
+the collectives asynchronously; `finish` waits and accumulates the results into the sharded
+gradients (DTensors, in the parameter's own dtype, on the CPU when offloading). `replicate`
+groups instead launch one all-reduce per bucket from post-accumulate-grad hooks, as soon as
+the bucket's gradients are ready, so communication overlaps the rest of the backward.
+
+Averaging: sum, then divide by the data-parallel world. For low-precision reduce dtypes the
+division is split into a pre- and a post-factor (powers of two) to avoid overflow and
+underflow; gloo has neither AVG nor PREMUL_SUM, so this works on every backend.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from . import _collectives as comm
+
+if TYPE_CHECKING:
+    from ._param import ManagedParam
+    from ._param_group import ParamGroup
+
+
+@dataclass
+class _Reduction:
+    """One launched reduction: its works, its flat output and what maps back to whom."""
+
+    params: list["ManagedParam"]
+    present: list[bool]
+    offsets: list[int]
+    output: torch.Tensor  # 1D, reduce dtype
+    works: list[dist.Work] = field(default_factory=list)
+    all_reduced: bool = True  # False: HSDP partial, not yet reduced across replicas
+    keep_alive: list[torch.Tensor] = field(default_factory=list)
+
+
+def _divide_factors(world: int, dtype: torch.dtype) -> tuple[float, float]:
+    if world == 1:
+        return 1.0, 1.0
+    if dtype in (torch.float16, torch.bfloat16):
+        pre = 1
+        while world % (pre * 2) == 0 and world // pre > pre:
+            pre *= 2
+        return float(pre), world / pre
+    return 1.0, float(world)
+
+
+class GradReducer:
+    def __init__(self, group: "ParamGroup") -> None:
+        self.group = group
+        self.pending: list[_Reduction] = []
+        self.requires_all_reduce = True  # HSDP: False keeps reduce-scatter, defers replica all-reduce
+        self._partial: torch.Tensor | None = None  # HSDP partial sums awaiting the replica all-reduce
+        self._buckets: list[list["ManagedParam"]] | None = None
+        self._ready: dict[int, int] = {}
+        self._launched: set[int] = set()
+
+    # -- sizes ----------------------------------------------------------------------------
+    @property
+    def dp_world(self) -> int:
+        cfg = self.group.config
+        return self.group.shard_world * math.prod(dist.get_world_size(g) for g in cfg.replicate_groups)
+
+    def _grad_params(self) -> list["ManagedParam"]:
+        return [mp for mp in self.group.params if mp.requires_grad]
+
+    def _take_grads(self, params: list["ManagedParam"]) -> tuple[list[torch.Tensor], list[bool]]:
+        """Detach the unsharded gradients from their parameters (freeing them after the
+        reduction), zero-filling missing ones so every rank lays out the same buffer."""
+        grads, present = [], []
+        for mp in params:
+            up = mp.unsharded_param
+            g = None if up is None else up.grad
+            present.append(g is not None)
+            if g is None:
+                g = torch.zeros(mp.layout.shape, dtype=self.group.unsharded_dtype, device=self.group.config.device)
+            elif up is not None:
+                up.grad = None
+            grads.append(g)
+        return grads, present
+
+    # -- launching ------------------------------------------------------------------------
+    def launch(self) -> None:
+        params = self._grad_params()
+        if not params or not any(mp.unsharded_param is not None and mp.unsharded_param.grad is not None for mp in params):
+            return
+        grads, present = self._take_grads(params)
+        if self.group.config.sharded:
+            self._launch_reduce_scatter(params, grads, present)
+        else:
+            self._launch_all_reduce(params, grads, present)
+
+    def _launch_reduce_scatter(self, params: list["ManagedParam"], grads: list[torch.Tensor], present: list[bool]) -> None:
+        g, cfg = self.group, self.group.config
+        world, dtype = g.shard_world, g.reduce_dtype
+        pre, _ = _divide_factors(self.dp_world, dtype)
+        # 0-d parameters are replicated in every rank region: feed each region a copy.
+        flat_in = comm.chunk_cat([gr.expand(world) if gr.dim() == 0 else gr for gr in grads], world, dtype, cfg.device)
+        if pre != 1.0:
+            flat_in.div_(pre)
+        out = torch.empty(flat_in.numel() // world, dtype=dtype, device=cfg.device)
+        offsets, off = [], 0
+        for mp in params:
+            offsets.append(off)
+            off += mp.layout.region_numel
+        red = _Reduction(params, present, offsets, out, keep_alive=[flat_in])
+        red.works.append(comm.reduce_scatter_sum(out, flat_in, cfg.shard_group, async_op=True))
+        if cfg.replicate_groups:
+            if self.requires_all_reduce:
+                red.works.pop().wait()  # the replica all-reduce consumes the reduce-scatter output
+                if self._partial is not None:
+                    out.add_(self._partial)
+                    self._partial = None
+                for grp in cfg.replicate_groups:
+                    red.works.append(comm.all_reduce_sum(out, grp, async_op=True))
+            else:
+                red.all_reduced = False
+        self.pending.append(red)
+
+    def _launch_all_reduce(self, params: list["ManagedParam"], grads: list[torch.Tensor], present: list[bool]) -> None:
+        g, cfg = self.group, self.group.config
+        dtype = g.reduce_dtype
+        pre, _ = _divide_factors(self.dp_world, dtype)
+        flat = torch.cat([gr.reshape(-1).to(dtype) for gr in grads])
+        if pre != 1.0:
+            flat.div_(pre)
+        offsets, off = [], 0
+        for mp in params:
+            offsets.append(off)
+            off += mp.layout.region_numel
+        red = _Reduction(params, present, offsets, flat)
+        for grp in cfg.replicate_groups:
+            red.works.append(comm.all_reduce_sum(flat, grp, async_op=True))
+        self.pending.append(red)
+
+    # -- bucketed (replicate) ---------------------------------------------------------------
+    def buckets(self) -> list[list["ManagedParam"]]:
+        """Buckets of about `bucket_cap_bytes`, in reverse registration order (roughly the
+        order backward produces gradients)."""
+        if self._buckets is None:
+            cap = self.group.config.bucket_cap_bytes or 0
+            size = torch.empty((), dtype=self.group.reduce_dtype).element_size()
+            buckets: list[list[ManagedParam]] = [[]]
+            used = 0
+            for mp in reversed(self._grad_params()):
+                nbytes = math.prod(mp.layout.shape) * size
+                if buckets[-1] and used + nbytes > cap:
+                    buckets.append([])
+                    used = 0
+                buckets[-1].append(mp)
+                used += nbytes
+            self._buckets = [b for b in buckets if b]
+            for i, bucket in enumerate(self._buckets):
+                for mp in bucket:
+                    mp.extra["bucket"] = i
+        return self._buckets
+
+    def on_grad_ready(self, mp: "ManagedParam") -> None:
+        """Post-accumulate-grad hook body: launch the bucket once all its gradients are in."""
+        self.buckets()
+        index = mp.extra["bucket"]
+        if index in self._launched:
+            return  # a late accumulation (parameter used twice): `finish` reduces the rest
+        self._ready[index] = self._ready.get(index, 0) + 1
+        bucket = self.buckets()[index]
+        if self._ready[index] == len(bucket):
+            self._launch_bucket(index)
+
+    def _launch_bucket(self, index: int) -> None:
+        bucket = self.buckets()[index]
+        self._launched.add(index)
+        grads, present = self._take_grads(bucket)
+        self._launch_all_reduce(bucket, grads, present)
+
+    def flush_buckets(self) -> None:
+        """Launch every bucket that did not fill up (unused parameters) and reduce what
+        accumulated after a bucket was launched (a parameter used twice in one forward)."""
+        for index, bucket in enumerate(self.buckets()):
+            waiting = [mp for mp in bucket if mp.unsharded_param is not None and mp.unsharded_param.grad is not None]
+            if index not in self._launched:
+                if waiting:
+                    self._launch_bucket(index)
+            elif waiting:
+                grads, present = self._take_grads(waiting)
+                self._launch_all_reduce(waiting, grads, present)
+        self._ready.clear()
+        self._launched.clear()
+
+    # -- finishing ----------------------------------------------------------------------------
+    def finish(self) -> None:
+        """Wait for launched reductions and accumulate them into the sharded gradients."""
+        g, cfg = self.group, self.group.config
+        for red in self.pending:
+            for work in red.works:
+                work.wait()
+            if not red.all_reduced:
+                self._partial = red.output if self._partial is None else self._partial.add_(red.output)
+                continue
+            _, post = _divide_factors(self.dp_world, red.output.dtype)
+            out = red.output
+            if post != 1.0:
+                out.div_(post)
+            target_device = torch.device("cpu") if cfg.offload else cfg.device
+            out = out.to(device=target_device, dtype=g.orig_dtype)
+            for mp, present, off in zip(red.params, red.present, red.offsets):
+                if present:
+                    _accumulate_sharded_grad(g, mp, out, off)
+        self.pending.clear()
+
+
+def _accumulate_sharded_grad(group: "ParamGroup", mp: "ManagedParam", flat: torch.Tensor, offset: int) -> None:
+    lay = mp.layout
+    local = flat[offset : offset + lay.local_rows * lay.row_numel].view(lay.local_shape())
+    sp = mp.sharded_param
+    with torch.no_grad():
+        if sp.grad is None:
+            sp.grad = DTensor.from_local(local, group.config.mesh, group.placements(mp), run_check=False, shape=lay.shape, stride=sp.stride())
+        else:
+            sp.grad._local_tensor.add_(local)

@@ -1,0 +1,36 @@
+"""The state `replicate` installs: a `ModuleState` whose group all-reduces gradients in
+buckets, each launched from post-accumulate-grad hooks as soon as its gradients are ready."""
+
+from __future__ import annotations
+
+import torch
+
+from .._module_state import ModuleState
+
+
+class ReplicateState(ModuleState):
+    """What `replicate.state(module)` returns: `mesh`, `mp_policy`, `bucket_cap_mb`,
+    `param_names`."""
+
+    api_name = "replicate"
+
+    def _after_unshard(self) -> None:
+        # Unsharded parameters are created lazily (and again after a dtype change), so the
+        # gradient-ready hooks are attached to whichever object is current.
+        for mp in self.group.params:  # type: ignore[union-attr]
+            up = mp.unsharded_param
+            if mp.requires_grad and up is not None and mp.extra.get("hooked") is not up:
+                up.register_post_accumulate_grad_hook(self._make_grad_ready_hook(mp))
+                mp.extra["hooked"] = up
+
+    def _make_grad_ready_hook(self, mp):  # type: ignore[no-untyped-def]
+        reducer = self.group.reducer  # type: ignore[union-attr]
+
+        def hook(_param: torch.Tensor) -> None:
+            if self.requires_gradient_sync:
+                reducer.on_grad_ready(mp)
+
+        return hook
+
+    def _launch_reduction(self) -> None:
+        self.group.reducer.flush_buckets()  # type: ignore[union-attr]
