@@ -10,8 +10,16 @@ import torch.nn as nn
 from ._contract import iter_param_states
 
 
-def claim_parameters(module: nn.Module, ignored: set[nn.Parameter]) -> list[tuple[str, list[tuple[nn.Module, str]], nn.Parameter]]:
-    """[(fqn, slots, parameter)] in registration order, one entry per distinct parameter."""
+# Set on every sharded parameter a parameter-owning API registers (see `install_state`): a
+# parameter that carries it and is not claimed by a descendant is managed by an ancestor.
+MANAGED_BY_ATTR = "_composable_managed_by"
+
+
+def claim_parameters(module: nn.Module, ignored: set[nn.Parameter], api: str = "composable") -> list[tuple[str, list[tuple[nn.Module, str]], nn.Parameter]]:
+    """[(fqn, slots, parameter)] in registration order, one entry per distinct parameter.
+
+    Raises `RuntimeError` ("Cannot apply `api` ...") if one of them is already managed by an
+    API applied to an ancestor of `module`: a forbidden composition."""
     claimed: set[int] = {id(p) for p in ignored}
     for _, sub, state in iter_param_states(module):
         if sub is not module and state.group is not None:
@@ -25,6 +33,13 @@ def claim_parameters(module: nn.Module, ignored: set[nn.Parameter]) -> list[tupl
             entry = found.setdefault(id(param), (fqn, [], param))
             if (sub, name) not in [(m, n) for m, n in entry[1]]:
                 entry[1].append((sub, name))
+    for fqn, _, param in found.values():
+        other = getattr(param, MANAGED_BY_ATTR, None)
+        if other is not None:
+            raise RuntimeError(
+                f"Cannot apply {api} to {type(module).__name__}: its parameter '{fqn}' is already managed by {other} "
+                f"applied to an ancestor; apply {api} to modules outside that subtree, or before {other} (bottom-up)"
+            )
     return list(found.values())
 
 

@@ -36,6 +36,10 @@ def install_state(module: nn.Module, api: str, state: Any) -> None:
     if api in states:
         raise RuntimeError(f"{api} has already been applied to this {type(module).__name__}; apply each API at most once per module")
     states[api] = state
+    group = getattr(state, "group", None)
+    if group is not None:  # mark its parameters so an API applied to a descendant later refuses them
+        for mp in group.params:
+            setattr(mp.sharded_param, "_composable_managed_by", api)  # == _claim.MANAGED_BY_ATTR
 
 
 def owning_api(module: nn.Module) -> str | None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from typing import ContextManager, Iterator
 
 import torch.nn as nn
 
@@ -24,11 +24,15 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
         state.requires_gradient_sync = requires_gradient_sync
 
 
-@contextmanager
-def no_sync(module: nn.Module) -> Iterator[None]:
+def no_sync(module: nn.Module) -> ContextManager[None]:
     """Context manager: no gradient communication inside (see `set_requires_gradient_sync`);
     each state's previous setting is restored on exit."""
-    check_module("no_sync", module)
+    check_module("no_sync", module)  # here, not in the generator: a wrong call raises at the call
+    return _no_sync(module)
+
+
+@contextmanager
+def _no_sync(module: nn.Module) -> Iterator[None]:
     states = [s for _, _, s in iter_param_states(module)]
     previous = [s.requires_gradient_sync for s in states]
     for state in states:

@@ -81,6 +81,8 @@ class ManagedParam:
     slots: list[tuple[nn.Module, str]]
     layout: ParamLayout
     requires_grad: bool
+    spec: "DTensorSpecLite | None" = None  # how the sharded parameter presents itself
+    tp: "DTensorSpecLite | None" = None  # tensor-parallel spec of the unsharded parameter, if any
     sharded_param: nn.Parameter | None = None  # DTensor parameter the optimizer sees
     unsharded_param: nn.Parameter | None = None  # plain parameter the module computes with
     unsharded_padded: torch.Tensor | None = None  # 1D padded storage behind unsharded_param
@@ -93,10 +95,12 @@ class ManagedParam:
         start = lay.offset
         return flat_shard[start : start + lay.local_rows * lay.row_numel].view(lay.local_shape())
 
-    def make_sharded_param(self, local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> nn.Parameter:
+    def make_sharded_param(self, local: torch.Tensor) -> nn.Parameter:
         """Wrap `local` (a view of the flat sharded buffer) as the sharded DTensor parameter."""
-        dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=self.layout.shape, stride=_contiguous_stride(self.layout.shape))
-        return nn.Parameter(dt, requires_grad=self.requires_grad)
+        return nn.Parameter(self.spec.wrap(local), requires_grad=self.requires_grad)  # type: ignore[union-attr]
+
+    def make_sharded_grad(self, local: torch.Tensor) -> DTensor:
+        return self.spec.wrap(local)  # type: ignore[union-attr]
 
     def point_local_shard_at(self, local: torch.Tensor) -> None:
         """Make the existing sharded parameter's local shard be `local` (keeps its identity)."""
@@ -113,7 +117,8 @@ class ManagedParam:
         if self.unsharded_padded is None or self.unsharded_padded.dtype != dtype or self.unsharded_padded.device != device:
             self.unsharded_padded = torch.empty(numel, dtype=dtype, device=device)
             view = self.unsharded_padded[: lay.rows * lay.row_numel].view(lay.shape)
-            self.unsharded_param = nn.Parameter(view, requires_grad=self.requires_grad)
+            # With tensor parallelism the module computes with TP DTensors.
+            self.unsharded_param = nn.Parameter(view if self.tp is None else self.tp.wrap(view), requires_grad=self.requires_grad)
             return
         storage = self.unsharded_padded.untyped_storage()
         nbytes = numel * self.unsharded_padded.element_size()
@@ -137,6 +142,18 @@ class ManagedParam:
     def registered(self) -> nn.Parameter:
         module, name = self.slots[0]
         return module._parameters[name]  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class DTensorSpecLite:
+    """Mesh, placements and global shape a local tensor is wrapped into a DTensor with."""
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    shape: torch.Size
+
+    def wrap(self, local: torch.Tensor) -> DTensor:
+        return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=_contiguous_stride(self.shape))
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:

@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor import DTensor
 
 from . import _collectives as comm
-from ._param import ManagedParam, shard_placements
+from ._param import ManagedParam
 from ._reducer import GradReducer
 
 
@@ -92,9 +92,6 @@ class ParamGroup:
     def reduce_dtype(self) -> torch.dtype:
         return self.config.reduce_dtype or self.config.param_dtype or self.orig_dtype
 
-    def placements(self, mp: ManagedParam) -> tuple[Placement, ...]:
-        return shard_placements(self.config.mesh.ndim, mp.layout.replicated, self.config.hsdp)
-
     def _storage_device(self, like: torch.Tensor) -> torch.device:
         if like.device.type == "meta":
             return like.device
@@ -125,7 +122,7 @@ class ParamGroup:
                 if device.type != "meta":
                     local.copy_(self._local_rows(mp, src) if fresh else src)
                 if fresh:
-                    mp.sharded_param = mp.make_sharded_param(local, self.config.mesh, self.placements(mp))
+                    mp.sharded_param = mp.make_sharded_param(local)
                 else:
                     mp.point_local_shard_at(local)
                 mp.extra["local"] = mp.sharded_param._local_tensor
@@ -147,8 +144,8 @@ class ParamGroup:
         for mp in self.params:
             registered = mp.registered()
             if registered is not mp.sharded_param and self.state is GroupState.SHARDED:
-                if not isinstance(registered, DTensor) or registered.shape != mp.layout.shape:
-                    raise RuntimeError(f"fully_shard: parameter '{mp.fqn}' was replaced by a {type(registered).__name__} of shape {tuple(registered.shape)}; expected a DTensor of shape {tuple(mp.layout.shape)}")
+                if not isinstance(registered, DTensor) or registered.shape != mp.spec.shape:
+                    raise RuntimeError(f"fully_shard: parameter '{mp.fqn}' was replaced by a {type(registered).__name__} of shape {tuple(registered.shape)}; expected a DTensor of shape {tuple(mp.spec.shape)}")
                 mp.sharded_param = registered
                 mp.register(registered)
             if mp.sharded_param._local_tensor is not mp.extra.get("local"):

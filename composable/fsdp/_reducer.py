@@ -78,6 +78,8 @@ class GradReducer:
         for mp in params:
             up = mp.unsharded_param
             g = None if up is None else up.grad
+            if isinstance(g, DTensor):  # tensor parallel: complete pending TP reductions, go local
+                g = g.redistribute(mp.tp.mesh, mp.tp.placements).to_local()
             present.append(g is not None)
             if g is None:
                 g = torch.zeros(mp.layout.shape, dtype=self.group.unsharded_dtype, device=self.group.config.device)
@@ -213,6 +215,11 @@ class GradReducer:
                 if present:
                     _accumulate_sharded_grad(g, mp, out, off)
         self.pending.clear()
+        # End of a backward: forget which buckets this one launched. (`flush_buckets` also
+        # resets, but it only runs when gradients are left over; when every bucket launched
+        # from its hooks, stale `_launched` made the next backward defer all buckets to the end.)
+        self._ready.clear()
+        self._launched.clear()
 
 
 def _accumulate_sharded_grad(group: "ParamGroup", mp: "ManagedParam", flat: torch.Tensor, offset: int) -> None:
@@ -221,6 +228,6 @@ def _accumulate_sharded_grad(group: "ParamGroup", mp: "ManagedParam", flat: torc
     sp = mp.sharded_param
     with torch.no_grad():
         if sp.grad is None:
-            sp.grad = DTensor.from_local(local, group.config.mesh, group.placements(mp), run_check=False, shape=lay.shape, stride=sp.stride())
+            sp.grad = mp.make_sharded_grad(local)
         else:
             sp.grad._local_tensor.add_(local)

@@ -10,9 +10,8 @@ from torch.distributed.tensor import DTensor
 from .._claim import check_same_device, claim_parameters
 from .._contract import attach_state_accessor, check_composable, check_module, install_state
 from .._mesh import check_mesh, compute_device, default_mesh, infer_device_type, mesh_from_process_group
-from ..fsdp._param import ManagedParam, ParamLayout
 from ..fsdp._param_group import GroupConfig, ParamGroup
-from ..fsdp.api import _move_buffers, _on_device
+from ..fsdp.api import _move_buffers, _on_device, make_managed_param
 from ..mixed_precision import MixedPrecisionPolicy, check_policies
 from ._state import ReplicateState
 
@@ -49,7 +48,7 @@ def replicate(
         mesh = default_mesh(api, module)
     check_mesh(api, mesh, (1,))
 
-    claimed = claim_parameters(module, set())
+    claimed = claim_parameters(module, set(), api)
     originals = [p for _, _, p in claimed]
     check_same_device(api, originals)
     if any(isinstance(p, DTensor) for p in originals):
@@ -63,7 +62,7 @@ def replicate(
     )
     group = None
     if claimed:
-        params = [ManagedParam(fqn, slots, ParamLayout.make(p.shape, 1, 0, replicated=True), p.requires_grad) for fqn, slots, p in claimed]
+        params = [make_managed_param(fqn, slots, p, mesh, False, 1, 0) for fqn, slots, p in claimed]
         group = ParamGroup(params, [_on_device(p, device) for p in originals], config)
         for mp in params:
             mp.register(mp.sharded_param)
