@@ -7,15 +7,11 @@ returns the same module: `fully_shard` (FSDP), `replicate` (DDP) and `checkpoint
 
 from .accumulate import no_sync, set_requires_gradient_sync
 from .checkpoint import checkpoint
+from .clip_grad import clip_grad_norm_
 from .fsdp import ShardingStrategy, fully_shard
+from .grad_scaler import ShardedGradScaler
 from .mixed_precision import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .replicate import replicate
-
-try:  # written alongside; re-exported once present
-    from .clip_grad import clip_grad_norm_
-    from .grad_scaler import ShardedGradScaler
-except ImportError:  # pragma: no cover
-    pass
 
 __all__ = [
     "fully_shard", "replicate", "checkpoint",

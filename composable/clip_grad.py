@@ -1,0 +1,339 @@
+"""Gradient norm clipping for any mix of plain tensors and DTensors on any meshes.
+
+``torch.nn.utils.clip_grad_norm_`` works on DTensors only while every gradient lives on one
+mesh (it stacks DTensor norms, which DTensor refuses across meshes: pytorch/pytorch#180346),
+returns a DTensor, and its CPU cost grows badly with the number of parameters in some torch
+versions. This module computes the norm from the local tensors instead:
+
+1. group the gradients by ``(mesh, placements)``;
+2. per group, one ``torch._foreach_norm`` over the local tensors gives the group's local
+   ``sum |x|^p`` (``max |x|`` for ``inf``);
+3. a group's local value covers only this rank's pieces of its gradients, so it is reduced
+   over exactly the mesh dimensions on which the gradients are *sharded* (``Shard``,
+   ``_StridedShard``); over ``Replicate`` dimensions every rank already holds the same
+   values and summing would count them twice. All groups that need a reduction over the
+   same process group share one tensor: one ``all_reduce`` (SUM, or MAX for ``inf``) per
+   distinct process group, however many parameters or meshes there are;
+4. the clip coefficient ``min(max_norm / (total + 1e-6), 1)`` scales every local tensor in
+   place, with ``torch._foreach_mul_`` per (device, dtype).
+
+Plain-tensor gradients are taken as replicated (the same on every rank, as after DDP); they
+add to the norm locally and need no communication.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import types
+import warnings
+from collections.abc import Iterable
+from typing import Union
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+from torch.utils._foreach_utils import (
+    _device_has_foreach_support,
+    _group_tensors_by_device_and_dtype,
+    _has_foreach_support,
+)
+
+try:  # private; a subclass of Shard before torch 2.12, a separate placement after
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError:  # pragma: no cover - very old torch
+    _StridedShard = ()  # type: ignore[assignment,misc]
+
+__all__ = ["clip_grad_norm_", "get_total_norm", "clip_grads_with_norm_"]
+
+_TensorOrTensors = Union[torch.Tensor, Iterable[torch.Tensor]]
+_API = "clip_grad_norm_"
+
+
+def clip_grad_norm_(
+    parameters: _TensorOrTensors,
+    max_norm: float,
+    norm_type: float | str = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """Clip the gradients of ``parameters`` in place so that their total norm is at most ``max_norm``.
+
+    The same meaning as :func:`torch.nn.utils.clip_grad_norm_`: the norm is taken over all
+    gradients as if they were concatenated into one vector (for a DTensor, its full logical
+    tensor), and every gradient is multiplied by ``min(max_norm / (total_norm + 1e-6), 1)``.
+    Gradients may be any mix of plain tensors (taken to be identical on every rank) and
+    DTensors on any meshes (1D, HSDP, DP x TP, several meshes in one model).
+
+    Args:
+        parameters: a tensor or an iterable of tensors whose ``.grad`` is clipped; tensors
+            without a gradient are skipped.
+        max_norm: the largest allowed total norm, a number ``>= 0`` (``inf`` only measures).
+        norm_type: the p of the p-norm, a number ``> 0`` or ``inf`` (also as ``"inf"``).
+        error_if_nonfinite: raise ``RuntimeError`` (on every rank alike) instead of scaling
+            when the total norm is NaN or infinite.
+        foreach: ``None`` uses the foreach kernels where the device supports them,
+            ``True`` requires them (``RuntimeError`` where unsupported), ``False`` avoids them.
+
+    Returns:
+        The total norm as a plain 0-dim tensor, the same value on every rank, on the device
+        of the first gradient's local tensor, in float32 (float64 if any gradient is
+        float64) so that half-precision gradients cannot overflow it. ``tensor(0.)`` when
+        there are no gradients.
+
+    Communication: at most one ``all_reduce`` per distinct process group of the mesh
+    dimensions over which some gradient is sharded (none for a size-1 dimension).
+    A gradient with a ``Partial`` placement is first redistributed to ``Replicate`` on that
+    dimension (one extra collective for each such gradient; autograd never produces them
+    for parameters of ``fully_shard``/``replicate``).
+
+    Raises:
+        TypeError/ValueError: a bad ``max_norm``, ``norm_type`` or ``foreach``.
+        RuntimeError: ``error_if_nonfinite`` and a non-finite norm, or ``foreach=True`` on a
+            device without foreach kernels.
+    """
+    max_norm_f = _check_max_norm(max_norm)
+    p = _check_norm_type(norm_type)
+    _check_foreach(foreach)
+    if isinstance(parameters, torch.Tensor):
+        params: list[torch.Tensor] = [parameters]
+    else:
+        is_generator = isinstance(parameters, types.GeneratorType)
+        params = list(parameters)
+        if is_generator and not params:
+            warnings.warn(
+                "`parameters` is an empty generator, no gradient clipping will occur.",
+                stacklevel=2,
+            )
+    grads = [q.grad for q in params if q.grad is not None]
+    total = get_total_norm(grads, p, error_if_nonfinite, foreach)
+    clip_grads_with_norm_(grads, max_norm_f, total, foreach, _are_grads=True)
+    return total
+
+
+@torch.no_grad()
+def get_total_norm(
+    tensors: _TensorOrTensors,
+    norm_type: float | str = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """The total ``norm_type``-norm of ``tensors`` (plain tensors and DTensors on any meshes).
+
+    What :func:`clip_grad_norm_` computes before it scales; the same arguments, return value
+    and communication. Takes the tensors themselves (for example the gradients).
+    """
+    p = _check_norm_type(norm_type)
+    _check_foreach(foreach)
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    if not tensors:
+        return torch.tensor(0.0)
+
+    # 1. Group by (mesh, placements). Keyed by id(mesh): cheap, and two equal meshes that
+    # are different objects only cost a second group, never a second collective (step 3
+    # deduplicates by process group).
+    groups: dict[object, tuple[DTensor | None, list[torch.Tensor]]] = {}
+    acc_dtype = torch.float32
+    out_device: torch.device | None = None
+    for t in tensors:
+        if isinstance(t, DTensor):
+            if any(pl.is_partial() for pl in t.placements):
+                t = t.redistribute(t.device_mesh, [Replicate() if pl.is_partial() else pl for pl in t.placements])
+            key: object = (id(t.device_mesh), t.placements)
+            local = t._local_tensor  # not to_local(): no autograd bookkeeping per grad
+        else:
+            key, local = None, t
+        if local.layout != torch.strided:  # sparse: duplicates must add up before the norm
+            local = local.coalesce()._values()
+        if out_device is None:
+            out_device = local.device
+        if local.dtype == torch.float64:
+            acc_dtype = torch.float64
+        entry = groups.get(key)
+        if entry is None:
+            entry = groups[key] = (t if key is not None else None, [])
+        # An empty shard (uneven sharding) adds nothing, and the infinity norm of an empty
+        # tensor raises; its group still exists, so this rank joins the collective.
+        if local.numel():
+            entry[1].append(local)
+    assert out_device is not None
+
+    # 2. One local partial value (sum |x|^p, or max |x|) per group, and the process groups
+    # over which it must still be reduced.
+    values: list[torch.Tensor] = []
+    needs: list[list[tuple[int, ...]]] = []
+    comm: dict[tuple[int, ...], tuple[dist.ProcessGroup, torch.device]] = {}  # ordered by first use
+    for sample, locals_ in groups.values():
+        pgs: list[tuple[int, ...]] = []
+        if sample is not None:
+            mesh = sample.device_mesh
+            if mesh.get_coordinate() is None:
+                continue  # this rank is not on the mesh: it holds nothing and joins no collective
+            for dim, pl in enumerate(sample.placements):
+                if not _is_shard(pl):
+                    if pl.is_replicate():
+                        continue
+                    raise NotImplementedError(f"{_API}: placement {pl!r} of a gradient is not supported")
+                if mesh.size(dim) == 1:
+                    continue
+                pg = mesh.get_group(dim)
+                # Key by the ranks, not the object: meshes sliced from one another may hold
+                # distinct group objects for the same ranks, and those need only one reduction.
+                ranks = tuple(dist.get_process_group_ranks(pg))
+                if ranks not in comm:
+                    comm[ranks] = (pg, _comm_device(mesh.device_type))
+                pgs.append(ranks)
+        values.append(_local_value(locals_, p, acc_dtype, foreach, out_device))
+        needs.append(pgs)
+
+    # 3. One all_reduce per process group. Every rank meets the groups in the order of the
+    # (identical) parameter list, so ranks sharing a group issue its collective in the same
+    # order: no deadlock. A value sharded over two dims is reduced over one, then the other.
+    is_max = p == math.inf
+    for ranks, (pg, device) in comm.items():
+        idx = [i for i, pgs in enumerate(needs) if ranks in pgs]
+        buf = torch.stack([values[i].to(device) for i in idx])
+        if is_max:
+            # A MAX reduction may drop NaN (gloo's max keeps the first operand when
+            # comparing with NaN), which would make ranks disagree: carry a NaN flag per
+            # value in the same collective.
+            buf = torch.cat([buf, buf.isnan().to(buf.dtype)])
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX if is_max else dist.ReduceOp.SUM, group=pg)
+        if is_max:
+            n = len(idx)
+            buf = torch.where(buf[n:] > 0, torch.full_like(buf[:n], math.nan), buf[:n])
+        for j, i in enumerate(idx):
+            values[i] = buf[j]
+
+    # 4. Combine the groups.
+    if not values:
+        total = torch.zeros((), dtype=acc_dtype, device=out_device)
+    else:
+        stacked = torch.stack([v.to(out_device) for v in values])
+        total = stacked.max() if is_max else stacked.sum().pow(1.0 / p)
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(
+            f"The total norm of order {p} for gradients from `parameters` is non-finite, so it "
+            "cannot be clipped. To disable this error and scale the gradients by the "
+            "non-finite norm anyway, set `error_if_nonfinite=False`"
+        )
+    return total
+
+
+@torch.no_grad()
+def clip_grads_with_norm_(
+    parameters: _TensorOrTensors,
+    max_norm: float,
+    total_norm: torch.Tensor,
+    foreach: bool | None = None,
+    *,
+    _are_grads: bool = False,
+) -> None:
+    """Scale the gradients of ``parameters`` in place by ``min(max_norm / (total_norm + 1e-6), 1)``.
+
+    The second half of :func:`clip_grad_norm_` for a precomputed ``total_norm``; DTensor
+    gradients are scaled through their local tensors, so no communication happens.
+    """
+    max_norm = _check_max_norm(max_norm)
+    _check_foreach(foreach)
+    if _are_grads:
+        grads = list(parameters)  # type: ignore[arg-type]
+    else:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else parameters
+        grads = [q.grad for q in params if q.grad is not None]
+    if not grads:
+        return
+    if isinstance(total_norm, DTensor):
+        total_norm = total_norm.full_tensor()
+    # Multiply even when the coefficient is 1: branching on it would sync with the device.
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    locals_ = [g._local_tensor if isinstance(g, DTensor) else g for g in grads]
+    for (device, _), ([ts], _) in _group_tensors_by_device_and_dtype([locals_]).items():
+        coef_d = coef.to(device)
+        if _use_foreach(ts, device, foreach):
+            torch._foreach_mul_(ts, coef_d)
+        else:
+            for t in ts:
+                t.mul_(coef_d)
+
+
+# --- helpers ---------------------------------------------------------------------------
+
+
+def _local_value(
+    tensors: list[torch.Tensor],
+    p: float,
+    acc_dtype: torch.dtype,
+    foreach: bool | None,
+    device_if_empty: torch.device,
+) -> torch.Tensor:
+    """This rank's ``sum |x|^p`` (``max |x|`` for inf) over ``tensors``, 0-dim, in ``acc_dtype``."""
+    if not tensors:
+        return torch.zeros((), dtype=acc_dtype, device=device_if_empty)
+    parts: list[torch.Tensor] = []
+    first_device = tensors[0].device
+    for (device, _), ([ts], _) in _group_tensors_by_device_and_dtype([tensors]).items():
+        if _use_foreach(ts, device, foreach):
+            # dtype=acc_dtype: a half-precision norm would overflow at 65504.
+            norms = torch._foreach_norm(ts, p, dtype=acc_dtype)
+        else:
+            norms = [torch.linalg.vector_norm(t, p, dtype=acc_dtype) for t in ts]
+        stacked = torch.stack(norms)
+        parts.append((stacked.max() if p == math.inf else stacked.pow(p).sum()).to(first_device))
+    if len(parts) == 1:
+        return parts[0]
+    stacked = torch.stack(parts)
+    return stacked.max() if p == math.inf else stacked.sum()
+
+
+def _use_foreach(ts: list[torch.Tensor], device: torch.device, foreach: bool | None) -> bool:
+    if foreach is None:
+        return _has_foreach_support(ts, device)
+    if foreach and not _device_has_foreach_support(device):
+        raise RuntimeError(
+            f"foreach=True was passed, but can't use the foreach API on {device.type} tensors"
+        )
+    return bool(foreach)
+
+
+def _is_shard(pl: object) -> bool:
+    return bool(pl.is_shard()) or isinstance(pl, _StridedShard)  # type: ignore[attr-defined]
+
+
+def _comm_device(device_type: str) -> torch.device:
+    """The device a collective on a mesh of ``device_type`` takes its tensors on."""
+    if device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(device_type, torch.get_device_module(device_type).current_device())
+
+
+def _check_max_norm(value: object) -> float:
+    f = _to_float("max_norm", value)
+    if math.isnan(f) or f < 0:
+        raise ValueError(f"{_API}: max_norm must be a number >= 0 (or inf), got {value!r}")
+    return f
+
+
+def _check_norm_type(value: object) -> float:
+    f = _to_float("norm_type", value)
+    if not f > 0:  # also catches NaN
+        raise ValueError(f"{_API}: norm_type must be a number > 0 or inf, got {value!r}")
+    return f
+
+
+def _check_foreach(value: object) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"{_API}: foreach must be None, True or False, got {value!r}")
+
+
+def _to_float(name: str, value: object) -> float:
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not isinstance(value, DTensor):
+        return float(value.item())
+    if isinstance(value, str):
+        try:
+            return float(value)  # "inf", as torch accepts
+        except ValueError:
+            pass
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    raise TypeError(f"{_API}: {name} must be a real number, got {value!r} ({type(value).__name__})")

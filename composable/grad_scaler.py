@@ -1,0 +1,216 @@
+"""ShardedGradScaler: ``torch.amp.GradScaler`` for sharded (DTensor) and offloaded gradients.
+
+What it adds to ``torch.amp.GradScaler``:
+
+- no device argument: the scale lives on the device of the first output passed to
+  :meth:`~ShardedGradScaler.scale` (so it works on CPU-only machines, and with gradients
+  offloaded to the CPU while the loss is on an accelerator);
+- ``unscale_`` works on the local tensors of DTensor gradients, allows fp16 gradients, and
+  coalesces fp16 sparse gradients in fp32 so that duplicate entries that overflow fp16 when
+  added are found as inf;
+- whether any gradient is inf/NaN is agreed over ``process_group`` with a single
+  ``all_reduce`` per ``unscale_`` (that is, per optimizer per iteration), whatever the number
+  of parameters or devices, so every rank skips or steps together (also for optimizers that
+  unscale themselves, e.g. fused Adam, whose check goes through the same ``_unscale_grads_``);
+- bad constructor arguments raise ``ValueError`` instead of ``AssertionError``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections import abc, defaultdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.amp.grad_scaler import GradScaler, _MultiDeviceReplicator
+from torch.distributed.tensor import DTensor
+
+__all__ = ["ShardedGradScaler"]
+
+_API = "ShardedGradScaler"
+
+
+class ShardedGradScaler(GradScaler):
+    """Dynamic loss scaling for fp16 training of sharded models, with the ``torch.amp.GradScaler`` interface.
+
+    Usage is exactly that of ``torch.amp.GradScaler``::
+
+        scaler = ShardedGradScaler()
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)              # optional, e.g. before composable.clip_grad_norm_
+        scaler.step(opt)                  # None, and no optimizer step, if any rank saw inf/NaN
+        scaler.update()                   # backoff on inf/NaN; growth after growth_interval clean steps
+
+    Args:
+        init_scale: initial scale, a finite number > 0.
+        growth_factor: multiplies the scale after ``growth_interval`` consecutive clean
+            steps; a number > 1.
+        backoff_factor: multiplies the scale after a step with inf/NaN; in (0, 1).
+        growth_interval: clean steps needed before growing; an int > 0.
+        enabled: ``False`` makes ``scale``/``unscale_``/``update`` no-ops and ``step`` a
+            plain ``optimizer.step()``.
+        process_group: the ranks that agree on inf/NaN; ``None`` means the default (world)
+            group. Without an initialised process group (single process) nothing is
+            communicated.
+
+    ``state_dict()`` holds ``scale``, ``growth_factor``, ``backoff_factor``,
+    ``growth_interval`` and ``_growth_tracker`` (the same keys as ``torch.amp.GradScaler``,
+    so states load either way round).
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        _check_number("init_scale", init_scale, lambda v: 0 < v < math.inf, "a finite number > 0")
+        _check_number("growth_factor", growth_factor, lambda v: 1 < v < math.inf, "a finite number > 1")
+        _check_number("backoff_factor", backoff_factor, lambda v: 0 < v < 1, "a number in (0, 1)")
+        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval <= 0:
+            raise ValueError(f"{_API}: growth_interval must be an int > 0, got {growth_interval!r}")
+        if not isinstance(enabled, bool):
+            raise ValueError(f"{_API}: enabled must be a bool, got {enabled!r}")
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise ValueError(f"{_API}: process_group must be a ProcessGroup or None, got {process_group!r}")
+        # device="cpu" only keeps the base class from probing CUDA; the real device is taken
+        # from the first output given to scale() (see _lazy_init_scale_growth_tracker).
+        super().__init__(
+            "cpu",
+            init_scale=float(init_scale),
+            growth_factor=float(growth_factor),
+            backoff_factor=float(backoff_factor),
+            growth_interval=growth_interval,
+            enabled=enabled,
+        )
+        self.process_group = process_group
+
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
+        super()._lazy_init_scale_growth_tracker(dev)
+        self._device = dev.type  # update(new_scale=tensor) checks new_scale against it
+
+    def scale(self, outputs: Any) -> Any:
+        """Multiply ``outputs`` (a tensor, or any nesting of lists/tuples of tensors) by the scale.
+
+        Returns the same structure with every tensor scaled and its dtype kept (an fp16 loss
+        stays fp16). The scale tensor is created on the device of the first tensor met.
+        Non-tensor leaves raise ``ValueError``. A no-op when disabled.
+        """
+        if not self._enabled:
+            return outputs
+        copies: dict[torch.device, torch.Tensor] = {}
+
+        def apply(val: Any) -> Any:
+            if isinstance(val, torch.Tensor):
+                if self._scale is None:
+                    self._lazy_init_scale_growth_tracker(val.device)
+                assert self._scale is not None
+                s = copies.get(val.device)
+                if s is None:
+                    s = copies[val.device] = self._scale.to(val.device, non_blocking=True)
+                return (val * s).to(val.dtype)
+            if isinstance(val, (list, tuple)):
+                return type(val)(apply(v) for v in val)
+            if isinstance(val, abc.Iterable) and not isinstance(val, (str, bytes, dict)):
+                return map(apply, val)  # what torch.amp.GradScaler does for other iterables
+            raise ValueError(
+                f"{_API}.scale: outputs must be a tensor or a nesting of lists/tuples of tensors, "
+                f"got {type(val).__name__}"
+            )
+
+        return apply(outputs)
+
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool,
+    ) -> dict[torch.device, torch.Tensor]:
+        """Multiply every local gradient by ``inv_scale`` and record inf/NaN, agreed over all ranks.
+
+        Returns ``{scale_device: found_inf}`` with one entry: the per-device flags are added up
+        on the scale's device and all-reduced once there.
+        """
+        del allow_fp16  # fp16 gradients are the point of a sharded scaler (fp16 models)
+        inv = _MultiDeviceReplicator(inv_scale)
+        per_device_found = _MultiDeviceReplicator(found_inf)
+        buckets: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    grad = param.grad
+                    if grad is None:
+                        continue
+                    local = grad._local_tensor if isinstance(grad, DTensor) else grad
+                    if local.is_sparse:
+                        if local.dtype == torch.float16 and not local.is_coalesced():
+                            # Duplicate indices are added by coalesce(); in fp16 those sums may
+                            # overflow. Add in fp32 and cast back, so an overflow becomes inf
+                            # that the check below sees.
+                            local = local.float().coalesce().half()
+                            param.grad = local  # DTensor has no sparse layout: plain here
+                        local = local._values()
+                    buckets[local.device][local.dtype].append(local)
+            for device, per_dtype in buckets.items():
+                for grads in per_dtype.values():
+                    torch._amp_foreach_non_finite_check_and_unscale_(
+                        grads, per_device_found.get(device), inv.get(device)
+                    )
+        # A rank without gradients still joins the all_reduce, with found_inf = 0.
+        flags = list(per_device_found._per_device_tensors.values())
+        combined = found_inf if not flags else flags[0].to(found_inf.device)
+        for f in flags[1:]:
+            combined = combined + f.to(found_inf.device)
+        self._all_reduce_found_inf(combined)
+        return {combined.device: combined}
+
+    def _all_reduce_found_inf(self, found_inf: torch.Tensor) -> None:
+        """One all_reduce(MAX) of the 1-element flag over ``process_group``, in place."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        group = self.process_group
+        if dist.get_world_size(group) == 1:
+            return
+        # The flag lives on the scale's device (the loss's). gloo takes CPU and CUDA tensors;
+        # NCCL alone has no CPU support and needs the flag on the GPU.
+        buf = found_inf
+        if found_inf.device.type == "cpu" and str(dist.get_backend(group)) == "nccl":
+            buf = found_inf.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
+        if buf is not found_inf:
+            found_inf.copy_(buf)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide ``optimizer``'s gradients by the scale in place and find inf/NaN on any rank.
+
+        At most once per optimizer between :meth:`update` calls; needed only to look at
+        unscaled gradients (e.g. to clip them) before :meth:`step`, which calls it otherwise.
+        One all_reduce over ``process_group``.
+        """
+        # The base class would refuse fp16 gradients; ours allows them (see _unscale_grads_).
+        super().unscale_(optimizer)
+
+    def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
+        # A call out of order is the user's mistake, not an internal invariant: RuntimeError.
+        if self._scale is None or self._growth_tracker is None:
+            raise RuntimeError(
+                f"{_API}.{funcname}() was called before {_API}.scale(loss): scale the loss "
+                "(or outputs) first in each iteration"
+            )
+        return self._scale, self._growth_tracker
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["process_group"] = None  # process groups do not pickle; None is the world
+        return state
+
+
+def _check_number(name: str, value: object, ok: Any, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not ok(float(value)):
+        raise ValueError(f"{_API}: {name} must be {what}, got {value!r}")
