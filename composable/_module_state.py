@@ -53,6 +53,8 @@ class ModuleState:
         self._final_callback_queued = False
         self.forward_prefetch: list[ModuleState] = []
         self.backward_prefetch: list[ModuleState] = []
+        self._forward_order: list[ModuleState] = []  # root only: post-forward order this iteration
+        self._forward_index: int | None = None  # position in the root's forward order
         self._hook_handles = [
             module.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
             module.register_forward_hook(self._post_forward, always_call=False),
@@ -125,19 +127,32 @@ class ModuleState:
         return args, kwargs
 
     def _root_pre_forward(self) -> None:
+        self._forward_order.clear()
+        seen_streams = set()
         for state in self._tree_states:
-            if state.group is not None:
-                state.group.finish_reduce()  # in case a previous backward did not finish
-                state.group.refresh_sharded_params()
+            group = state.group
+            if group is not None:
+                group.finish_reduce()  # in case a previous backward did not finish
+                group.refresh_sharded_params()
+                if group.streams is not None and id(group.streams) not in seen_streams:
+                    seen_streams.add(id(group.streams))
+                    group.streams.start_of_iteration()
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if self._in_backward():
             return output
         backward_follows = torch.is_grad_enabled() and _any_requires_grad(output)
-        if self.group is not None and (self.reshard_after_forward or not backward_follows):
+        # In eval mode a backward rarely follows (a validation forward without no_grad): reshard
+        # so the sharded parameters are registered again (state_dict, checkpointing); a
+        # backward that does follow gathers them again in pre_backward.
+        if self.group is not None and (self.reshard_after_forward or not backward_follows or not module.training):
             self.group.reshard()
         if backward_follows:
             output = _attach_pre_backward(self, output)
+            root = self._root()
+            if root is not None:  # backward runs in reverse: remember who to prefetch
+                self._forward_index = len(root._forward_order)
+                root._forward_order.append(self)
         self.training_state = TrainingState.IDLE
         if self.mp_policy.output_dtype is not None:
             output = _cast_floating(output, self.mp_policy.output_dtype)
@@ -160,9 +175,18 @@ class ModuleState:
         self.training_state = TrainingState.PRE_BACKWARD
         if self.group is not None:
             self.group.unshard()
-            for other in self.backward_prefetch:
-                if other.group is not None and other.training_state is not TrainingState.PRE_BACKWARD:
-                    other.group.unshard(async_op=True)
+        for other in self.backward_prefetch or self._implicit_backward_prefetch():
+            if other.group is not None and other.training_state is not TrainingState.PRE_BACKWARD:
+                other.group.unshard(async_op=True)
+
+    def _implicit_backward_prefetch(self) -> list["ModuleState"]:
+        """The state whose forward finished just before this one's: its backward comes next."""
+        root = self._root()
+        index = self._forward_index
+        if root is None or index is None or index == 0 or index > len(root._forward_order) - 1:
+            return []
+        previous = root._forward_order[index - 1]
+        return [previous] if previous is not self and previous.group is not None else []
 
     def _post_backward(self) -> None:
         self.training_state = TrainingState.POST_BACKWARD
@@ -192,6 +216,7 @@ class ModuleState:
                     state._launch_reduction()
                 group.reshard()
             state.training_state = TrainingState.IDLE
+            state._forward_index = None
         for state in self._tree_states:
             if state.group is not None:
                 state.group.finish_reduce()

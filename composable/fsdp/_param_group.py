@@ -13,6 +13,7 @@ Two communication modes share everything else:
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from enum import Enum, auto
 
@@ -25,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from . import _collectives as comm
 from ._param import ManagedParam
 from ._reducer import GradReducer
+from ._streams import streams_for
 
 
 class GroupState(Enum):
@@ -61,6 +63,10 @@ class GroupConfig:
         return [self.mesh.get_group(d) for d in range(self.mesh.ndim)]
 
 
+def _maybe_stream(stream: "torch.cuda.Stream | None"):  # type: ignore[no-untyped-def]
+    return nullcontext() if stream is None else torch.cuda.stream(stream)
+
+
 def _world_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
     if group is None:
         return 1, 0
@@ -75,8 +81,9 @@ class ParamGroup:
         self.config = config
         self.shard_world, self.shard_rank = _world_and_rank(config.shard_group)
         self.state = GroupState.SHARDED
-        self._pending_gather: tuple[dist.Work | None, torch.Tensor] | None = None
+        self._pending_gather: tuple | None = None  # (work or event, all-gather output, input)
         self.reducer = GradReducer(self)
+        self.streams = streams_for(config.device)
         self._build_flat_shard(originals, fresh=True)
 
     # -- sharded storage ----------------------------------------------------------------
@@ -165,20 +172,28 @@ class ParamGroup:
 
     def _start_unshard(self) -> None:
         cfg = self.config
+        self.state = GroupState.UNSHARDING
         if self._unsharded_aliases_shard:
-            self.state = GroupState.UNSHARDING
             self._pending_gather = None
             return
-        # One fused copy (+cast): the all-gather input lives on the compute device in the
-        # unsharded dtype. No copy at all when neither a cast nor an offload is needed.
-        gather_in = self.flat_shard.to(device=cfg.device, dtype=self.unsharded_dtype, non_blocking=True)
-        if not cfg.sharded:
-            self._pending_gather = (None, gather_in)
-        else:
+        streams = self.streams
+        if streams is not None:
+            streams.before_all_gather()
+        with _maybe_stream(streams.all_gather if streams is not None else None):
+            # One fused copy (+cast): the all-gather input lives on the compute device in
+            # the unsharded dtype; no copy at all when neither a cast nor an offload is needed.
+            gather_in = self.flat_shard.to(device=cfg.device, dtype=self.unsharded_dtype, non_blocking=True)
+            if not cfg.sharded:
+                event = streams.all_gather.record_event() if streams is not None else None
+                self._pending_gather = (event, gather_in, gather_in)
+                return
             gather_out = torch.empty(self.shard_world * gather_in.numel(), dtype=gather_in.dtype, device=cfg.device)
-            work = comm.all_gather(gather_out, gather_in, cfg.shard_group, async_op=True)
-            self._pending_gather = (work, gather_out)
-        self.state = GroupState.UNSHARDING
+            if streams is None:
+                work = comm.all_gather(gather_out, gather_in, cfg.shard_group, async_op=True)
+            else:
+                comm.all_gather(gather_out, gather_in, cfg.shard_group, async_op=False)
+                work = streams.all_gather.record_event()
+        self._pending_gather = (work, gather_out, gather_in)
 
     def wait_for_unshard(self) -> None:
         if self.state is not GroupState.UNSHARDING:
@@ -189,13 +204,17 @@ class ParamGroup:
                     mp.unsharded_param = nn.Parameter(mp.extra["local"], requires_grad=mp.requires_grad)
                     mp.extra["alias_of"] = mp.extra["local"]
         else:
-            work, gathered = self._pending_gather  # type: ignore[misc]
-            if work is not None:
+            work, gathered, gather_in = self._pending_gather  # type: ignore[misc]
+            if isinstance(work, torch.cuda.Event):
+                torch.cuda.current_stream().wait_event(work)
+            elif work is not None:
                 work.wait()
             world = self.shard_world
             for mp in self.params:
                 mp.alloc_unsharded(world, gathered.dtype, self.config.device)
             comm.copy_out(gathered, world, [mp.layout.region_numel for mp in self.params], [mp.unsharded_padded for mp in self.params])
+            if self.streams is not None:
+                self.streams.after_copy_out((gathered, gather_in))
         self._pending_gather = None
         for mp in self.params:
             mp.register(mp.unsharded_param)

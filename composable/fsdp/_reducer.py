@@ -14,6 +14,7 @@ underflow; gloo has neither AVG nor PREMUL_SUM, so this works on every backend.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -39,6 +40,19 @@ class _Reduction:
     works: list[dist.Work] = field(default_factory=list)
     all_reduced: bool = True  # False: HSDP partial, not yet reduced across replicas
     keep_alive: list[torch.Tensor] = field(default_factory=list)
+    event: "torch.cuda.Event | None" = None  # CUDA: recorded on the reduce stream when done
+
+
+def _offsets(params: list["ManagedParam"]) -> list[int]:
+    offsets, off = [], 0
+    for mp in params:
+        offsets.append(off)
+        off += mp.layout.region_numel
+    return offsets
+
+
+def _maybe_stream(stream: "torch.cuda.Stream | None"):  # type: ignore[no-untyped-def]
+    return nullcontext() if stream is None else torch.cuda.stream(stream)
 
 
 def _divide_factors(world: int, dtype: torch.dtype) -> tuple[float, float]:
@@ -103,27 +117,36 @@ class GradReducer:
         g, cfg = self.group, self.group.config
         world, dtype = g.shard_world, g.reduce_dtype
         pre, _ = _divide_factors(self.dp_world, dtype)
+        # Copy-in on the compute stream, so the unsharded gradients are freed in stream order.
         # 0-d parameters are replicated in every rank region: feed each region a copy.
         flat_in = comm.chunk_cat([gr.expand(world) if gr.dim() == 0 else gr for gr in grads], world, dtype, cfg.device)
         if pre != 1.0:
             flat_in.div_(pre)
-        out = torch.empty(flat_in.numel() // world, dtype=dtype, device=cfg.device)
-        offsets, off = [], 0
-        for mp in params:
-            offsets.append(off)
-            off += mp.layout.region_numel
-        red = _Reduction(params, present, offsets, out, keep_alive=[flat_in])
-        red.works.append(comm.reduce_scatter_sum(out, flat_in, cfg.shard_group, async_op=True))
-        if cfg.replicate_groups:
-            if self.requires_all_reduce:
-                red.works.pop().wait()  # the replica all-reduce consumes the reduce-scatter output
-                if self._partial is not None:
-                    out.add_(self._partial)
-                    self._partial = None
-                for grp in cfg.replicate_groups:
-                    red.works.append(comm.all_reduce_sum(out, grp, async_op=True))
-            else:
-                red.all_reduced = False
+        del grads
+        streams = g.streams
+        if streams is not None:
+            streams.before_reduce()
+        red = _Reduction(params, present, _offsets(params), flat_in, keep_alive=[flat_in])
+        with _maybe_stream(streams.reduce if streams is not None else None):
+            out = torch.empty(flat_in.numel() // world, dtype=dtype, device=cfg.device)
+            red.output = out
+            async_op = streams is None
+            red.works.append(comm.reduce_scatter_sum(out, flat_in, cfg.shard_group, async_op=async_op))
+            if cfg.replicate_groups:
+                if self.requires_all_reduce:
+                    if async_op:
+                        red.works.pop().wait()  # the replica all-reduce consumes the reduce-scatter output
+                    if self._partial is not None:
+                        out.add_(self._partial)
+                        self._partial = None
+                    for grp in cfg.replicate_groups:
+                        red.works.append(comm.all_reduce_sum(out, grp, async_op=async_op))
+                else:
+                    red.all_reduced = False
+            if streams is not None:
+                red.event = streams.reduce.record_event()
+                streams.after_reduce(red.event, flat_in)
+        red.works = [w for w in red.works if w is not None]
         self.pending.append(red)
 
     def _launch_all_reduce(self, params: list["ManagedParam"], grads: list[torch.Tensor], present: list[bool]) -> None:
@@ -133,13 +156,18 @@ class GradReducer:
         flat = torch.cat([gr.reshape(-1).to(dtype) for gr in grads])
         if pre != 1.0:
             flat.div_(pre)
-        offsets, off = [], 0
-        for mp in params:
-            offsets.append(off)
-            off += mp.layout.region_numel
-        red = _Reduction(params, present, offsets, flat)
-        for grp in cfg.replicate_groups:
-            red.works.append(comm.all_reduce_sum(flat, grp, async_op=True))
+        del grads
+        red = _Reduction(params, present, _offsets(params), flat)
+        streams = g.streams
+        if streams is not None:  # buckets stay alive until `finish`, as DDP's do: no stall
+            streams.reduce.wait_stream(streams.current())
+        with _maybe_stream(streams.reduce if streams is not None else None):
+            for grp in cfg.replicate_groups:
+                work = comm.all_reduce_sum(flat, grp, async_op=streams is None)
+                if work is not None:
+                    red.works.append(work)
+            if streams is not None:
+                red.event = streams.reduce.record_event()
         self.pending.append(red)
 
     # -- bucketed (replicate) ---------------------------------------------------------------
@@ -202,6 +230,8 @@ class GradReducer:
         for red in self.pending:
             for work in red.works:
                 work.wait()
+            if red.event is not None:
+                torch.cuda.current_stream().wait_event(red.event)
             if not red.all_reduced:
                 self._partial = red.output if self._partial is None else self._partial.add_(red.output)
                 continue

@@ -1,0 +1,71 @@
+"""CUDA streams and event-based buffer lifetimes for overlapped communication.
+
+All-gathers run on a high-priority all-gather stream and reductions on a reduce stream, so
+they overlap compute on the current stream. Instead of `record_stream` (which delays frees
+unpredictably), each buffer used across streams is kept alive by a Python reference until an
+event proves its last use is done:
+- an all-gather's buffers live until the next all-gather, which first waits for the event
+  recorded after the previous copy-out. This also bounds prefetching to one group ahead;
+- a reduce-scatter's input lives until the next reduce-scatter, before which the compute
+  stream waits for the previous one (at most one in flight, as in PyTorch FSDP2).
+On CPU (gloo) there are no streams: collectives are issued with `async_op=True` and waited.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class CommStreams:
+    """The all-gather and reduce streams of one device, shared by every group on it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.all_gather = torch.cuda.Stream(device, priority=-1)
+        self.reduce = torch.cuda.Stream(device, priority=-1)
+        self._gather_done: torch.cuda.Event | None = None
+        self._gather_buffers: Any = None
+        self._reduce_done: torch.cuda.Event | None = None
+        self._reduce_buffers: Any = None
+
+    @staticmethod
+    def current() -> torch.cuda.Stream:
+        return torch.cuda.current_stream()
+
+    def start_of_iteration(self) -> None:
+        """Sharded parameters may have changed (optimizer step): comm streams must see it."""
+        current = self.current()
+        self.all_gather.wait_stream(current)
+        self.reduce.wait_stream(current)
+
+    def before_all_gather(self) -> None:
+        if self._gather_done is not None:
+            self.all_gather.wait_event(self._gather_done)
+        self._gather_done, self._gather_buffers = None, None
+
+    def after_copy_out(self, buffers: Any) -> None:
+        self._gather_done = self.current().record_event()
+        self._gather_buffers = buffers
+
+    def before_reduce(self) -> None:
+        if self._reduce_done is not None:
+            self.current().wait_event(self._reduce_done)
+        self._reduce_done, self._reduce_buffers = None, None
+        self.reduce.wait_stream(self.current())
+
+    def after_reduce(self, event: torch.cuda.Event, buffers: Any) -> None:
+        self._reduce_done, self._reduce_buffers = event, buffers
+
+
+_STREAMS: dict[torch.device, CommStreams] = {}
+
+
+def streams_for(device: torch.device) -> CommStreams | None:
+    """The shared streams of a CUDA device; None on CPU."""
+    if device.type != "cuda":
+        return None
+    if device not in _STREAMS:
+        _STREAMS[device] = CommStreams(device)
+    return _STREAMS[device]
