@@ -194,6 +194,8 @@ class ModuleState:
             return
         if self.requires_gradient_sync:
             self._launch_reduction()
+        else:
+            self.group.stash_grads()
         self.group.reshard()
 
     def _after_unshard(self) -> None:
@@ -214,6 +216,8 @@ class ModuleState:
             if group is not None:
                 if state.requires_gradient_sync and group.has_unsharded_grads():
                     state._launch_reduction()
+                elif not state.requires_gradient_sync:
+                    group.stash_grads()
                 group.reshard()
             state.training_state = TrainingState.IDLE
             state._forward_index = None

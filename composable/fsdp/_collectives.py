@@ -57,9 +57,13 @@ def copy_preserving_version(dst: torch.Tensor, src: torch.Tensor) -> None:
 def chunk_cat(tensors: Sequence[torch.Tensor], world: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The reduce-scatter input: each tensor split into `world` dim-0 chunks (zero padded),
     chunk r of every tensor concatenated into region r. Returns a 1D tensor."""
+    src_dtype = tensors[0].dtype if tensors else dtype
+    # Empty tensors (dim 0 of size 0, or rows of 0 elements) take no room in any region, and
+    # _chunk_cat rejects them.
+    tensors = [t for t in tensors if t.numel() > 0]
     total = sum(-(-t.shape[0] // world) * (t.numel() // max(t.shape[0], 1)) for t in tensors)
-    src_dtype = tensors[0].dtype
     out = torch.empty((world, total), dtype=src_dtype, device=device)
-    torch._chunk_cat(list(tensors), dim=0, num_chunks=world, out=out)
+    if tensors:
+        torch._chunk_cat(tensors, dim=0, num_chunks=world, out=out)
     # _chunk_cat cannot cast; one flat cast costs the same as casting each gradient.
     return out.view(-1) if src_dtype == dtype else out.view(-1).to(dtype)

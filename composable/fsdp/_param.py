@@ -24,6 +24,7 @@ it into every rank's region.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 
@@ -97,10 +98,14 @@ class ManagedParam:
 
     def make_sharded_param(self, local: torch.Tensor) -> nn.Parameter:
         """Wrap `local` (a view of the flat sharded buffer) as the sharded DTensor parameter."""
-        return nn.Parameter(self.spec.wrap(local), requires_grad=self.requires_grad)  # type: ignore[union-attr]
+        param = nn.Parameter(self.spec.wrap(_offset_free(local)), requires_grad=self.requires_grad)  # type: ignore[union-attr]
+        param._local_tensor = local  # type: ignore[attr-defined]
+        return param
 
     def make_sharded_grad(self, local: torch.Tensor) -> DTensor:
-        return self.spec.wrap(local)  # type: ignore[union-attr]
+        grad = self.spec.wrap(_offset_free(local))  # type: ignore[union-attr]
+        grad._local_tensor = local
+        return grad
 
     def point_local_shard_at(self, local: torch.Tensor) -> None:
         """Make the existing sharded parameter's local shard be `local` (keeps its identity)."""
@@ -133,6 +138,20 @@ class ManagedParam:
     def is_unsharded_allocated(self) -> bool:
         return self.unsharded_padded is not None and self.unsharded_padded.untyped_storage().size() > 0
 
+    def __deepcopy__(self, memo: dict) -> "ManagedParam":
+        """`copy.deepcopy(model)` copies this too. Freed unsharded storage (resized to 0) must
+        not be copied: reading it crashes. The copy re-creates it at its first unshard."""
+        new = copy.copy(self)
+        memo[id(self)] = new
+        freed = self.unsharded_padded is not None and not self.is_unsharded_allocated()
+        for name, value in vars(self).items():
+            if freed and name in ("unsharded_param", "unsharded_padded"):
+                value = None
+            elif freed and name == "extra":
+                value = {k: v for k, v in value.items() if v is not self.unsharded_param}
+            setattr(new, name, copy.deepcopy(value, memo))
+        return new
+
     # -- registration on modules --------------------------------------------------------
     def register(self, param: nn.Parameter) -> None:
         """Register `param` in every slot (without going through `setattr` checks)."""
@@ -154,6 +173,15 @@ class DTensorSpecLite:
 
     def wrap(self, local: torch.Tensor) -> DTensor:
         return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=_contiguous_stride(self.shape))
+
+
+def _offset_free(local: torch.Tensor) -> torch.Tensor:
+    """A stand-in for `local` with storage offset 0, to build the DTensor around (the caller
+    then points it at `local`). Since torch 2.10 (pytorch#167597) a DTensor takes its local
+    tensor's storage offset, and `Tensor.__deepcopy__` then mistakes such a wrapper for a
+    tensor with real storage and fails ("invalid python storage"): local shards are views of
+    the flat buffer at offsets, so `copy.deepcopy(model)` would break."""
+    return local if local.storage_offset() == 0 else local.new_empty(()).expand(local.shape)
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:

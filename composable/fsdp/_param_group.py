@@ -234,7 +234,12 @@ class ParamGroup:
 
     # -- gradients --------------------------------------------------------------------------
     def has_unsharded_grads(self) -> bool:
-        return any(mp.unsharded_param is not None and mp.unsharded_param.grad is not None for mp in self.params)
+        return any(self.reducer.has_grads(mp) for mp in self.params)
+
+    def stash_grads(self) -> None:
+        """No-sync backward: keep the unsharded gradients for a later reduction (see
+        `GradReducer.stash`)."""
+        self.reducer.stash()
 
     def reduce_grads(self) -> None:
         """Launch the reduction of the accumulated unsharded gradients (asynchronously)."""

@@ -92,6 +92,9 @@ class GradReducer:
         for mp in params:
             up = mp.unsharded_param
             g = None if up is None else up.grad
+            acc = mp.extra.pop("acc_grad", None)  # what no-sync micro-steps stashed (see `stash`)
+            if acc is not None:
+                g = acc if g is None else acc.add_(g)
             if isinstance(g, DTensor):  # tensor parallel: complete pending TP reductions, go local
                 g = g.redistribute(mp.tp.mesh, mp.tp.placements).to_local()
             present.append(g is not None)
@@ -100,12 +103,35 @@ class GradReducer:
             elif up is not None:
                 up.grad = None
             grads.append(g)
+        if len({g.dtype for g in grads}) > 1:  # stashed (wider) next to fresh gradients
+            grads = [g.to(self.group.reduce_dtype) for g in grads]
         return grads, present
+
+    def stash(self) -> None:
+        """No-sync backward: accumulate the unsharded gradients in the reduce dtype where it is
+        wider than the compute dtype (bf16 compute, fp32 reduce), as PyTorch FSDP2 does, so the
+        sum over micro-steps is not rounded to bf16 each time (at the price of holding a wider
+        gradient). Otherwise they simply stay in `.grad`, where autograd accumulates them."""
+        dtype = self.group.reduce_dtype
+        if dtype.itemsize <= self.group.unsharded_dtype.itemsize:
+            return
+        for mp in self._grad_params():
+            up = mp.unsharded_param
+            if up is None or up.grad is None:
+                continue
+            acc = mp.extra.get("acc_grad")
+            mp.extra["acc_grad"] = up.grad.to(dtype) if acc is None else acc.add_(up.grad)
+            up.grad = None
+
+    def has_grads(self, mp: "ManagedParam") -> bool:
+        """Whether `mp` has an unsharded gradient (or a stashed one) waiting to be reduced."""
+        up = mp.unsharded_param
+        return (up is not None and up.grad is not None) or "acc_grad" in mp.extra
 
     # -- launching ------------------------------------------------------------------------
     def launch(self) -> None:
         params = self._grad_params()
-        if not params or not any(mp.unsharded_param is not None and mp.unsharded_param.grad is not None for mp in params):
+        if not params or not any(self.has_grads(mp) for mp in params):
             return
         grads, present = self._take_grads(params)
         if self.group.config.sharded:
@@ -126,7 +152,9 @@ class GradReducer:
         streams = g.streams
         if streams is not None:
             streams.before_reduce()
-        red = _Reduction(params, present, _offsets(params), flat_in, keep_alive=[flat_in])
+        # CPU: gloo works run asynchronously and need their input until `finish`. CUDA: the
+        # streams keep it alive only until the next reduce-scatter (memory stays bounded).
+        red = _Reduction(params, present, _offsets(params), flat_in, keep_alive=[flat_in] if streams is None else [])
         with _maybe_stream(streams.reduce if streams is not None else None):
             out = torch.empty(flat_in.numel() // world, dtype=dtype, device=cfg.device)
             red.output = out
@@ -213,7 +241,7 @@ class GradReducer:
         """Launch every bucket that did not fill up (unused parameters) and reduce what
         accumulated after a bucket was launched (a parameter used twice in one forward)."""
         for index, bucket in enumerate(self.buckets()):
-            waiting = [mp for mp in bucket if mp.unsharded_param is not None and mp.unsharded_param.grad is not None]
+            waiting = [mp for mp in bucket if self.has_grads(mp)]
             if index not in self._launched:
                 if waiting:
                     self._launch_bucket(index)

@@ -1,0 +1,272 @@
+"""Side-by-side benchmark: composable vs PyTorch's FSDP2 and DDP, one run, same GPUs.
+
+    torchrun --nproc_per_node 4 examples/benchmark.py --preset 1b --batch-size 4
+    python examples/benchmark.py --cpu-overhead        # hook overhead, 2 local gloo ranks
+
+GPU mode runs, one after the other in one process group: a no-communication floor (each GPU
+trains its own copy with autocast, nothing communicated), composable.fully_shard, PyTorch
+FSDP2, composable.replicate and PyTorch DDP (+autocast), all on the same model, data and
+AdamW, and prints one table (median step time, tokens/s per GPU, MFU, peak memory allocated
+and reserved) with ratios ours/theirs. `--cpu-overhead` measures per-step CPU cost of the
+hooks on 64 tiny blocks under a world-2 gloo group (ours, FSDP2, bare model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Callable
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+import torch.nn as nn  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+
+import composable  # noqa: E402
+from model import Transformer, TransformerBlock, get_config, lm_loss, model_flops_per_token  # noqa: E402
+
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="1b")
+    p.add_argument("--batch-size", type=int, default=4, help="local (per-GPU) batch")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--runs", default="floor,fully_shard,fsdp2,replicate,ddp", help="comma list")
+    p.add_argument("--out", default=None, help="write results JSON here")
+    p.add_argument("--profile", default="", help="comma list of runs to profile (2 extra steps each)")
+    p.add_argument("--cpu-overhead", action="store_true", help="measure hook CPU overhead on 64 tiny blocks (gloo, 2 ranks)")
+    return p.parse_args(argv)
+
+
+# -- GPU runs -------------------------------------------------------------------------------------
+def build(run: str, cfg, device: torch.device) -> tuple[nn.Module, Callable[[], object]]:
+    """The model for `run`, parallelised, materialised on `device`; and an autocast factory."""
+    from contextlib import nullcontext
+
+    bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
+    if run in ("floor", "ddp"):
+        model = Transformer(cfg).to(device)
+        if run == "ddp":
+            model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
+        return model, autocast
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    if run == "fully_shard":
+        mpp = composable.MixedPrecisionPolicy(**bf16)
+        for block in model.layers:
+            composable.fully_shard(block, mp_policy=mpp)
+        composable.fully_shard(model, mp_policy=mpp)
+    elif run == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mpp = MixedPrecisionPolicy(**bf16)
+        for block in model.layers:
+            fully_shard(block, mp_policy=mpp)
+        fully_shard(model, mp_policy=mpp)
+    elif run == "replicate":
+        composable.replicate(model, mp_policy=composable.MixedPrecisionPolicy(**bf16))
+    else:
+        raise ValueError(f"unknown run {run!r}")
+    model.to_empty(device=device)
+    model.init_weights(buffer_device=device)
+    return model, nullcontext
+
+
+def time_run(run: str, args: argparse.Namespace, device: torch.device) -> dict:
+    cfg = get_config(args.preset, max_seq_len=args.seq_len)
+    torch.manual_seed(0)
+    model, autocast = build(run, cfg, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    g = torch.Generator(device=device).manual_seed(dist.get_rank())
+    tokens = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), device=device, generator=g)
+    times = []
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    for step in range(args.warmup + args.steps):
+        start = time.perf_counter()
+        with autocast():
+            loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - start)
+    if args.profile and run in args.profile.split(","):
+        profile_steps(run, model, opt, tokens, autocast)
+    step_s = statistics.median(times)
+    tok_s = args.batch_size * args.seq_len / step_s
+    name = torch.cuda.get_device_name(device)
+    peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), 989.0)
+    result = dict(
+        run=run, step_s=step_s, tok_s_gpu=tok_s, mfu=tok_s * model_flops_per_token(cfg, args.seq_len) / (peak * 1e12),
+        peak_alloc_gib=torch.cuda.max_memory_allocated() / 2**30, peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
+        loss=float(loss),
+    )
+    del model, opt, loss
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def profile_steps(run: str, model: nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor, autocast: Callable[[], object]) -> None:
+    """Print where device time goes in 2 steps (rank 0): top kernels and communication share."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            with autocast():
+                loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+    if dist.get_rank() == 0:
+        events = prof.key_averages()
+        total = sum(e.self_device_time_total for e in events)
+        comm = sum(e.self_device_time_total for e in events if "nccl" in e.key.lower())
+        print(f"[profile {run}] device time {total / 2e3:.1f} ms/step, of which NCCL {comm / 2e3:.1f} ms/step")
+        print(events.table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=60))
+
+
+def gpu_main(args: argparse.Namespace) -> None:
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    device = torch.device("cuda", local)
+    results = []
+    for run in args.runs.split(","):
+        res = time_run(run, args, device)
+        agg = torch.tensor([res["step_s"], res["peak_alloc_gib"], res["peak_reserved_gib"]], device=device)
+        dist.all_reduce(agg, op=dist.ReduceOp.MAX)  # the slowest rank and the largest peak count
+        res["step_s"], res["peak_alloc_gib"], res["peak_reserved_gib"] = agg.tolist()
+        res["tok_s_gpu"] = args.batch_size * args.seq_len / res["step_s"]
+        results.append(res)
+        if dist.get_rank() == 0:
+            print(f"[{run}] {res['step_s']:.4f} s/step  {res['tok_s_gpu'] / 1e3:.1f}k tok/s/GPU  peak {res['peak_alloc_gib']:.1f} GiB", flush=True)
+    if dist.get_rank() == 0:
+        report(results, args, dist.get_world_size(), torch.cuda.get_device_name(device))
+    dist.destroy_process_group()
+
+
+def report(results: list[dict], args: argparse.Namespace, world: int, device_name: str) -> None:
+    by = {r["run"]: r for r in results}
+    print(f"\n{device_name} x{world}, preset {args.preset}, local batch {args.batch_size}, seq {args.seq_len}, torch {torch.__version__}")
+    print(f"{'run':<12} {'s/step':>8} {'tok/s/GPU':>10} {'MFU':>6} {'alloc GiB':>10} {'reserved GiB':>13}")
+    for r in results:
+        print(f"{r['run']:<12} {r['step_s']:>8.4f} {r['tok_s_gpu']:>10.0f} {r['mfu']:>6.1%} {r['peak_alloc_gib']:>10.2f} {r['peak_reserved_gib']:>13.2f}")
+    for ours, theirs in (("fully_shard", "fsdp2"), ("replicate", "ddp"), ("fully_shard", "floor")):
+        if ours in by and theirs in by:
+            a, b = by[ours], by[theirs]
+            print(f"{ours}/{theirs}: throughput {a['tok_s_gpu'] / b['tok_s_gpu']:.3f}x, peak allocated {a['peak_alloc_gib'] / b['peak_alloc_gib']:.3f}x, reserved {a['peak_reserved_gib'] / b['peak_reserved_gib']:.3f}x")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(world=world, device=device_name, args=vars(args), results=results), f, indent=2)
+
+
+# -- CPU hook overhead ------------------------------------------------------------------------------
+class TinyBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.lin(x)
+
+
+def _overhead_rank(rank: int, world: int, port: int, steps: int, queue) -> None:  # type: ignore[no-untyped-def]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    out = _time_hook_runs(steps)
+    if rank == 0:
+        queue.put(out)
+    dist.destroy_process_group()
+
+
+def _time_hook_runs(steps: int) -> dict:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    out = {}
+    for run in ("bare", "fully_shard", "fsdp2"):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[TinyBlock() for _ in range(64)])
+        if run == "fully_shard":
+            for block in model:
+                composable.fully_shard(block, mesh=mesh)
+            composable.fully_shard(model, mesh=mesh)
+        elif run == "fsdp2":
+            from torch.distributed.fsdp import fully_shard
+
+            for block in model:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        x = torch.randn(2, 8)
+        times = []
+        for step in range(steps + 5):
+            dist.barrier()
+            start = time.perf_counter()
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if step >= 5:
+                times.append(time.perf_counter() - start)
+        out[run] = statistics.median(times)
+    return out
+
+
+def fake_overhead(steps: int = 30, world: int = 8) -> dict:
+    """Pure CPU cost of the hooks: the fake process group communicates nothing."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        return _time_hook_runs(steps)
+    finally:
+        dist.destroy_process_group()
+
+
+def _print_overhead(title: str, out: dict) -> None:
+    print(title)
+    for run, t in out.items():
+        print(f"  {run:<12} {t * 1e3:8.2f} ms")
+    print(f"  hook overhead ours {1e3 * (out['fully_shard'] - out['bare']):.2f} ms vs FSDP2 {1e3 * (out['fsdp2'] - out['bare']):.2f} ms "
+          f"(step time ratio ours/FSDP2 {out['fully_shard'] / out['fsdp2']:.3f}x)")
+
+
+def cpu_overhead_main(steps: int = 30) -> dict:
+    import socket
+
+    torch.set_num_threads(1)
+    _print_overhead(f"fake process group, world 8, 64 tiny blocks + root, one process (median of {steps} steps):", fake_overhead(steps))
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.start_processes(_overhead_rank, args=(2, port, steps, queue), nprocs=2, start_method="spawn")
+    out = queue.get()
+    _print_overhead(f"gloo, world 2, 64 tiny blocks + root (median of {steps} steps; includes gloo latency):", out)
+    return out
+
+
+if __name__ == "__main__":
+    a = parse_args()
+    if a.cpu_overhead:
+        cpu_overhead_main()
+    else:
+        gpu_main(a)
