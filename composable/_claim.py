@@ -13,6 +13,7 @@ from ._contract import iter_param_states
 # Set on every sharded parameter a parameter-owning API registers (see `install_state`): a
 # parameter that carries it and is not claimed by a descendant is managed by an ancestor.
 MANAGED_BY_ATTR = "_composable_managed_by"
+REPLACED_BY_ATTR = "_composable_replaced_by"
 
 
 def claim_parameters(module: nn.Module, ignored: set[nn.Parameter], api: str = "composable") -> list[tuple[str, list[tuple[nn.Module, str]], nn.Parameter]]:
@@ -34,6 +35,13 @@ def claim_parameters(module: nn.Module, ignored: set[nn.Parameter], api: str = "
             if (sub, name) not in [(m, n) for m, n in entry[1]]:
                 entry[1].append((sub, name))
     for fqn, _, param in found.values():
+        tied_with = getattr(param, REPLACED_BY_ATTR, None)
+        if tied_with is not None:
+            raise RuntimeError(
+                f"Cannot apply {api} to {type(module).__name__}: its parameter '{fqn}' is shared (tied) with a module that "
+                f"{tied_with} already manages, which replaced it there only; apply one API to a common ancestor of every "
+                f"module that shares the parameter"
+            )
         other = getattr(param, MANAGED_BY_ATTR, None)
         if other is not None:
             raise RuntimeError(
@@ -41,6 +49,13 @@ def claim_parameters(module: nn.Module, ignored: set[nn.Parameter], api: str = "
                 f"applied to an ancestor; apply {api} to modules outside that subtree, or before {other} (bottom-up)"
             )
     return list(found.values())
+
+
+def mark_replaced(params: list[nn.Parameter], api: str) -> None:
+    """Mark original parameters an API replaced by sharded ones in its subtree's slots: a slot
+    outside that subtree still holding one (a tied weight) must not be claimed again."""
+    for param in params:
+        setattr(param, REPLACED_BY_ATTR, api)
 
 
 def check_same_device(api: str, params: list[torch.Tensor]) -> None:

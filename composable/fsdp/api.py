@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .._claim import check_same_device, claim_parameters
+from .._claim import check_same_device, claim_parameters, mark_replaced
 from .._contract import attach_state_accessor, check_composable, check_module, install_state, owning_api
 from .._mesh import check_mesh, compute_device, default_mesh
 from ..mixed_precision import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, check_policies
@@ -79,6 +79,7 @@ def fully_shard(
         group = ParamGroup(params, [_on_device(p, device) for p in originals], config)
         for mp in params:
             mp.register(mp.sharded_param)
+        mark_replaced(originals, "fully_shard")
     state = FSDPState(module, group, mesh=mesh, strategy=strategy, mp_policy=mp_policy, offload_policy=offload_policy,
                       reshard_after_forward=reshard, reshard_is_default=reshard_is_default)
     install_state(module, api, state)

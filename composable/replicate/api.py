@@ -7,7 +7,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from .._claim import check_same_device, claim_parameters
+from .._claim import check_same_device, claim_parameters, mark_replaced
 from .._contract import attach_state_accessor, check_composable, check_module, install_state
 from .._mesh import check_mesh, compute_device, default_mesh, infer_device_type, mesh_from_process_group
 from ..fsdp._param_group import GroupConfig, ParamGroup
@@ -66,6 +66,7 @@ def replicate(
         group = ParamGroup(params, [_on_device(p, device) for p in originals], config)
         for mp in params:
             mp.register(mp.sharded_param)
+        mark_replaced(originals, "replicate")
     state = ReplicateState(module, group, mp_policy, reshard_after_forward=False, reshard_is_default=False)
     state.mesh = mesh
     state.bucket_cap_mb = float(bucket_cap_mb)

@@ -1,0 +1,471 @@
+"""Test harness: multi-process runs, the fake process group, collective counting.
+
+This is the one place for multi-process machinery and for every use of the private
+``torch.testing._internal``; tests import from here (``from _harness import ...``).
+
+- ``run_on_ranks(fn, world_size)`` runs ``fn(rank, world_size, ...)`` on a persistent pool of
+  spawned workers, each call on a fresh process group. Spawning per test costs 3.5-9 s on
+  2 cores; the pool costs a few hundredths of a second per call.
+- ``fake_process_group(world_size, rank)`` pretends to be one rank of any world in this process.
+- ``count_collectives()`` / ``trace_collectives()`` record the collectives issued in a block.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import faulthandler
+import importlib
+import multiprocessing as mp
+import os
+import pickle
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# One module object whichever way it is imported (`_harness` or `tests._harness`): two copies
+# would mean two worker pools and two distinct `RankError` classes.
+sys.modules.setdefault("_harness", sys.modules[__name__])
+sys.modules.setdefault("tests._harness", sys.modules[__name__])
+
+__all__ = ["RankError", "run_on_ranks", "shutdown_pool", "fake_process_group",
+           "count_collectives", "trace_collectives", "CollectiveTracer", "Collective",
+           "requires_gpus", "assert_close_tensors"]
+
+FAILURE_GRACE_S = 5.0     # after one rank fails, how long the others get to finish or fail
+STARTUP_TIMEOUT_S = 180.0  # spawning + importing torch; generous for a loaded 2-core machine
+
+
+class RankError(AssertionError):
+    """One or more ranks raised (or died, or hung after another rank failed).
+
+    ``errors`` maps each failing rank to its remote traceback text.
+    """
+
+    def __init__(self, message: str, errors: dict[int, str]) -> None:
+        super().__init__(message)
+        self.errors = errors
+
+
+# ----------------------------------------------------------------------------- worker side
+
+def _worker_main(conn: Connection, fault_path: str) -> None:
+    """Worker loop: receive a task, run it on a fresh process group, send back the outcome."""
+    # A segfault or abort kills the worker without a traceback: faulthandler writes the
+    # Python stacks to a file that the parent puts into the RankError.
+    faulthandler.enable(open(fault_path, "w"), all_threads=True)  # noqa: SIM115
+    # Ctrl-C is for the parent; it tears the pool down itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with contextlib.suppress(Exception):  # die with the parent even if it is SIGKILLed
+        import ctypes
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # no DNS, single host
+    torch.set_num_threads(1)  # 2 cores shared by all ranks: oversubscription is the killer
+    with contextlib.suppress(Exception):
+        importlib.import_module("torch.distributed.tensor")  # warm it once, not per test
+    stores: dict[int, dist.TCPStore] = {}
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            task = conn.recv()
+        except EOFError:
+            return
+        if task is None:
+            return
+        call_id, rank, world_size, port, backend, blob = task
+        ok, payload = True, None
+        try:
+            sys_path, filters, fn, args, kwargs = pickle.loads(blob)
+            sys.path.extend(p for p in sys_path if p not in sys.path)
+            if port not in stores:
+                stores[port] = dist.TCPStore("127.0.0.1", port, is_master=False,
+                                             timeout=timedelta(seconds=60))
+            # A fresh key space per call: the default group is always named "0", so keys
+            # from an earlier call would otherwise be found by this one's rendezvous.
+            store = dist.PrefixStore(f"call{call_id}/", stores[port])
+            if "nccl" in backend:
+                torch.cuda.set_device(rank)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+            torch.manual_seed(0)
+            random.seed(0)
+            torch.set_default_dtype(torch.float32)
+            with warnings.catch_warnings(), torch.enable_grad():
+                # The parent's filters (pytest's ini filters, -W error) apply here too.
+                if filters is not None:
+                    warnings.filters[:] = filters
+                    getattr(warnings, "_filters_mutated", lambda: None)()
+                payload = fn(rank, world_size, *args, **kwargs)
+        except BaseException:  # noqa: BLE001 - everything goes back to the parent
+            ok, payload = False, traceback.format_exc()
+        finally:
+            with contextlib.suppress(Exception):
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+        try:
+            conn.send((call_id, ok, payload))
+        except Exception:  # noqa: BLE001 - an unpicklable return value
+            conn.send((call_id, False, f"return value of rank {rank} is not picklable:\n"
+                                       + traceback.format_exc()))
+
+
+# ----------------------------------------------------------------------------- parent side
+
+class _Pool:
+    """Spawned workers (slot i runs rank i) plus a TCPStore server that lives in the parent."""
+
+    def __init__(self) -> None:
+        self.procs: list[mp.process.BaseProcess] = []
+        self.conns: list[Connection] = []
+        self.ready: list[bool] = []
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.call_id = 0
+        self.tmpdir = tempfile.mkdtemp(prefix="harness-")
+        self.fault_paths: list[str] = []
+
+    def start(self, slot: int) -> None:
+        """(Re)start the worker of ``slot`` without waiting: it imports torch meanwhile.
+        Not daemonic, so that a test may start processes of its own (DataLoader workers)."""
+        if slot < len(self.procs):  # stuck or dead: the others keep running
+            self.procs[slot].kill()
+            self.procs[slot].join(5)
+            self.conns[slot].close()
+        ctx = mp.get_context("spawn")  # fork deadlocks once OpenMP has run in the parent
+        parent, child = ctx.Pipe()
+        fault_path = os.path.join(self.tmpdir, f"worker{slot}-{time.monotonic_ns()}.txt")
+        p = ctx.Process(target=_worker_main, args=(child, fault_path),
+                        name=f"harness-worker-{slot}")
+        p.start()
+        child.close()
+        if slot == len(self.procs):
+            self.procs.append(p), self.conns.append(parent), self.ready.append(False)
+            self.fault_paths.append(fault_path)
+        else:
+            self.procs[slot], self.conns[slot], self.ready[slot] = p, parent, False
+            self.fault_paths[slot] = fault_path
+
+    def death_note(self, slot: int) -> str:
+        """Why the worker of ``slot`` died: exit code and any faulthandler output."""
+        self.procs[slot].join(1.0)
+        with contextlib.suppress(OSError), open(self.fault_paths[slot]) as f:
+            stacks = f.read().strip()
+        return f"{stacks if stacks else ''}\nworker died (exit code {self.procs[slot].exitcode})"
+
+    def wait_ready(self, n: int) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        for i in range(n):
+            if not self.ready[i]:
+                try:
+                    if not self.conns[i].poll(max(0.0, deadline - time.monotonic())):
+                        raise TimeoutError(f"harness worker {i} did not start")
+                    self.conns[i].recv()
+                except EOFError:
+                    raise RuntimeError(f"harness worker {i} failed to start; see its stderr\n"
+                                       + self.death_note(i)) from None
+                self.ready[i] = True
+
+    def shutdown(self) -> None:
+        for c in self.conns:
+            with contextlib.suppress(Exception):
+                c.send(None)  # idle workers exit at once; busy ones are killed below
+        deadline = time.monotonic() + 2.0
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+            p.kill()
+        for p, c in zip(self.procs, self.conns):
+            p.join(1.0)
+            c.close()
+        self.procs, self.conns, self.ready = [], [], []
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+_pool: _Pool | None = None
+
+
+def shutdown_pool() -> None:
+    """Stop the workers (called at exit; safe to call any time, the pool restarts lazily)."""
+    global _pool
+    if _pool is not None:
+        _pool.shutdown()
+        _pool = None
+
+
+atexit.register(shutdown_pool)
+
+
+def run_on_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any,
+                 backend: str = "gloo", timeout: float = 120.0, **kwargs: Any) -> list:
+    """Run module-level ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks.
+
+    Each call gets a fresh default process group (``backend``) and the same seeds on every
+    rank (``torch.manual_seed(0)``, ``random.seed(0)``). Returns the ranks' (picklable)
+    return values in rank order. Raises ``RankError`` naming the failing ranks with their
+    tracebacks, or ``TimeoutError`` naming the ranks that did not finish in ``timeout`` s;
+    stuck or dead workers are killed and replaced.
+    """
+    __tracebackhide__ = True  # pytest: show the test and the remote traceback, not this
+    global _pool
+    if world_size < 1:
+        raise ValueError(f"run_on_ranks: world_size must be >= 1, got {world_size}")
+    filters: list | None = list(warnings.filters)
+    try:
+        pickle.dumps(filters)
+    except Exception:  # a filter on a locally defined category: workers keep their own
+        filters = None
+    try:
+        blob = pickle.dumps((list(sys.path), filters, fn, args, kwargs))
+    except Exception as e:
+        raise TypeError(f"run_on_ranks: fn {fn!r} and its arguments must be picklable "
+                        f"(fn must be a module-level function): {e}") from e
+    if _pool is None:  # lazily: spawn copies sys.path, which pytest has set up by now
+        _pool = _Pool()
+    pool = _pool
+    for slot in range(world_size):  # grow the pool; replace workers that died meanwhile
+        if slot >= len(pool.procs) or not pool.procs[slot].is_alive():
+            pool.start(slot)
+    pool.wait_ready(world_size)
+    pool.call_id += 1
+    for rank in range(world_size):
+        pool.conns[rank].send((pool.call_id, rank, world_size, pool.store.port, backend, blob))
+
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    pending = {pool.conns[r]: r for r in range(world_size)}
+    deadline = time.monotonic() + timeout
+    try:
+        while pending and time.monotonic() < deadline:
+            for conn in wait(list(pending), timeout=max(0.0, deadline - time.monotonic())):
+                rank = pending.pop(conn)
+                try:
+                    call_id, ok, payload = conn.recv()
+                    assert call_id == pool.call_id, "stale message from a harness worker"
+                except EOFError:
+                    ok, payload = False, pool.death_note(rank)
+                (results if ok else errors)[rank] = payload
+                if not ok:  # the others may wait forever in a collective it never joins
+                    deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+    finally:  # also on KeyboardInterrupt: a worker still busy would answer the next call
+        stuck = sorted(pending.values())
+        dead = [r for r in errors if not pool.procs[r].is_alive()]
+        for slot in stuck + dead:  # a wedged process group cannot be reused: fresh workers
+            pool.start(slot)
+    if errors:
+        raise _rank_error(errors, results, stuck)
+    if stuck:
+        raise TimeoutError(f"run_on_ranks({getattr(fn, '__name__', fn)}): ranks {stuck} of "
+                           f"{world_size} did not finish within {timeout} s (killed)")
+    return [results[r] for r in range(world_size)]
+
+
+def _rank_error(errors: dict[int, str], results: dict[int, Any], stuck: list[int]) -> RankError:
+    # Root causes first: a peer's failure shows up as a gloo/NCCL error on the others.
+    errors = {r: errors[r] for r in sorted(errors, key=lambda r: (_is_peer_failure(errors[r]), r))}
+    lines = [f"rank {r} failed: {tb.strip().splitlines()[-1]}" for r, tb in errors.items()]
+    if stuck:
+        lines.append(f"ranks {stuck} did not finish within {FAILURE_GRACE_S} s after that "
+                     "(killed)")
+    if results and all(_is_peer_failure(tb) for tb in errors.values()):
+        lines.append(f"ranks {sorted(results)} returned normally: did they skip a collective "
+                     "the others issued?")
+    lines += [f"\n----- traceback of rank {r} -----\n{tb.rstrip()}" for r, tb in errors.items()]
+    return RankError("\n".join(lines), errors)
+
+
+def _is_peer_failure(tb: str) -> bool:
+    last = tb.strip().splitlines()[-1]
+    return any(s in last for s in ("Connection closed by peer", "Connection reset by peer",
+                                   "remote worker", "NCCL communicator was aborted"))
+
+
+# ----------------------------------------------------------------------------- fake process group
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
+    """Be ``rank`` of a ``world_size`` world in this process: real shapes, no numerics."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
+
+    if dist.is_initialized():
+        raise RuntimeError("fake_process_group: a default process group already exists")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- collectives
+
+_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
+# Normalised kind by prefix of the normalised op name; order matters (reduce_scatter < reduce).
+_KINDS = ("all_gather", "all_reduce", "all_to_all", "reduce_scatter", "broadcast", "gather",
+          "scatter", "reduce", "monitored_barrier", "barrier", "send", "isend", "recv",
+          "irecv", "batch_p2p")
+
+
+def _kind(op_name: str) -> str | None:
+    """``c10d::_allgather_base_`` and ``_c10d_functional::all_gather_into_tensor`` -> all_gather."""
+    n = op_name.split("::")[-1].strip("_")
+    n = n.replace("allgather", "all_gather").replace("allreduce", "all_reduce")
+    n = n.replace("alltoall", "all_to_all")
+    for k in _KINDS:
+        if n.startswith(k):
+            return {"isend": "send", "irecv": "recv"}.get(k, k)
+    return None  # wait_tensor, _wrap_tensor_autograd, check_for_nan: not collectives
+
+
+def _group_label(value: Any) -> str | None:
+    """``g[0,1]`` (global ranks) for a ProcessGroup, its boxed form, or a group name."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    try:
+        pg = (value if isinstance(value, dist.ProcessGroup) else
+              dist.ProcessGroup.unbox(value) if isinstance(value, torch.ScriptObject) else
+              _resolve_process_group(value) if isinstance(value, str) else None)
+        return pg and "g[" + ",".join(map(str, dist.get_process_group_ranks(pg))) + "]"
+    except Exception:  # a destroyed or foreign group: its name is the best we have
+        return f"g{value!r}" if isinstance(value, str) else None
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One recorded collective. ``numel`` is the larger side: gathered output, scattered input."""
+    kind: str
+    group: str
+    dtype: torch.dtype | None
+    numel: int
+    op: str  # the raw op, e.g. "c10d::_allgather_base_"
+
+    def __str__(self) -> str:
+        if self.dtype is None:
+            return f"{self.kind}({self.group})"
+        return f"{self.kind}({self.group}, {str(self.dtype).removeprefix('torch.')}, {self.numel})"
+
+
+class CollectiveTracer(TorchDispatchMode):
+    """Records every eager (``c10d``) and functional collective issued inside the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[Collective] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        # Let DTensor run first with this mode still active, so the collectives it issues
+        # on its local tensors are seen (as CommDebugMode does).
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        out = func(*args, **kwargs)
+        kind = _kind(func.name()) if func.namespace in _NAMESPACES else None
+        if kind is not None:
+            self.records.append(self._describe(func, kind, args, kwargs, out))
+        return out
+
+    @staticmethod
+    def _describe(func: Any, kind: str, args: tuple, kwargs: dict, out: Any) -> Collective:
+        names = [a.name for a in func._schema.arguments]
+        bound = {**dict(zip(names, args)), **kwargs}
+        group = None
+        for key in ("process_group", "group_name", "group"):
+            if key in bound and group is None:
+                group = _group_label(bound[key])
+        tensors_in = [_tensors(v) for v in bound.values()] + [_tensors(out)]
+        tensors = [t for ts in tensors_in for t in ts]
+        numel = max((sum(t.numel() for t in ts) for ts in tensors_in), default=0)
+        return Collective(kind, group or "g?", tensors[0].dtype if tensors else None, numel,
+                          func.name())
+
+    @property
+    def events(self) -> list[str]:
+        """``"all_gather(g[0,1], float32, 24)"`` per collective, in issue order."""
+        return [str(r) for r in self.records]
+
+    @property
+    def counts(self) -> Counter[str]:
+        """Counts per normalised kind; a missing kind reads as 0."""
+        return Counter(r.kind for r in self.records)
+
+    @property
+    def total(self) -> int:
+        return len(self.records)
+
+    def render(self) -> str:
+        """One event per line, for ``assertExpectedInline``."""
+        return "\n".join(self.events)
+
+
+def count_collectives() -> CollectiveTracer:
+    """``with count_collectives() as c: ...`` then ``c.counts["all_gather"]``, ``c.total``."""
+    return CollectiveTracer()
+
+
+def trace_collectives() -> CollectiveTracer:
+    """``with trace_collectives() as t: ...`` then ``t.events`` / ``t.render()``."""
+    return CollectiveTracer()
+
+
+# ----------------------------------------------------------------------------- misc
+
+def requires_gpus(n: int) -> pytest.MarkDecorator:
+    """Skip unless at least ``n`` CUDA devices are visible."""
+    return pytest.mark.skipif(torch.cuda.device_count() < n, reason=f"needs {n} GPU(s)")
+
+
+def assert_close_tensors(a: Any, b: Any, *, exact: bool = False, rtol: float | None = None,
+                         atol: float | None = None, msg: str = "") -> None:
+    """Compare tensors or DTensors (via ``full_tensor()``, a collective: call on every rank),
+    or dicts/lists/tuples of them. ``exact``: ``torch.equal`` plus equal dtypes."""
+    _compare(a, b, exact, rtol, atol, msg, path="")
+
+
+def _compare(a: Any, b: Any, exact: bool, rtol: float | None, atol: float | None,
+             msg: str, path: str) -> None:
+    where = f"{msg} {'at ' + path if path else ''}".strip() or "tensors"
+    if isinstance(a, (dict, list, tuple)):
+        if not isinstance(b, (dict, list, tuple)) or isinstance(a, dict) != isinstance(b, dict):
+            raise AssertionError(f"{where}: {type(a).__name__} vs {type(b).__name__}")
+        keys = list(a) if isinstance(a, dict) else list(range(len(a)))
+        other = list(b) if isinstance(b, dict) else list(range(len(b)))
+        if sorted(map(repr, keys)) != sorted(map(repr, other)):
+            raise AssertionError(f"{where}: keys differ: {keys} vs {other}")
+        for k in keys:
+            _compare(a[k], b[k], exact, rtol, atol, msg, f"{path}[{k!r}]")
+        return
+    a = a.full_tensor() if isinstance(a, DTensor) else a
+    b = b.full_tensor() if isinstance(b, DTensor) else b
+    if not exact:
+        if (rtol is None) != (atol is None):  # torch.testing wants both or neither
+            rtol, atol = rtol or 0.0, atol or 0.0
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m: f"{where}: {m}")
+    elif a.shape != b.shape or a.dtype != b.dtype:
+        raise AssertionError(f"{where}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}")
+    elif not torch.equal(a, b):
+        diff = (a.double() - b.double()).abs()
+        idx = tuple(int(i) for i in torch.nonzero(diff != 0)[0])
+        raise AssertionError(f"{where}: not equal; {int((a != b).sum())} of {a.numel()} "
+                             f"elements differ, max abs diff {diff.nan_to_num().max().item()}, "
+                             f"first at {idx}: {a[idx].item()} vs {b[idx].item()}")

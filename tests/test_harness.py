@@ -1,0 +1,269 @@
+"""Tests of the test harness itself: the worker pool, the fake process group, the tracers."""
+
+from __future__ import annotations
+
+import faulthandler
+import time
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from expecttest import assert_expected_inline
+
+import _harness
+from _harness import (
+    RankError, assert_close_tensors, count_collectives, fake_process_group, requires_gpus,
+    run_on_ranks, trace_collectives,
+)
+
+# torch 2.13 renamed the tensor collectives to *_single; torch 2.11 only has the old names.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# ----------------------------------------------------------------------------- rank functions
+# Module level, so that the workers can unpickle them.
+
+def _whoami(rank: int, world_size: int, tag: str = "", *, suffix: str = "") -> tuple:
+    return rank, world_size, dist.get_rank(), dist.get_world_size(), tag + suffix
+
+
+def _all_reduce_ranks(rank: int, world_size: int) -> float:
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _random_draw(rank: int, world_size: int) -> list[float]:
+    return torch.randn(3).tolist()
+
+
+def _noop(rank: int, world_size: int) -> None:
+    return None
+
+
+def _rank1_raises(rank: int, world_size: int) -> int:
+    if rank == 1:
+        raise ValueError("boom on rank 1")
+    return rank
+
+
+def _all_raise(rank: int, world_size: int) -> None:
+    raise KeyError(f"key{rank}")
+
+
+def _rank1_raises_rank0_in_collective(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise RuntimeError("rank 1 gives up")
+    dist.all_reduce(torch.ones(1))  # gloo fails it when rank 1 destroys its group
+
+
+def _rank1_raises_rank0_stuck(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise RuntimeError("rank 1 gives up")
+    time.sleep(60)  # stuck somewhere no peer failure can reach
+
+
+def _rank1_skips_collective(rank: int, world_size: int) -> None:
+    if rank == 0:
+        dist.all_reduce(torch.ones(1))  # gloo fails it when rank 1 destroys its group
+
+
+def _rank1_skips_collective_and_hangs(rank: int, world_size: int) -> None:
+    if rank == 0:
+        dist.all_reduce(torch.ones(1))
+    else:
+        time.sleep(60)
+
+
+def _rank1_segfaults(rank: int, world_size: int) -> None:
+    if rank == 1:
+        faulthandler._sigsegv()
+
+
+def _unpicklable_result(rank: int, world_size: int) -> object:
+    return lambda: None
+
+
+def _counts_on_gloo(rank: int, world_size: int) -> tuple[dict, list[str]]:
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    full = torch.arange(8.0).reshape(4, 2)
+    with count_collectives() as c:
+        dist.all_reduce(torch.ones(3))
+        out = torch.empty(2 * world_size)
+        all_gather_single(out, torch.full((2,), float(rank)))
+        dt = distribute_tensor(full, mesh, [Shard(0)])  # a scatter
+        assert_close_tensors(dt, full, exact=True)      # full_tensor(): an all-gather
+    assert out.tolist() == [0.0, 0.0, 1.0, 1.0]
+    return dict(c.counts), c.events
+
+
+def _nccl_all_reduce(rank: int, world_size: int) -> float:
+    t = torch.ones(1, device="cuda")
+    dist.all_reduce(t)
+    return t.item()
+
+
+# ----------------------------------------------------------------------------- pool
+
+def test_results_in_rank_order_with_args() -> None:
+    assert run_on_ranks(_whoami, 2, "a", suffix="b") == [(0, 2, 0, 2, "ab"), (1, 2, 1, 2, "ab")]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_world_sizes(world_size: int) -> None:
+    expected = world_size * (world_size + 1) / 2
+    assert run_on_ranks(_all_reduce_ranks, world_size) == [expected] * world_size
+
+
+def test_same_seed_on_every_rank_and_every_call() -> None:
+    first = run_on_ranks(_random_draw, 2)
+    assert first[0] == first[1] == run_on_ranks(_random_draw, 2)[0]
+
+
+def test_failing_rank_is_named_with_its_traceback() -> None:
+    with pytest.raises(RankError, match=r"rank 1 failed: ValueError: boom on rank 1") as info:
+        run_on_ranks(_rank1_raises, 2)
+    assert set(info.value.errors) == {1}
+    assert "_rank1_raises" in str(info.value)  # the remote traceback is in the message
+    assert "rank 0 failed" not in str(info.value)
+
+
+def test_all_failing_ranks_are_named() -> None:
+    with pytest.raises(RankError, match=r"(?s)rank 0 failed: KeyError.*rank 1 failed: KeyError"):
+        run_on_ranks(_all_raise, 2)
+
+
+def test_root_cause_first_when_peer_fails_in_collective() -> None:
+    with pytest.raises(RankError, match=r"^rank 1 failed: RuntimeError: rank 1 gives up\n"
+                                        r"rank 0 failed: .*Connection closed by peer"):
+        run_on_ranks(_rank1_raises_rank0_in_collective, 2)
+
+
+def test_failure_while_peer_is_stuck(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_harness, "FAILURE_GRACE_S", 0.5)
+    start = time.monotonic()
+    with pytest.raises(RankError, match=r"(?s)rank 1 failed.*ranks \[0\] did not finish"):
+        run_on_ranks(_rank1_raises_rank0_stuck, 2)
+    assert time.monotonic() - start < 10
+    assert run_on_ranks(_all_reduce_ranks, 2) == [3.0, 3.0]  # the restarted pool works
+
+
+def test_rank_skipping_a_collective_is_named() -> None:
+    with pytest.raises(RankError, match=r"(?s)rank 0 failed.*ranks \[1\] returned normally"):
+        run_on_ranks(_rank1_skips_collective, 2)
+
+
+def test_hang_times_out_and_pool_recovers() -> None:
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] of 2 did not finish within 1.0 s"):
+        run_on_ranks(_rank1_skips_collective_and_hangs, 2, timeout=1.0)
+    assert time.monotonic() - start < 10
+    assert run_on_ranks(_all_reduce_ranks, 2) == [3.0, 3.0]
+
+
+def test_dead_worker_is_reported_with_its_stack_and_replaced() -> None:
+    with pytest.raises(RankError, match=r"rank 1 failed: worker died \(exit code -11\)") as info:
+        run_on_ranks(_rank1_segfaults, 2)
+    assert "Segmentation fault" in info.value.errors[1]
+    assert "_rank1_segfaults" in info.value.errors[1]  # faulthandler's Python stack
+    assert run_on_ranks(_all_reduce_ranks, 2) == [3.0, 3.0]
+
+
+def test_unpicklable_result_and_fn() -> None:
+    with pytest.raises(RankError, match="not picklable"):
+        run_on_ranks(_unpicklable_result, 2)
+    with pytest.raises(TypeError, match="module-level function"):
+        run_on_ranks(lambda rank, world_size: None, 2)
+
+
+def test_overhead_per_call() -> None:
+    run_on_ranks(_noop, 2)  # the pool is up
+    n = 20
+    start = time.perf_counter()
+    for _ in range(n):
+        run_on_ranks(_noop, 2)
+    per_call = (time.perf_counter() - start) / n
+    print(f"run_on_ranks overhead: {per_call * 1000:.1f} ms per call (2 ranks, gloo)")
+    assert per_call < 1.0
+
+
+@requires_gpus(2)
+def test_nccl() -> None:
+    assert run_on_ranks(_nccl_all_reduce, 2, backend="nccl") == [2.0, 2.0]
+
+
+# ----------------------------------------------------------------------------- collectives
+
+def test_count_collectives_on_gloo() -> None:
+    for counts, events in run_on_ranks(_counts_on_gloo, 2):
+        assert counts == {"all_reduce": 1, "all_gather": 2, "scatter": 1}
+        assert events[:2] == ["all_reduce(g[0,1], float32, 3)", "all_gather(g[0,1], float32, 4)"]
+
+
+def test_fake_pg_counts_and_trace_world_8() -> None:
+    with fake_process_group(8, rank=3):
+        assert (dist.get_rank(), dist.get_world_size()) == (3, 8)
+        with count_collectives() as c, trace_collectives() as t:
+            all_gather_single(torch.empty(24), torch.ones(3))
+            reduce_scatter_single(torch.empty(3, dtype=torch.bfloat16),
+                                  torch.ones(24, dtype=torch.bfloat16))
+        assert c.counts == {"all_gather": 1, "reduce_scatter": 1} and c.total == 2
+        assert c.counts["all_reduce"] == 0
+        assert_expected_inline(t.render(), """\
+all_gather(g[0,1,2,3,4,5,6,7], float32, 24)
+reduce_scatter(g[0,1,2,3,4,5,6,7], bfloat16, 24)""")
+    assert not dist.is_initialized()
+
+
+def test_trace_merges_eager_functional_and_dtensor_collectives() -> None:
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    with fake_process_group(8, rank=5):
+        mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+        world = dist.group.WORLD
+        x = distribute_tensor(torch.zeros(8, 4), mesh, [Replicate(), Shard(0)])
+        with trace_collectives() as t, warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # the old names, on purpose
+            dist.all_gather_into_tensor(torch.empty(16), torch.ones(2))   # c10d
+            dist.reduce_scatter_tensor(torch.empty(2), torch.ones(16))
+            funcol.all_gather_tensor(torch.ones(2), 0, world).wait()      # functional
+            funcol.reduce_scatter_tensor(torch.ones(16), "sum", 0, world).wait()
+            funcol.all_reduce(torch.ones(5), "avg", mesh.get_group("dp")).wait()
+            x.redistribute(mesh, [Replicate(), Replicate()])             # DTensor, tp group
+            dist.broadcast(torch.ones(2, dtype=torch.int64), src=0)
+        assert_expected_inline(t.render(), """\
+all_gather(g[0,1,2,3,4,5,6,7], float32, 16)
+reduce_scatter(g[0,1,2,3,4,5,6,7], float32, 16)
+all_gather(g[0,1,2,3,4,5,6,7], float32, 16)
+reduce_scatter(g[0,1,2,3,4,5,6,7], float32, 16)
+all_reduce(g[1,5], float32, 5)
+all_gather(g[4,5,6,7], float32, 32)
+broadcast(g[0,1,2,3,4,5,6,7], int64, 2)""")
+
+
+def test_fake_process_group_refuses_nesting() -> None:
+    with fake_process_group(2):
+        with pytest.raises(RuntimeError, match="already exists"):
+            with fake_process_group(2):
+                pass
+
+
+# ----------------------------------------------------------------------------- assertions
+
+def test_assert_close_tensors() -> None:
+    a = torch.tensor([1.0, 2.0, 3.0])
+    assert_close_tensors(a, a.clone(), exact=True)
+    assert_close_tensors(a, a + 1e-7)
+    assert_close_tensors({"w": [a]}, {"w": [a + 0.01]}, rtol=0, atol=0.02)
+    with pytest.raises(AssertionError, match=r"step 3 at \['w'\]\[0\]: not equal; 1 of 3"):
+        assert_close_tensors({"w": [a]}, {"w": [a + torch.tensor([0, 0, 1e-6])]}, exact=True,
+                             msg="step 3")
+    with pytest.raises(AssertionError, match="torch.float32.*torch.float64"):
+        assert_close_tensors(a, a.double(), exact=True)
+    with pytest.raises(AssertionError):
+        assert_close_tensors(a, a + 0.1)
