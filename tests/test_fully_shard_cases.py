@@ -513,19 +513,17 @@ def test_policy_is_applied_bottom_up() -> None:
         }
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: a tied parameter whose users get different fully_shard calls "
-                   "(fully_shard(model.head) then fully_shard(model), or a policy matching both tok and head) is "
-                   "silently split into two independently sharded copies; expected a clear error at the call")
-def test_tied_parameter_across_groups_is_not_split_silently() -> None:
+def test_tied_parameter_across_groups_is_refused_clearly() -> None:
+    """A tied weight whose users get different API calls would silently split into two
+    independently trained copies; the second call refuses instead, naming the parameter."""
     with fake_process_group(2):
         model = TinyTransformer()
         fully_shard(model.head)  # manages the tied weight; model.tok still holds the original
-        try:
+        with pytest.raises(RuntimeError, match=r"Cannot apply fully_shard.*'tok\.weight' is shared \(tied\)"):
             fully_shard(model)
-        except (NotImplementedError, RuntimeError, ValueError) as e:  # a clear refusal is fine
-            assert "weight" in str(e) and "fully_shard" in str(e)
-            return
-        assert model.tok.weight is model.head.weight, "the tied pair was split into two sharded parameters"
+        other = TinyTransformer()
+        with pytest.raises(RuntimeError, match=r"shared \(tied\)"):
+            fully_shard(other, policy={nn.Embedding, nn.Linear})
 
 
 def _policy_training(rank: int, world_size: int) -> None:
