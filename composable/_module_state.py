@@ -58,6 +58,10 @@ class ModuleState:
         self._hook_handles = [
             module.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
             module.register_forward_hook(self._post_forward, always_call=False),
+            # Between forward and backward a group may still be unsharded: state dicts must
+            # see (and load into) the sharded DTensors all the same.
+            module.register_state_dict_pre_hook(lambda *_: self.reshard()),
+            module.register_load_state_dict_pre_hook(lambda *_: self.reshard()),
         ]
 
     # -- public helpers ---------------------------------------------------------------------
