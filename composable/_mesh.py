@@ -14,7 +14,8 @@ def infer_device_type(module: nn.Module) -> str:
     for tensor in list(module.parameters()) + list(module.buffers()):
         if tensor.device.type not in ("cpu", "meta"):
             return tensor.device.type
-    if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+    # "nccl" or a mixed backend such as "cpu:gloo,cuda:nccl" (what CPU offload wants).
+    if torch.cuda.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend()):
         return "cuda"
     return "cpu"
 

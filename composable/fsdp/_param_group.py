@@ -79,7 +79,10 @@ class ParamGroup:
     def __init__(self, params: list[ManagedParam], originals: list[torch.Tensor], config: GroupConfig) -> None:
         self.params = params
         self.config = config
-        self.shard_world, self.shard_rank = _world_and_rank(config.shard_group)
+        # DeviceMesh.get_group costs microseconds per call: look the groups up once.
+        self.shard_group = config.shard_group
+        self.replicate_groups = config.replicate_groups
+        self.shard_world, self.shard_rank = _world_and_rank(self.shard_group)
         self.state = GroupState.SHARDED
         self._pending_gather: tuple | None = None  # (work or event, all-gather output, input)
         self.reducer = GradReducer(self)
@@ -189,9 +192,9 @@ class ParamGroup:
                 return
             gather_out = torch.empty(self.shard_world * gather_in.numel(), dtype=gather_in.dtype, device=cfg.device)
             if streams is None:
-                work = comm.all_gather(gather_out, gather_in, cfg.shard_group, async_op=True)
+                work = comm.all_gather(gather_out, gather_in, self.shard_group, async_op=True)
             else:
-                comm.all_gather(gather_out, gather_in, cfg.shard_group, async_op=False)
+                comm.all_gather(gather_out, gather_in, self.shard_group, async_op=False)
                 work = streams.all_gather.record_event()
         self._pending_gather = (work, gather_out, gather_in)
 

@@ -41,6 +41,8 @@ class _Reduction:
     all_reduced: bool = True  # False: HSDP partial, not yet reduced across replicas
     keep_alive: list[torch.Tensor] = field(default_factory=list)
     event: "torch.cuda.Event | None" = None  # CUDA: recorded on the reduce stream when done
+    divided: bool = False  # averaging already applied (CUDA: on the reduce stream)
+    assigned: list[bool] = field(default_factory=list)  # sharded grads already pointed at `output`
 
 
 def _offsets(params: list["ManagedParam"]) -> list[int]:
@@ -75,12 +77,15 @@ class GradReducer:
         self._buckets: list[list["ManagedParam"]] | None = None
         self._ready: dict[int, int] = {}
         self._launched: set[int] = set()
+        self._dp_world: int | None = None
 
     # -- sizes ----------------------------------------------------------------------------
     @property
     def dp_world(self) -> int:
         cfg = self.group.config
-        return self.group.shard_world * math.prod(dist.get_world_size(g) for g in cfg.replicate_groups)
+        if self._dp_world is None:
+            self._dp_world = self.group.shard_world * math.prod(dist.get_world_size(pg) for pg in self.group.replicate_groups)
+        return self._dp_world
 
     def _grad_params(self) -> list["ManagedParam"]:
         return [mp for mp in self.group.params if mp.requires_grad]
@@ -159,22 +164,24 @@ class GradReducer:
             out = torch.empty(flat_in.numel() // world, dtype=dtype, device=cfg.device)
             red.output = out
             async_op = streams is None
-            red.works.append(comm.reduce_scatter_sum(out, flat_in, cfg.shard_group, async_op=async_op))
-            if cfg.replicate_groups:
+            red.works.append(comm.reduce_scatter_sum(out, flat_in, g.shard_group, async_op=async_op))
+            if g.replicate_groups:
                 if self.requires_all_reduce:
                     if async_op:
                         red.works.pop().wait()  # the replica all-reduce consumes the reduce-scatter output
                     if self._partial is not None:
                         out.add_(self._partial)
                         self._partial = None
-                    for grp in cfg.replicate_groups:
+                    for grp in g.replicate_groups:
                         red.works.append(comm.all_reduce_sum(out, grp, async_op=async_op))
                 else:
                     red.all_reduced = False
             if streams is not None:
+                self._divide_on_stream(red)
                 red.event = streams.reduce.record_event()
                 streams.after_reduce(red.event, flat_in)
         red.works = [w for w in red.works if w is not None]
+        self._assign_early(red)
         self.pending.append(red)
 
     def _launch_all_reduce(self, params: list["ManagedParam"], grads: list[torch.Tensor], present: list[bool]) -> None:
@@ -190,12 +197,14 @@ class GradReducer:
         if streams is not None:  # buckets stay alive until `finish`, as DDP's do: no stall
             streams.reduce.wait_stream(streams.current())
         with _maybe_stream(streams.reduce if streams is not None else None):
-            for grp in cfg.replicate_groups:
+            for grp in g.replicate_groups:
                 work = comm.all_reduce_sum(flat, grp, async_op=streams is None)
                 if work is not None:
                     red.works.append(work)
             if streams is not None:
+                self._divide_on_stream(red)
                 red.event = streams.reduce.record_event()
+        self._assign_early(red)
         self.pending.append(red)
 
     # -- bucketed (replicate) ---------------------------------------------------------------
@@ -252,6 +261,29 @@ class GradReducer:
         self._launched.clear()
 
     # -- finishing ----------------------------------------------------------------------------
+    def _divide_on_stream(self, red: _Reduction) -> None:
+        """CUDA: average right after the collectives, on the reduce stream, so the end of
+        backward has less left to do."""
+        if red.all_reduced:
+            _, post = _divide_factors(self.dp_world, red.output.dtype)
+            if post != 1.0:
+                red.output.div_(post)
+            red.divided = True
+
+    def _assign_early(self, red: _Reduction) -> None:
+        """Point fresh sharded gradients at their slices of the reduction output now, while
+        the CPU is ahead of the GPU, instead of at the end of backward. Only where nothing is
+        left to do to them (no accumulation, cast or offload copy); the values are ready once
+        `finish` has waited for the reduction."""
+        g = self.group
+        if not red.all_reduced or g.config.offload or red.output.dtype != g.orig_dtype:
+            return
+        red.assigned = [False] * len(red.params)
+        for i, (mp, present, off) in enumerate(zip(red.params, red.present, red.offsets)):
+            if present and mp.sharded_param.grad is None:
+                _accumulate_sharded_grad(g, mp, red.output, off)
+                red.assigned[i] = True
+
     def finish(self) -> None:
         """Wait for launched reductions and accumulate them into the sharded gradients."""
         g, cfg = self.group, self.group.config
@@ -263,14 +295,17 @@ class GradReducer:
             if not red.all_reduced:
                 self._partial = red.output if self._partial is None else self._partial.add_(red.output)
                 continue
-            _, post = _divide_factors(self.dp_world, red.output.dtype)
             out = red.output
-            if post != 1.0:
-                out.div_(post)
+            if not red.divided:
+                _, post = _divide_factors(self.dp_world, out.dtype)
+                if post != 1.0:
+                    out.div_(post)
+            if all(red.assigned) and red.assigned:
+                continue
             target_device = torch.device("cpu") if cfg.offload else cfg.device
             out = out.to(device=target_device, dtype=g.orig_dtype)
-            for mp, present, off in zip(red.params, red.present, red.offsets):
-                if present:
+            for i, (mp, present, off) in enumerate(zip(red.params, red.present, red.offsets)):
+                if present and not (red.assigned and red.assigned[i]):
                     _accumulate_sharded_grad(g, mp, out, off)
         self.pending.clear()
         # End of a backward: forget which buckets this one launched. (`flush_buckets` also
