@@ -1,0 +1,209 @@
+"""A Llama-style decoder-only transformer: RMSNorm, rotary positions, SwiGLU, causal SDPA.
+
+Written for data parallelism and tensor parallelism to be applied from outside:
+- every block is one `TransformerBlock` (the unit `fully_shard`, `checkpoint` apply to);
+- attention and feed-forward use separate `nn.Linear`s (`wq`, `wk`, `wv`, `wo`, `w1`, `w2`,
+  `w3`), so ColwiseParallel / RowwiseParallel shard them by name, and the head count per
+  rank is read from the local width (`view(B, T, -1, head_dim)`), so TP needs no flag;
+- the model can be built on the meta device and materialised later: `init_weights()`
+  (re)initialises every parameter and recomputes the rotary tables (a non-persistent buffer).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 256
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    ffn_dim: int = 352
+    max_seq_len: int = 256
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.dim % self.n_heads:
+            raise ValueError(f"ModelConfig: dim {self.dim} must be divisible by n_heads {self.n_heads}")
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(f"ModelConfig: head dim {self.dim // self.n_heads} must be even (rotary pairs)")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # Trains in about two minutes on 2 CPU cores (2 ranks) with a clearly falling loss.
+    "tiny": ModelConfig(),
+    # A few minutes per hundred steps on CPU; seconds on a GPU.
+    "small": ModelConfig(dim=256, n_layers=6, n_heads=8, ffn_dim=704, max_seq_len=512),
+    # The benchmark model: 953M parameters (dim 2048, 16 layers, ffn 5632, vocab 32000, seq 2048).
+    "1b": ModelConfig(vocab_size=32000, dim=2048, n_layers=16, n_heads=16, ffn_dim=5632, max_seq_len=2048),
+}
+
+
+def get_config(preset: str, **overrides: object) -> ModelConfig:
+    """The named preset with `overrides` (fields whose value is None are left alone)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    return replace(PRESETS[preset], **{k: v for k, v in overrides.items() if v is not None})
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 (bf16/fp16 sums of squares lose too much), return the input dtype.
+        out = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).type_as(x)
+        return out * self.weight
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float, device: torch.device | str | None = None) -> torch.Tensor:
+    """(seq_len, head_dim // 2, 2) fp32: cos and sin of position * frequency."""
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), freqs)
+    return torch.stack((angles.cos(), angles.sin()), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """Rotate consecutive pairs of `x` (B, T, H, D) by the angles of positions 0..T-1."""
+    T = x.shape[1]
+    cos, sin = tables[:T, :, 0][None, :, None, :], tables[:T, :, 1][None, :, None, :]
+    xf = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds n_heads / tp of them.
+        q = self.wq(x).view(B, T, -1, self.head_dim)
+        k = self.wk(x).view(B, T, -1, self.head_dim)
+        v = self.wv(x).view(B, T, -1, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """tokens (B, T) int64 -> logits (B, T, vocab_size)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Non-persistent: derived from the config, never checkpointed, recomputed by init_weights.
+        self.register_buffer("rope", rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta), persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
+        """(Re)initialise every parameter and the rotary tables; works on sharded (DTensor)
+        parameters too, so a model built on the meta device can be materialised after
+        `fully_shard` with `model.to_empty(device=...)` and this."""
+        cfg = self.cfg
+        if self.rope.device.type != "meta" or buffer_device is not None:
+            device = buffer_device if buffer_device is not None else self.rope.device
+            self.rope = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=device)
+        # Untied: unit-variance embeddings (the first RMSNorm rescales anyway). Tied: the same
+        # matrix is the head, so keep logits O(1) at init with std dim**-0.5.
+        nn.init.normal_(self.tok_embeddings.weight, std=cfg.dim**-0.5 if cfg.tie_embeddings else 1.0)
+        # Residual projections scaled down by depth (GPT-2 / Llama practice) so the residual
+        # stream's variance does not grow with the number of layers.
+        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        for block in self.layers:
+            for lin in (block.attention.wq, block.attention.wk, block.attention.wv, block.feed_forward.w1, block.feed_forward.w3):
+                nn.init.trunc_normal_(lin.weight, std=cfg.init_std, a=-3 * cfg.init_std, b=3 * cfg.init_std)
+            for lin in (block.attention.wo, block.feed_forward.w2):
+                nn.init.trunc_normal_(lin.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
+            block.attention_norm.reset_parameters()
+            block.ffn_norm.reset_parameters()
+        self.norm.reset_parameters()
+        if not cfg.tie_embeddings:
+            std = cfg.dim**-0.5
+            nn.init.trunc_normal_(self.output.weight, std=std, a=-3 * std, b=3 * std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        T = tokens.shape[1]
+        if T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds max_seq_len {self.cfg.max_seq_len}")
+        h = self.tok_embeddings(tokens)
+        for block in self.layers:
+            h = block(h, self.rope)
+        return self.output(self.norm(h))
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Parameters of the full (unsharded) model; tied weights counted once."""
+    # .parameters() yields a tied parameter once; a DTensor's numel is its global size.
+    return sum(p.numel() for p in model.parameters())
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy, computed in fp32."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token (6N for the matmuls + attention scores), for MFU."""
+    n_matmul = cfg.n_layers * (4 * cfg.dim * cfg.dim + 3 * cfg.dim * cfg.ffn_dim) + cfg.vocab_size * cfg.dim
+    attn = cfg.n_layers * 12 * cfg.dim * seq_len / 2  # causal: half the score matrix
+    return 6 * n_matmul + attn

@@ -1,0 +1,291 @@
+"""examples/train.py, the main job: it learns, every parallelism flag computes the same
+training run, `--resume` continues the loss curve exactly, a crash mid-save leaves the
+previous checkpoint loadable, and the model is the Llama-style decoder it claims to be.
+
+Training runs go through `train.train(args)` on the harness's persistent gloo ranks with a
+very small model (a fraction of a second per run); one test runs the real command line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from _harness import assert_close_tensors, run_on_ranks
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+if str(EXAMPLES) not in sys.path:
+    sys.path.insert(0, str(EXAMPLES))
+
+import train as train_script  # noqa: E402
+from model import ModelConfig, Transformer, apply_rope, count_parameters, get_config, rope_tables  # noqa: E402
+
+# A model small enough that a 6-step run takes well under a second per rank.
+SMALL = ["--preset", "tiny", "--dim", "32", "--n-layers", "2", "--n-heads", "2", "--ffn-dim", "64",
+         "--seq-len", "32", "--batch-size", "4", "--lr", "1e-2", "--warmup-steps", "2",
+         "--eval-batches", "1", "--quiet"]
+
+
+class SimulatedCrash(Exception):
+    """Raised inside a checkpoint save to stand for the process dying there."""
+
+
+def _train(rank: int, world_size: int, argv: list[str], crash_save_at: int | None = None) -> dict:
+    """Run train.train on this rank; with `crash_save_at`, the save of that step writes its
+    files, corrupts this rank's shard and then "dies" (on every rank, like a killed job)."""
+    args = train_script.parse_args(argv)
+    real_save = train_script._dcp_save
+
+    def crashing_save(state: dict, path: str) -> None:
+        if not path.endswith(f"step_{crash_save_at:07d}.tmp"):
+            return real_save(state, path)
+        real_save(state, path)
+        for name in os.listdir(path):  # half-written: truncate what this rank wrote
+            if name.startswith(f"__{rank}_"):
+                with open(os.path.join(path, name), "r+b") as f:
+                    f.truncate(7)
+        raise SimulatedCrash(path)
+
+    if crash_save_at is not None:
+        train_script._dcp_save = crashing_save
+    try:
+        return train_script.train(args)
+    except SimulatedCrash as e:
+        return {"crashed": str(e)}
+    finally:
+        train_script._dcp_save = real_save
+
+
+def _losses(result: dict) -> list[float]:
+    return [h["loss"] for h in result["history"]]
+
+
+def _run(argv: list[str], world_size: int = 2, **kwargs: object) -> dict:
+    results = run_on_ranks(_train, world_size, argv, **kwargs)
+    if "history" in results[0]:  # every rank logs the same (all-reduced) losses
+        assert all(_losses(r) == _losses(results[0]) for r in results), [_losses(r) for r in results]
+    return results[0]
+
+
+@lru_cache(maxsize=None)
+def _reference(out: str, steps: int = 4, extra: tuple[str, ...] = ()) -> tuple[float, ...]:
+    """Losses of the plain fsdp fp32 run everything else is compared with (cached)."""
+    return tuple(_losses(_run(SMALL + ["--steps", str(steps), "--eval-every", "0", "--ckpt-every", "0", "--out", out, *extra])))
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def test_loss_falls_and_outputs_are_written(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = _run(SMALL + ["--steps", "16", "--eval-every", "8", "--ckpt-every", "0", "--out", str(out)])
+    losses = _losses(result)
+    assert len(losses) == 16 and all(math.isfinite(v) for v in losses)
+    assert losses[0] > math.log(256) - 0.5  # starts near uniform over bytes
+    assert sum(losses[-4:]) / 4 < losses[0] - 1.5, losses  # and clearly learns
+    vals = [h["val_loss"] for h in result["history"] if h["val_loss"] is not None]
+    assert len(vals) == 2 and vals[1] < losses[0] - 1.0
+    assert result["params"] == count_parameters(Transformer(get_config("tiny", dim=32, n_layers=2, n_heads=2, ffn_dim=64)))
+    assert result["tokens_per_s"] > 0 and result["final_val_loss"] == vals[-1]
+
+    saved = json.loads((out / "metrics.json").read_text())
+    assert [h["loss"] for h in saved["history"]] == losses
+    assert (out / "metrics.csv").read_text().count("\n") == 17
+    pytest.importorskip("matplotlib")
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("flags", [
+    ["--parallel", "replicate"],
+    ["--parallel", "hsdp"],                                   # 2 replicas x shard groups of 1
+    ["--parallel", "hsdp", "--hsdp-shard-size", "2"],         # 1 replica x shard group of 2
+    ["--activation-checkpointing"],
+    ["--cpu-offload"],
+    ["--max-norm", "0.05"],                                   # clipping active on every step
+], ids=lambda f: " ".join(f))
+def test_parallelism_flags_train_the_same_model(tmp_path: Path, flags: list[str]) -> None:
+    """Every data-parallel layout computes the same math on the same global batch."""
+    extra = ("--max-norm", "0.05") if "--max-norm" in flags else ()
+    expected = _reference(str(tmp_path / "ref"), 4, extra)
+    got = _losses(_run(SMALL + ["--steps", "4", "--eval-every", "0", "--ckpt-every", "0", "--out", str(tmp_path / "run"), *flags]))
+    assert_close_tensors(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=1e-5, msg=" ".join(flags))
+
+
+@pytest.mark.parametrize("parallel", ["fsdp", "hsdp"])
+def test_gradient_accumulation_matches_the_large_batch(tmp_path: Path, parallel: str) -> None:
+    """--grad-accum 2 --batch-size 2 sees the data of --batch-size 4 and must take the same
+    steps: no_sync (fsdp) / set_requires_all_reduce(False) (hsdp) lose nothing."""
+    base = [a for a in SMALL]
+    base[base.index("--batch-size") + 1] = "2"
+    common = ["--steps", "4", "--eval-every", "0", "--ckpt-every", "0", "--parallel", parallel]
+    expected = _reference(str(tmp_path / "ref"), 4)
+    got = _losses(_run(base + common + ["--grad-accum", "2", "--out", str(tmp_path / "run")]))
+    assert_close_tensors(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mp", ["bf16", "fp16"])
+def test_mixed_precision_trains(tmp_path: Path, mp: str) -> None:
+    """bf16 params / fp32 reduce, and fp16 with ShardedGradScaler, follow the fp32 curve."""
+    expected = _reference(str(tmp_path / "ref"), 4)
+    got = _losses(_run(SMALL + ["--steps", "4", "--eval-every", "0", "--ckpt-every", "0", "--mp", mp, "--out", str(tmp_path / "run")]))
+    assert all(math.isfinite(v) for v in got)
+    assert_close_tensors(torch.tensor(got), torch.tensor(expected), rtol=0, atol=0.05, msg=mp)
+
+
+def test_tensor_parallel_matches_or_says_not_supported(tmp_path: Path) -> None:
+    """--parallel tp (TP 2 x FSDP 1 on 2 ranks) equals a 1-rank run on the same data, or the
+    library refuses it with NotImplementedError (TP support in fully_shard is in progress)."""
+    argv = SMALL + ["--steps", "3", "--eval-every", "0", "--ckpt-every", "0"]
+    try:
+        got = _losses(_run(argv + ["--parallel", "tp", "--out", str(tmp_path / "tp")]))
+    except AssertionError as e:  # RankError carries the remote traceback
+        if "NotImplementedError" in str(e) and "fully_shard" in str(e):
+            pytest.xfail("fully_shard does not support tensor-parallel parameters yet")
+        raise
+    expected = _losses(_run(argv + ["--out", str(tmp_path / "dp1")], world_size=1))
+    assert_close_tensors(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+@pytest.mark.parametrize("flags", [[], ["--mp", "fp16", "--grad-accum", "2"]], ids=["fp32", "fp16-scaler-accum"])
+def test_resume_continues_the_loss_curve_exactly(tmp_path: Path, flags: list[str]) -> None:
+    argv = SMALL + ["--steps", "6", "--eval-every", "3", "--ckpt-every", "3", *flags]
+    full = _run(argv + ["--out", str(tmp_path / "full")])
+    first = _run(argv + ["--out", str(tmp_path / "split"), "--stop-after", "3"])  # "killed" after step 3
+    assert first["stopped_at"] == 3 and len(first["history"]) == 3
+    resumed = _run(argv + ["--out", str(tmp_path / "split"), "--resume"])
+    assert resumed["resumed_from"] == 3
+    assert _losses(resumed) == _losses(full)  # bitwise: same data, weights, optimizer state
+    assert [h["val_loss"] for h in resumed["history"]] == [h["val_loss"] for h in full["history"]]
+
+
+def test_crash_during_save_leaves_previous_checkpoint_loadable(tmp_path: Path) -> None:
+    argv = SMALL + ["--steps", "6", "--eval-every", "0", "--ckpt-every", "3", "--out", str(tmp_path)]
+    crashed = _run(argv, crash_save_at=6)
+    assert "crashed" in crashed
+    ckpts = tmp_path / "checkpoints"
+    assert sorted(os.listdir(ckpts)) == ["step_0000003", "step_0000006.tmp"]
+    assert [s for s, _ in train_script.checkpoint_dirs(str(tmp_path))] == [3]
+
+    resumed = _run(argv + ["--resume"])  # loads step 3, redoes 4..6, saves 6 properly
+    assert resumed["resumed_from"] == 3
+    expected = _reference(str(tmp_path.parent / "ref6"), 6, ("--ckpt-every", "3", "--eval-every", "0"))
+    assert tuple(_losses(resumed)) == expected
+    assert sorted(os.listdir(ckpts)) == ["step_0000003", "step_0000006"]
+
+
+def test_command_line_spawns_ranks_and_reports(tmp_path: Path) -> None:
+    """`python examples/train.py` with no launcher spawns --nproc gloo ranks by itself."""
+    cmd = [sys.executable, str(EXAMPLES / "train.py"), *[a for a in SMALL if a != "--quiet"], "--steps", "3",
+           "--eval-every", "0", "--ckpt-every", "3", "--out", str(tmp_path)]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "summary" in proc.stdout and "train loss" in proc.stdout and "tokens/s" in proc.stdout, proc.stdout
+    assert json.loads((tmp_path / "metrics.json").read_text())["summary"]["world_size"] == 2
+    assert (tmp_path / "checkpoints" / "step_0000003" / ".metadata").is_file()
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def _reference_forward(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
+    """Llama written out by hand: complex-number RoPE, explicit masked softmax attention."""
+    cfg = model.cfg
+    B, T = tokens.shape
+    H, hd = cfg.n_heads, cfg.head_dim
+    freqs = 1.0 / cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    cis = torch.polar(torch.ones(T, hd // 2, dtype=torch.float64), torch.outer(torch.arange(T, dtype=torch.float64), freqs))
+
+    def rope(x: torch.Tensor) -> torch.Tensor:
+        xc = torch.view_as_complex(x.reshape(B, T, H, hd // 2, 2).contiguous())
+        return torch.view_as_real(xc * cis[None, :, None, :]).reshape(B, T, H, hd)
+
+    def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.norm_eps) * w
+
+    W = {k: v.detach().double() for k, v in model.state_dict().items()}
+    mask = torch.full((T, T), float("-inf"), dtype=torch.float64).triu(1)
+    h = W["tok_embeddings.weight"][tokens]
+    for i in range(cfg.n_layers):
+        p = f"layers.{i}."
+        x = rms(h, W[p + "attention_norm.weight"])
+        q, k, v = (x @ W[p + f"attention.{n}.weight"].T for n in ("wq", "wk", "wv"))
+        q, k, v = rope(q.view(B, T, H, hd)), rope(k.view(B, T, H, hd)), v.view(B, T, H, hd)
+        att = (torch.einsum("bthd,bshd->bhts", q, k) / math.sqrt(hd) + mask).softmax(-1)
+        h = h + torch.einsum("bhts,bshd->bthd", att, v).reshape(B, T, -1) @ W[p + "attention.wo.weight"].T
+        x = rms(h, W[p + "ffn_norm.weight"])
+        ff = F.silu(x @ W[p + "feed_forward.w1.weight"].T) * (x @ W[p + "feed_forward.w3.weight"].T)
+        h = h + ff @ W[p + "feed_forward.w2.weight"].T
+    return rms(h, W["norm.weight"]) @ W["output.weight"].T
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_model_matches_handwritten_llama(tie: bool) -> None:
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(dim=32, n_layers=2, n_heads=4, ffn_dim=48, max_seq_len=16, tie_embeddings=tie))
+    tokens = torch.randint(0, 256, (2, 11))
+    assert_close_tensors(model(tokens).double(), _reference_forward(model, tokens), rtol=1e-4, atol=1e-4)
+    if tie:
+        assert model.output.weight is model.tok_embeddings.weight
+        assert count_parameters(model) == count_parameters(Transformer(ModelConfig(dim=32, n_layers=2, n_heads=4, ffn_dim=48))) - 256 * 32
+
+
+def test_model_is_causal() -> None:
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(dim=32, n_layers=2, n_heads=2, ffn_dim=48, max_seq_len=16))
+    tokens = torch.randint(0, 256, (1, 12))
+    changed = tokens.clone()
+    changed[0, 7] = (changed[0, 7] + 1) % 256
+    a, b = model(tokens), model(changed)
+    torch.testing.assert_close(a[:, :7], b[:, :7], rtol=0, atol=0)  # the past cannot see the future
+    assert (a[:, 7:] - b[:, 7:]).abs().amax(-1).min() > 0  # every later position sees the change
+
+
+def test_rope_scores_depend_only_on_relative_position() -> None:
+    torch.manual_seed(0)
+    tables = rope_tables(8, 32, 10000.0)
+    q, k = torch.randn(8), torch.randn(8)
+    rq = apply_rope(q.expand(1, 32, 1, 8).contiguous(), tables)[0, :, 0]  # q at every position
+    rk = apply_rope(k.expand(1, 32, 1, 8).contiguous(), tables)[0, :, 0]
+    scores = rq @ rk.T  # scores[m, n] = <rope(q, m), rope(k, n)>
+    for offset in (0, 3, -5):
+        diag = torch.diagonal(scores, offset)
+        torch.testing.assert_close(diag, diag[:1].expand_as(diag), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(torch.diagonal(scores, 0)[0], torch.diagonal(scores, 3)[0])
+    torch.testing.assert_close(rq.norm(dim=-1), q.norm().expand(32))  # a rotation
+
+
+def test_meta_device_construction_initialises_like_eager() -> None:
+    """init_weights covers every parameter and buffer: a model materialised from the meta
+    device (garbage after to_empty) ends up equal to an eager one given the same seed."""
+    cfg = ModelConfig(dim=32, n_layers=2, n_heads=2, ffn_dim=48, max_seq_len=16)
+    eager = Transformer(cfg)
+    torch.manual_seed(1)
+    eager.init_weights()
+    with torch.device("meta"):
+        lazy = Transformer(cfg)
+    assert all(p.is_meta for p in lazy.parameters())
+    lazy.to_empty(device="cpu")
+    torch.manual_seed(1)
+    lazy.init_weights()
+    for (name, a), (_, b) in zip(eager.state_dict().items(), lazy.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert torch.equal(eager.rope, lazy.rope)
+
+
+def test_1b_preset_has_953m_parameters() -> None:
+    with torch.device("meta"):
+        model = Transformer(get_config("1b"))
+    assert round(count_parameters(model) / 1e6) == 953
