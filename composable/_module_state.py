@@ -205,6 +205,10 @@ class ModuleState:
     def _after_unshard(self) -> None:
         """Hook for subclasses: the unsharded parameters exist now."""
 
+    def _final_reduction_needed(self) -> bool:
+        """Whether the end of backward must still launch this group's reduction."""
+        return self.group is not None and self.group.has_unsharded_grads()
+
     def _launch_reduction(self) -> None:
         self.group.reduce_grads()  # type: ignore[union-attr]
 
@@ -218,7 +222,7 @@ class ModuleState:
         for state in self._tree_states:
             group = state.group
             if group is not None:
-                if state.requires_gradient_sync and group.has_unsharded_grads():
+                if state.requires_gradient_sync and state._final_reduction_needed():
                     state._launch_reduction()
                 elif not state.requires_gradient_sync:
                     group.stash_grads()

@@ -400,18 +400,9 @@ def _unused_parameters(rank: int, world_size: int, used_on: str) -> None:
         assert_close_tensors(params_of(model), dict(ref.module.named_parameters()), exact=True, msg=f"step {step}")
 
 
-UNUSED_ON_SOME_RANKS_BUG = (
-    "engine bug: a parameter unused on some ranks only desynchronises replicate's bucketed "
-    "all-reduces (buckets launch in readiness order, and a bucket with no local gradient is "
-    "never launched), gloo aborts; and a gradient absent locally is not accumulated after the "
-    "all-reduce (`present` is per rank), so ranks would diverge. DDP(find_unused_parameters=True) "
-    "handles both."
-)
-
-
 @pytest.mark.parametrize("used_on", [
     "none",  # unused everywhere: gradients stay None, as with DDP
-    pytest.param("rank1", marks=pytest.mark.xfail(strict=True, raises=Exception, reason=UNUSED_ON_SOME_RANKS_BUG)),
+    "rank1",
 ])
 def test_unused_parameters_match_ddp_find_unused(used_on: str) -> None:
     run_on_ranks(_unused_parameters, 2, used_on=used_on)

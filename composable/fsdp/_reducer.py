@@ -43,6 +43,7 @@ class _Reduction:
     event: "torch.cuda.Event | None" = None  # CUDA: recorded on the reduce stream when done
     divided: bool = False  # averaging already applied (CUDA: on the reduce stream)
     assigned: list[bool] = field(default_factory=list)  # sharded grads already pointed at `output`
+    with_presence: bool = False  # `output` ends with one presence flag per parameter
 
 
 def _offsets(params: list["ManagedParam"]) -> list[int]:
@@ -77,6 +78,8 @@ class GradReducer:
         self._buckets: list[list["ManagedParam"]] | None = None
         self._ready: dict[int, int] = {}
         self._launched: set[int] = set()
+        self._complete: set[int] = set()  # buckets whose gradients are all in
+        self._next_bucket = 0  # buckets launch strictly in order
         self._dp_world: int | None = None
 
     # -- sizes ----------------------------------------------------------------------------
@@ -184,15 +187,18 @@ class GradReducer:
         self._assign_early(red)
         self.pending.append(red)
 
-    def _launch_all_reduce(self, params: list["ManagedParam"], grads: list[torch.Tensor], present: list[bool]) -> None:
+    def _launch_all_reduce(self, params: list["ManagedParam"], grads: list[torch.Tensor], present: list[bool], with_presence: bool = False) -> None:
         g, cfg = self.group, self.group.config
         dtype = g.reduce_dtype
         pre, _ = _divide_factors(self.dp_world, dtype)
-        flat = torch.cat([gr.reshape(-1).to(dtype) for gr in grads])
+        pieces = [gr.reshape(-1).to(dtype) for gr in grads]
+        if with_presence:  # one flag per parameter: after the sum, > 0 where any rank had a gradient
+            pieces.append(torch.tensor([float(p) for p in present], dtype=dtype).to(cfg.device, non_blocking=True))
+        flat = torch.cat(pieces)
         if pre != 1.0:
             flat.div_(pre)
-        del grads
-        red = _Reduction(params, present, _offsets(params), flat)
+        del grads, pieces
+        red = _Reduction(params, present, _offsets(params), flat, with_presence=with_presence)
         streams = g.streams
         if streams is not None:  # buckets stay alive until `finish`, as DDP's do: no stall
             streams.reduce.wait_stream(streams.current())
@@ -230,35 +236,48 @@ class GradReducer:
         return self._buckets
 
     def on_grad_ready(self, mp: "ManagedParam") -> None:
-        """Post-accumulate-grad hook body: launch the bucket once all its gradients are in."""
-        self.buckets()
+        """Post-accumulate-grad hook body: once a bucket's gradients are all in, launch it and
+        every complete bucket after it, strictly in bucket order (as DDP does), so ranks whose
+        parameter usage differs still issue the same collectives in the same order."""
+        buckets = self.buckets()
         index = mp.extra["bucket"]
         if index in self._launched:
-            return  # a late accumulation (parameter used twice): `finish` reduces the rest
+            return  # a late accumulation (parameter used twice): `flush_buckets` reduces it
         self._ready[index] = self._ready.get(index, 0) + 1
-        bucket = self.buckets()[index]
-        if self._ready[index] == len(bucket):
-            self._launch_bucket(index)
+        if self._ready[index] == len(buckets[index]):
+            self._complete.add(index)
+            while self._next_bucket in self._complete:
+                self._launch_bucket(self._next_bucket)
+                self._next_bucket += 1
 
     def _launch_bucket(self, index: int) -> None:
         bucket = self.buckets()[index]
         self._launched.add(index)
         grads, present = self._take_grads(bucket)
-        self._launch_all_reduce(bucket, grads, present)
+        # Every bucket carries presence flags, so its size is the same on every rank however
+        # each rank's parameter usage differs.
+        self._launch_all_reduce(bucket, grads, present, with_presence=True)
 
     def flush_buckets(self) -> None:
-        """Launch every bucket that did not fill up (unused parameters) and reduce what
-        accumulated after a bucket was launched (a parameter used twice in one forward)."""
-        for index, bucket in enumerate(self.buckets()):
-            waiting = [mp for mp in bucket if self.has_grads(mp)]
-            if index not in self._launched:
-                if waiting:
-                    self._launch_bucket(index)
-            elif waiting:
-                grads, present = self._take_grads(waiting)
-                self._launch_all_reduce(waiting, grads, present)
+        """End of backward: launch, in order, every bucket not launched yet — on every rank,
+        zero-filled where this rank has no gradient, with a presence flag per parameter so a
+        gradient exists afterwards wherever any rank produced one (DDP's unused-parameter
+        semantics) — then reduce what accumulated after a bucket was launched (a parameter
+        used twice in one forward)."""
+        buckets = self.buckets()
+        late = [mp for i in sorted(self._launched) for mp in buckets[i] if self.has_grads(mp)]
+        for index in range(self._next_bucket, len(buckets)):
+            self._launch_bucket(index)
+        if late:
+            grads, present = self._take_grads(late)
+            self._launch_all_reduce(late, grads, present)
+        self._reset_buckets()
+
+    def _reset_buckets(self) -> None:
         self._ready.clear()
         self._launched.clear()
+        self._complete.clear()
+        self._next_bucket = 0
 
     # -- finishing ----------------------------------------------------------------------------
     def _divide_on_stream(self, red: _Reduction) -> None:
@@ -302,17 +321,18 @@ class GradReducer:
                     out.div_(post)
             if all(red.assigned) and red.assigned:
                 continue
+            present_anywhere = red.present
+            if red.with_presence:  # undo the averaging of the flags: > 0 means some rank had it
+                present_anywhere = (out[-len(red.params):] > 0).tolist()
             target_device = torch.device("cpu") if cfg.offload else cfg.device
             out = out.to(device=target_device, dtype=g.orig_dtype)
-            for i, (mp, present, off) in enumerate(zip(red.params, red.present, red.offsets)):
+            for i, (mp, present, off) in enumerate(zip(red.params, present_anywhere, red.offsets)):
                 if present and not (red.assigned and red.assigned[i]):
                     _accumulate_sharded_grad(g, mp, out, off)
         self.pending.clear()
-        # End of a backward: forget which buckets this one launched. (`flush_buckets` also
-        # resets, but it only runs when gradients are left over; when every bucket launched
-        # from its hooks, stale `_launched` made the next backward defer all buckets to the end.)
-        self._ready.clear()
-        self._launched.clear()
+        # End of a backward: forget which buckets this one launched (stale bookkeeping would
+        # make the next backward defer every bucket to its end: no overlap).
+        self._reset_buckets()
 
 
 def _accumulate_sharded_grad(group: "ParamGroup", mp: "ManagedParam", flat: torch.Tensor, offset: int) -> None:

@@ -32,5 +32,10 @@ class ReplicateState(ModuleState):
 
         return hook
 
+    def _final_reduction_needed(self) -> bool:
+        # Buckets this rank did not fill may have been filled on another rank: every rank
+        # launches every remaining bucket, whatever its own gradients.
+        return self.group is not None
+
     def _launch_reduction(self) -> None:
         self.group.reducer.flush_buckets()  # type: ignore[union-attr]

@@ -1,0 +1,459 @@
+"""Mixed precision (`MixedPrecisionPolicy`) and pure fp16 under `fully_shard`.
+
+- dtypes: unsharded parameters have `param_dtype` during forward (cast once per all-gather,
+  not per use); sharded parameters, sharded gradients and optimizer state keep the
+  parameter's own dtype; the reduce-scatter runs in `reduce_dtype`, else `param_dtype`,
+  else the parameter's dtype; `output_dtype`; `cast_forward_inputs` over nested inputs;
+  nested modules with different policies each apply their own.
+- parity with PyTorch FSDP2 (`torch.distributed.fsdp.fully_shard`) under the same policy,
+  bf16 and fp16, on CPU gloo world 2: same losses and parameters over several Adam steps.
+- pure fp16 (`model.half()` before or after `fully_shard`) and mixed policies on an fp16
+  model, against a single-process reference that reduces exactly as the policy says.
+- bad policies raise at the call.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from _harness import assert_close_tensors, count_collectives, requires_gpus, run_on_ranks, trace_collectives
+from _models import TinyTransformer, batch_for, lm_loss
+from composable import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+STEPS = 3
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _shard_ours(model: TinyTransformer, mp: MixedPrecisionPolicy, layer_mp: MixedPrecisionPolicy | None = None,
+                **kwargs: Any) -> TinyTransformer:
+    """Per-block groups plus a root group (embeddings, final norm), as users wrap LMs."""
+    for layer in model.layers:
+        fully_shard(layer, mp_policy=layer_mp or mp, **kwargs)
+    return fully_shard(model, mp_policy=mp, **kwargs)
+
+
+def _shard_torch(model: TinyTransformer, mp: MixedPrecisionPolicy, layer_mp: MixedPrecisionPolicy | None = None,
+                 **kwargs: Any) -> TinyTransformer:
+    """The same wrapping with PyTorch FSDP2 and its own MixedPrecisionPolicy."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    def conv(p: MixedPrecisionPolicy) -> TorchMP:
+        return TorchMP(param_dtype=p.param_dtype, reduce_dtype=p.reduce_dtype, output_dtype=p.output_dtype,
+                       cast_forward_inputs=p.cast_forward_inputs)
+
+    for layer in model.layers:
+        torch_fully_shard(layer, mp_policy=conv(layer_mp or mp), **kwargs)
+    return torch_fully_shard(model, mp_policy=conv(mp), **kwargs)
+
+
+class _CastCounter(TorchDispatchMode):
+    """Counts ops that turn a floating tensor of another dtype into a `dtype` tensor (casts)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype, self.casts = dtype, 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        ins = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        if (isinstance(out, torch.Tensor) and out.dtype == self.dtype
+                and any(t.is_floating_point() and t.dtype != self.dtype for t in ins)):
+            self.casts += 1
+        return out
+
+
+# ----------------------------------------------------------------------------- parity with FSDP2
+
+def _parity_with_fsdp2(rank: int, world_size: int, mp: MixedPrecisionPolicy, layer_mp: MixedPrecisionPolicy | None,
+                       device: str = "cpu") -> None:
+    # An explicit mesh: FSDP2's default is a CUDA mesh wherever CUDA exists, even under gloo.
+    mesh = init_device_mesh(device, (world_size,))
+    torch.manual_seed(0)
+    ours = _shard_ours(TinyTransformer().to(device), mp, layer_mp, mesh=mesh)
+    torch.manual_seed(0)
+    theirs = _shard_torch(TinyTransformer().to(device), mp, layer_mp, mesh=mesh)
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (ours, theirs)]
+    for step in range(STEPS):
+        tokens = batch_for(step, world_size, rank).to(device)
+        losses = []
+        for model, opt in zip((ours, theirs), opts):
+            loss = lm_loss(model, tokens)
+            loss.backward()
+            losses.append(loss.detach())
+        # Gradients first: they isolate the reduction from the optimizer.
+        for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+            assert p.grad.dtype == q.grad.dtype == p.dtype, name
+            assert_close_tensors(p.grad, q.grad, exact=True, msg=f"step {step} grad {name}")
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        assert_close_tensors(losses[0], losses[1], exact=True, msg=f"step {step} loss")
+        for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+            assert_close_tensors(p, q, exact=True, msg=f"step {step} param {name}")
+
+
+@pytest.mark.parametrize(
+    "mp, layer_mp",
+    [
+        (MixedPrecisionPolicy(param_dtype=bf16), None),
+        (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), None),
+        (MixedPrecisionPolicy(param_dtype=fp16), None),
+        (MixedPrecisionPolicy(param_dtype=fp16, reduce_dtype=fp32), None),
+        (MixedPrecisionPolicy(reduce_dtype=bf16), None),  # fp32 compute, bf16 reduction
+        # output_dtype on the root only (blocks feeding bf16 to a bf16 root norm).
+        (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32, output_dtype=fp32), MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)),
+        # Nested: fp32 root (embeddings, norm, head) around fp16 blocks.
+        (MixedPrecisionPolicy(), MixedPrecisionPolicy(param_dtype=fp16, reduce_dtype=fp32, output_dtype=fp32)),
+    ],
+    ids=["bf16", "bf16-reduce-fp32", "fp16", "fp16-reduce-fp32", "reduce-bf16-only", "bf16-output-fp32", "nested-fp16-in-fp32"],
+)
+def test_parity_with_torch_fsdp2(mp: MixedPrecisionPolicy, layer_mp: MixedPrecisionPolicy | None) -> None:
+    """Same losses, gradients and parameters as FSDP2 with the same policy, bit for bit."""
+    run_on_ranks(_parity_with_fsdp2, 2, mp, layer_mp)
+
+
+@requires_gpus(2)
+@pytest.mark.parametrize("dtype", [bf16, fp16])
+def test_parity_with_torch_fsdp2_gpu(dtype: torch.dtype) -> None:
+    """The same on 2 GPUs with NCCL (which averages natively where gloo cannot)."""
+    run_on_ranks(_parity_with_fsdp2, 2, MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=fp32), None, "cuda", backend="nccl")
+
+
+# ----------------------------------------------------------------------------- dtypes
+
+class _Reuse(nn.Module):
+    """Applies one Linear `uses` times: a per-use cast would show as `uses` casts."""
+
+    def __init__(self, uses: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.uses = uses
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.uses):
+            x = torch.tanh(self.lin(x))
+        return x
+
+
+def _dtypes_in_forward(rank: int, world_size: int) -> None:
+    mp = MixedPrecisionPolicy(param_dtype=bf16)
+    torch.manual_seed(0)
+    model = _shard_ours(TinyTransformer(), mp)
+    seen: dict[str, set] = {}
+
+    def record(module: nn.Module, args: tuple) -> None:
+        for name, p in module.named_parameters(recurse=False):
+            seen.setdefault(name, set()).add((type(p).__name__, isinstance(p, DTensor), p.dtype, tuple(p.shape)))
+
+    for sub in model.modules():
+        sub.register_forward_pre_hook(record)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    lm_loss(model, batch_for(0, world_size, rank)).backward()
+    # During forward every parameter is a plain, full-size bf16 tensor.
+    for name, kinds in seen.items():
+        assert all(not is_dt and dt == bf16 for _, is_dt, dt, _ in kinds), (name, kinds)
+    # Outside forward: fp32 sharded DTensors with fp32 sharded DTensor gradients.
+    for name, p in model.named_parameters():
+        assert isinstance(p, DTensor) and p.dtype == fp32 and p.to_local().dtype == fp32, name
+        assert isinstance(p.grad, DTensor) and p.grad.dtype == fp32 and p.grad.placements == p.placements, name
+        assert p.grad.to_local().shape == p.to_local().shape, name
+    opt.step()
+    for p in model.parameters():
+        for value in opt.state[p].values():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                assert value.dtype == fp32 and isinstance(value, DTensor)
+        assert p.dtype == fp32
+
+    # Cast once per all-gather, not per use: the number of casts to bf16 in forward does not
+    # grow with the number of uses, and equals one per all-gather plus one for the input.
+    counts = []
+    for uses in (1, 4):
+        torch.manual_seed(0)
+        m = fully_shard(_Reuse(uses), mp_policy=mp)
+        x = torch.randn(3, 6, requires_grad=True)
+        with count_collectives() as comm, _CastCounter(bf16) as casts:
+            out = m(x)
+        assert out.dtype == bf16
+        assert comm.counts["all_gather"] == 1
+        counts.append(casts.casts)
+    assert counts == [2, 2], counts
+
+
+def test_param_dtype_in_forward_and_own_dtype_outside() -> None:
+    """Unsharded parameters are bf16 in forward; sharded params, grads and Adam state fp32;
+    casts happen once per all-gather."""
+    run_on_ranks(_dtypes_in_forward, 2)
+
+
+def _reduce_dtypes(rank: int, world_size: int, model_dtype: torch.dtype) -> list[tuple[str, str, str]]:
+    """(policy, all-gather dtype, reduce-scatter dtype) for each policy, plus sharded-grad checks."""
+    cases = [(None, None), (bf16, None), (bf16, fp32), (None, bf16), (fp16, bf16), (fp32, None), (fp16, fp32)]
+    found = []
+    for param_dtype, reduce_dtype in cases:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).to(model_dtype)
+        fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
+        with trace_collectives() as t:
+            model(torch.randn(5, 4, dtype=model_dtype)).float().sum().backward()
+        kinds = {r.kind: r.dtype for r in t.records}
+        assert sorted(t.counts.items()) == [("all_gather", 1), ("reduce_scatter", 1)], t.render()
+        for name, p in model.named_parameters():
+            assert p.dtype == model_dtype and p.grad.dtype == model_dtype, (name, p.dtype, p.grad.dtype)
+        found.append((f"{param_dtype}/{reduce_dtype}", str(kinds["all_gather"]), str(kinds["reduce_scatter"])))
+    return found
+
+
+@pytest.mark.parametrize("model_dtype", [fp32, fp16])
+def test_reduce_dtype_semantics(model_dtype: torch.dtype) -> None:
+    """reduce_dtype if set, else param_dtype, else the parameter's own dtype; the sharded
+    gradient always ends in the parameter's dtype."""
+    found = run_on_ranks(_reduce_dtypes, 2, model_dtype)[0]
+    own = str(model_dtype)
+    expected = [
+        ("None/None", own, own),
+        ("torch.bfloat16/None", "torch.bfloat16", "torch.bfloat16"),
+        ("torch.bfloat16/torch.float32", "torch.bfloat16", "torch.float32"),
+        ("None/torch.bfloat16", own, "torch.bfloat16"),
+        ("torch.float16/torch.bfloat16", "torch.float16", "torch.bfloat16"),
+        ("torch.float32/None", "torch.float32", "torch.float32"),
+        ("torch.float16/torch.float32", "torch.float16", "torch.float32"),
+    ]
+    assert found == expected
+
+
+# ----------------------------------------------------------------------------- inputs / outputs
+
+class _Recorder(nn.Module):
+    """Records the dtype of every leaf of its (nested) inputs and of its parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.seen: list[Any] = []
+
+    def forward(self, x: torch.Tensor, nested: Any = None, **kwargs: Any) -> torch.Tensor:
+        leaves = torch.utils._pytree.tree_leaves((x, nested, kwargs))
+        self.seen.append([t.dtype if isinstance(t, torch.Tensor) else type(t).__name__ for t in leaves])
+        self.param_dtype = self.lin.weight.dtype
+        return self.lin(x.to(self.lin.weight.dtype))
+
+
+def _inputs_and_outputs(rank: int, world_size: int) -> None:
+    x = torch.randn(2, 4)
+    nested = [torch.randn(2), (torch.randn(3, dtype=torch.float64), torch.arange(3)), {"d": torch.randn(1), "s": "str"}]
+    kw = {"k": torch.randn(2), "i": torch.ones(2, dtype=torch.int32), "b": torch.ones(1, dtype=torch.bool), "f": 0.5}
+
+    def run(mp: MixedPrecisionPolicy) -> tuple[list, torch.Tensor]:
+        torch.manual_seed(0)
+        m = fully_shard(_Recorder(), mp_policy=mp)
+        out = m(x, nested, **kw)
+        return m.seen[0], out
+
+    f64, i64, i32, b = torch.float64, torch.int64, torch.int32, torch.bool
+    # Cast on: every floating leaf (fp32 and fp64) becomes bf16; others are left alone.
+    seen, out = run(MixedPrecisionPolicy(param_dtype=bf16))
+    assert seen == [bf16, bf16, bf16, i64, bf16, "str", bf16, i32, b, "float"], seen
+    assert out.dtype == bf16
+    # Cast off: the module gets its inputs unchanged (it still computes with bf16 params).
+    seen, out = run(MixedPrecisionPolicy(param_dtype=bf16, cast_forward_inputs=False))
+    assert seen == [fp32, fp32, f64, i64, fp32, "str", fp32, i32, b, "float"], seen
+    # output_dtype casts floating outputs, with or without param_dtype.
+    _, out = run(MixedPrecisionPolicy(param_dtype=bf16, output_dtype=fp32))
+    assert out.dtype == fp32
+    _, out = run(MixedPrecisionPolicy(output_dtype=fp16))
+    assert out.dtype == fp16
+    # Without param_dtype nothing is cast.
+    seen, out = run(MixedPrecisionPolicy(reduce_dtype=bf16))
+    assert seen == [fp32, fp32, f64, i64, fp32, "str", fp32, i32, b, "float"] and out.dtype == fp32
+    # Tuple, dict and non-tensor outputs: floating tensors cast, the rest left alone.
+    class Multi(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> Any:
+            y = self.lin(x)
+            return y, {"y": y, "n": torch.arange(2), "s": 1}
+
+    torch.manual_seed(0)
+    m = fully_shard(Multi(), mp_policy=MixedPrecisionPolicy(param_dtype=bf16, output_dtype=fp16))
+    y, d = m(x)
+    assert (y.dtype, d["y"].dtype, d["n"].dtype, d["s"]) == (fp16, fp16, i64, 1)
+    (y.float().sum() + d["y"].float().sum()).backward()
+    assert all(p.grad.dtype == fp32 for p in m.parameters())
+
+
+def test_cast_forward_inputs_and_output_dtype() -> None:
+    """cast_forward_inputs casts every floating leaf of nested args/kwargs (and only those);
+    off, inputs are untouched; output_dtype casts floating outputs."""
+    run_on_ranks(_inputs_and_outputs, 2)
+
+
+class _Outer(nn.Module):
+    """A root with its own Linear around an `inner` child that gets a different policy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Linear(4, 4)
+        self.inner = _Recorder()
+        self.post = nn.Linear(4, 4)
+        self.seen: list[tuple] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append((x.dtype, self.pre.weight.dtype, self.post.weight.dtype))
+        h = self.pre(x)
+        y = self.inner(h, [h])
+        return self.post(y.to(self.post.weight.dtype))
+
+
+def _nested_policies(rank: int, world_size: int) -> None:
+    x = torch.randn(3, 4)
+    cases = [  # (root param dtype, child param dtype)
+        (None, fp16),  # fp16 child inside an fp32 root
+        (bf16, None),  # plain child inside a bf16 root: it computes in bf16 (root's gather)
+        (bf16, fp32),  # fp32 child inside a bf16 root
+        (bf16, fp16),
+    ]
+    for root_dtype, child_dtype in cases:
+        torch.manual_seed(0)
+        m = _Outer()
+        if child_dtype is not None:
+            fully_shard(m.inner, mp_policy=MixedPrecisionPolicy(param_dtype=child_dtype))
+        fully_shard(m, mp_policy=MixedPrecisionPolicy(param_dtype=root_dtype))
+        out = m(x)
+        root = root_dtype or fp32
+        child = child_dtype or root
+        assert m.seen == [(root, root, root)], (root_dtype, child_dtype, m.seen)
+        # The child's inputs are cast to its param_dtype; without one they pass as they come.
+        assert m.inner.seen == [[child, child]], (root_dtype, child_dtype, m.inner.seen)
+        assert m.inner.param_dtype == child
+        assert out.dtype == root
+        out.float().sum().backward()
+        assert all(p.grad.dtype == fp32 for p in m.parameters())
+
+
+def test_nested_policies_apply_to_their_own_module() -> None:
+    """An fp16 child inside an fp32 root sees fp16 inputs and params; the root's own modules
+    see fp32; and the other combinations likewise."""
+    run_on_ranks(_nested_policies, 2)
+
+
+# ----------------------------------------------------------------------------- pure fp16
+
+def _reference_step(ref: nn.Module, step: int, world_size: int, param_dtype: torch.dtype | None,
+                    reduce_dtype: torch.dtype | None) -> list[torch.Tensor]:
+    """One step of single-process data parallelism as the policy prescribes: per-rank forward/
+    backward on `param_dtype` copies of `ref`'s parameters, gradients cast to the reduce dtype,
+    averaged, cast back to `ref`'s dtype and set as `ref`'s gradients. Returns the losses."""
+    own = next(ref.parameters()).dtype
+    compute = copy.deepcopy(ref).to(param_dtype or own)
+    reduce = reduce_dtype or param_dtype or own
+    # Half-precision reductions divide before summing (avoids overflow; PyTorch FSDP2 does the
+    # same); this is exact except for subnormals, so the reference must do it too.
+    pre, post = (world_size, 1) if reduce in (fp16, bf16) else (1, world_size)
+    sums, losses = None, []
+    for r in range(world_size):
+        compute.zero_grad(set_to_none=True)
+        loss = lm_loss(compute, batch_for(step, world_size, r))
+        loss.backward()
+        losses.append(loss.detach())
+        grads = [p.grad.to(reduce) / pre for p in compute.parameters()]
+        sums = grads if sums is None else [s + g for s, g in zip(sums, grads)]
+    for p, s in zip(ref.parameters(), sums):
+        p.grad = (s / post).to(own)
+    return losses
+
+
+def _pure_fp16(rank: int, world_size: int, when: str, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
+               offload: bool) -> None:
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    torch.manual_seed(0)
+    ref = TinyTransformer().half()
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    if when == "before":
+        model.half()
+    kwargs = {"offload_policy": CPUOffloadPolicy()} if offload else {}
+    _shard_ours(model, mp, **kwargs)
+    if when == "after":
+        model.half()
+    for name, p in model.named_parameters():
+        assert isinstance(p, DTensor) and p.dtype == fp16 and p.to_local().dtype == fp16, name
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    gather_dtype = str(param_dtype or fp16)
+    reduce_dtype_str = str(reduce_dtype or param_dtype or fp16)
+    for step in range(STEPS):
+        with trace_collectives() as t:
+            loss = lm_loss(model, batch_for(step, world_size, rank))
+            loss.backward()
+        assert {str(r.dtype) for r in t.records if r.kind == "all_gather"} == {gather_dtype}, t.render()
+        assert {str(r.dtype) for r in t.records if r.kind == "reduce_scatter"} == {reduce_dtype_str}, t.render()
+        ref_losses = _reference_step(ref, step, world_size, param_dtype, reduce_dtype)
+        assert_close_tensors(loss.detach(), ref_losses[rank], exact=True, msg=f"step {step} loss")
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert isinstance(p.grad, DTensor) and p.grad.dtype == fp16, name
+            assert_close_tensors(p.grad, q.grad, exact=True, msg=f"step {step} grad {name}")
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert_close_tensors(p, q, exact=True, msg=f"step {step} param {name}")
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize(
+    "param_dtype, reduce_dtype",
+    [(None, None), (fp16, fp32), (fp32, None)],
+    ids=["pure-fp16", "param-fp16-reduce-fp32", "param-fp32-on-fp16-model"],
+)
+def test_fp16_model(when: str, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> None:
+    """`model.half()` before or after fully_shard: fp16 DTensor params and grads, all-gather
+    and reduce-scatter in the policy's dtypes, bit-identical to a single-process reference."""
+    run_on_ranks(_pure_fp16, 2, when, param_dtype, reduce_dtype, False)
+
+
+def test_fp16_model_with_cpu_offload() -> None:
+    """The same with CPU offload (parameters and grads on the CPU, in fp16)."""
+    run_on_ranks(_pure_fp16, 2, "after", fp16, fp32, True)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("arg", ["param_dtype", "reduce_dtype", "output_dtype"])
+@pytest.mark.parametrize("value", [torch.int32, torch.int64, torch.bool, torch.complex64])
+def test_non_floating_dtype_raises(arg: str, value: torch.dtype) -> None:
+    with pytest.raises(ValueError, match=rf"MixedPrecisionPolicy.*'{arg}'.*{value}"):
+        MixedPrecisionPolicy(**{arg: value})
+
+
+@pytest.mark.parametrize("value", ["bf16", torch.ones(1), 16])
+def test_non_dtype_raises(value: object) -> None:
+    with pytest.raises(TypeError, match=r"MixedPrecisionPolicy.*'param_dtype'.*must be a torch.dtype"):
+        MixedPrecisionPolicy(param_dtype=value)  # type: ignore[arg-type]
+
+
+def _wrong_policy_type(rank: int, world_size: int) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+
+    for bad in (TorchMP(param_dtype=bf16), {"param_dtype": bf16}, bf16):
+        with pytest.raises(TypeError, match=r"fully_shard: 'mp_policy' must be a MixedPrecisionPolicy"):
+            fully_shard(nn.Linear(2, 2), mp_policy=bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"'cast_forward_inputs' must be a bool"):
+        MixedPrecisionPolicy(cast_forward_inputs=1)  # type: ignore[arg-type]
+
+
+def test_wrong_policy_type_raises() -> None:
+    run_on_ranks(_wrong_policy_type, 2)

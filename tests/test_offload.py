@@ -1,0 +1,168 @@
+"""CPU offload (`CPUOffloadPolicy`): sharded parameters and gradients live on the CPU, the
+optimizer steps there, training is identical to training without offload.
+
+On this CPU-only machine the compute device is the CPU as well, so the copies are no-ops, but
+the offload code paths (storage placement, pinning decisions, gradient copy-back) still run;
+in particular the default `pin_memory=True` must not fail without an accelerator (PyTorch
+FSDP2 does). The GPU variant (2 GPUs, NCCL) checks parameters and gradients on the CPU with
+compute on CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from _harness import assert_close_tensors, count_collectives, requires_gpus, run_on_ranks
+from _models import TinyTransformer, batch_for, lm_loss
+from composable import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy, fully_shard
+
+STEPS = 3
+
+
+def _wrap(model: TinyTransformer, **kwargs: object) -> TinyTransformer:
+    for layer in model.layers:
+        fully_shard(layer, **kwargs)
+    return fully_shard(model, **kwargs)
+
+
+def _train_pair(rank: int, world_size: int, device: str, mp: MixedPrecisionPolicy, strategy: ShardingStrategy,
+                pin_memory: bool = True) -> None:
+    """The same model with and without offload: identical losses, gradients and parameters
+    over several SGD steps; with offload everything the optimizer touches is on the CPU."""
+    mesh = init_device_mesh(device, (world_size,))
+    models = []
+    for offload in (OffloadPolicy(), CPUOffloadPolicy(pin_memory=pin_memory)):
+        torch.manual_seed(0)
+        models.append(_wrap(TinyTransformer(), mesh=mesh, mp_policy=mp, strategy=strategy, offload_policy=offload))
+    plain, offloaded = models
+    assert fully_shard.state(offloaded).offload_policy == CPUOffloadPolicy(pin_memory=pin_memory)
+    for name, p in offloaded.named_parameters():
+        assert isinstance(p, DTensor) and p.device.type == "cpu" and p.to_local().device.type == "cpu", name
+        if not torch.cuda.is_available():  # pinning needs an accelerator: skipped, no failure
+            assert not p.to_local().is_pinned(), name
+        elif device == "cuda":  # pinned for asynchronous host-to-device copies
+            assert p.to_local().is_pinned() == pin_memory, name
+    for name, p in plain.named_parameters():
+        assert p.device.type == device, name
+    compute_dtype = mp.param_dtype or torch.float32
+    seen: list[tuple[str, torch.dtype]] = []
+    offloaded.layers[0].qkv.register_forward_pre_hook(lambda m, a: seen.append((m.weight.device.type, m.weight.dtype)))
+    # SGD with momentum (its state must live on the CPU too). Not Adam: on CUDA the offloaded
+    # optimizer steps on the CPU and the other on the GPU, 1-ulp apart, and Adam would blow that
+    # up on the exactly-zero key-bias gradients. On the CPU the kernels are the same: identical.
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for m in models]
+    tol = {"exact": True} if device == "cpu" else {"rtol": 1e-4, "atol": 1e-5} if mp.param_dtype is None else {"rtol": 2e-2, "atol": 2e-3}
+    for step in range(STEPS):
+        tokens = batch_for(step, world_size, rank).to(device)
+        losses = []
+        for model in models:
+            with count_collectives() as comm:
+                loss = lm_loss(model, tokens)
+                loss.backward()
+            losses.append(loss.detach().cpu())
+            assert comm.counts["reduce_scatter" if strategy is not ShardingStrategy.NO_SHARD else "all_reduce"] == 3
+        # Computation happened on the compute device, in the compute dtype.
+        assert seen[-1] == (device, compute_dtype), seen
+        assert_close_tensors(losses[0], losses[1], **(tol if step else {"exact": True}), msg=f"step {step} loss")
+        for (name, p), q in zip(offloaded.named_parameters(), plain.parameters()):
+            assert p.grad.device.type == "cpu" and p.grad.dtype == p.dtype, name
+            assert isinstance(p.grad, DTensor) and p.grad.placements == p.placements, name
+            assert_close_tensors(p.grad.full_tensor().to(device), q.grad, **(tol if step else {"exact": True}), msg=f"step {step} grad {name}")
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        for (name, p), q in zip(offloaded.named_parameters(), plain.parameters()):
+            assert p.device.type == "cpu", name
+            assert_close_tensors(p.full_tensor().to(device), q, **tol, msg=f"step {step} param {name}")
+    # The optimizer state lives where the sharded parameters do: on the CPU.
+    for p in offloaded.parameters():
+        for value in opts[1].state[p].values():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                assert value.device.type == "cpu" and isinstance(value, DTensor)
+
+
+@pytest.mark.parametrize("strategy", [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD],
+                         ids=lambda s: s.name)
+@pytest.mark.parametrize("mp", [MixedPrecisionPolicy(), MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)],
+                         ids=["fp32", "bf16"])
+def test_offload_parity_cpu(mp: MixedPrecisionPolicy, strategy: ShardingStrategy) -> None:
+    """CPU offload with the default pin_memory=True on a machine without an accelerator:
+    no failure, no pinning, parameters/grads/optimizer state on the CPU, identical training."""
+    run_on_ranks(_train_pair, 2, "cpu", mp, strategy)
+
+
+def test_offload_without_pinning_cpu() -> None:
+    run_on_ranks(_train_pair, 2, "cpu", MixedPrecisionPolicy(), ShardingStrategy.FULL_SHARD, False)
+
+
+def _offload_hsdp(rank: int, world_size: int) -> None:
+    mesh = init_device_mesh("cpu", (2, 2))
+    torch.manual_seed(0)
+    model = _wrap(TinyTransformer(), mesh=mesh, offload_policy=CPUOffloadPolicy())
+    torch.manual_seed(0)
+    ref = TinyTransformer()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for step in range(STEPS):
+        lm_loss(model, batch_for(step, world_size, rank)).backward()
+        lm_loss(ref, batch_for(step, world_size, None)).backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        for name, p in model.named_parameters():
+            assert p.device.type == "cpu"
+            assert_close_tensors(p, ref.get_parameter(name), msg=f"step {step} param {name}")
+
+
+def test_offload_hsdp_cpu() -> None:
+    """Offload composes with HSDP (2x2 mesh): equal to the single-process reference."""
+    run_on_ranks(_offload_hsdp, 4)
+
+
+def _bad_offload(rank: int, world_size: int) -> None:
+    from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffloadPolicy
+
+    for bad in (TorchCPUOffloadPolicy(), "cpu", True, CPUOffloadPolicy):
+        with pytest.raises(TypeError, match=r"fully_shard: 'offload_policy' must be an OffloadPolicy"):
+            fully_shard(nn.Linear(2, 2), offload_policy=bad)  # type: ignore[arg-type]
+    # The policies compare by value, so states can be inspected with ==.
+    assert CPUOffloadPolicy() == CPUOffloadPolicy(pin_memory=True) != CPUOffloadPolicy(pin_memory=False)
+    assert OffloadPolicy() == OffloadPolicy() != CPUOffloadPolicy()
+
+
+def test_wrong_offload_policy_type_raises() -> None:
+    """An offload policy of the wrong type (PyTorch's own, a string, the class) is a TypeError."""
+    run_on_ranks(_bad_offload, 2)
+
+
+# ----------------------------------------------------------------------------- GPU
+
+@requires_gpus(2)
+@pytest.mark.parametrize("mp", [MixedPrecisionPolicy(), MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)],
+                         ids=["fp32", "bf16"])
+def test_offload_parity_gpu(mp: MixedPrecisionPolicy) -> None:
+    """Parameters and gradients pinned on the CPU, compute on CUDA; identical to no offload.
+    The process group has a CPU backend too (as with PyTorch FSDP2's offload), so that DTensor
+    ops on the CPU-resident shards (full_tensor, clip_grad_norm_) can communicate."""
+    run_on_ranks(_train_pair, 2, "cuda", mp, ShardingStrategy.FULL_SHARD, backend="cpu:gloo,cuda:nccl")
+
+
+def _default_mesh_gpu(rank: int, world_size: int) -> None:
+    # A model built on the CPU (as one does for offload) with a mixed CPU/CUDA process group:
+    # the default mesh must still be a CUDA mesh, so compute runs on the GPU.
+    model = fully_shard(nn.Linear(4, 4), offload_policy=CPUOffloadPolicy())
+    assert fully_shard.state(model).mesh.device_type == "cuda"
+    assert model.weight.to_local().device.type == "cpu"
+    out = model(torch.randn(2, 4, device="cuda"))
+    assert out.device.type == "cuda"
+    out.sum().backward()
+    assert model.weight.grad.to_local().device.type == "cpu"
+
+
+@requires_gpus(2)
+def test_offload_default_mesh_gpu() -> None:
+    run_on_ranks(_default_mesh_gpu, 2, backend="cpu:gloo,cuda:nccl")
