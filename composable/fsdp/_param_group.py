@@ -13,6 +13,7 @@ Two communication modes share everything else:
 
 from __future__ import annotations
 
+import copy
 from contextlib import nullcontext
 from dataclasses import dataclass
 from enum import Enum, auto
@@ -88,6 +89,17 @@ class ParamGroup:
         self.reducer = GradReducer(self)
         self.streams = streams_for(config.device)
         self._build_flat_shard(originals, fresh=True)
+
+    # Process groups and CUDA streams are handles to shared runtime objects: a deep copy of
+    # the model (`copy.deepcopy`) shares them instead of trying to copy them.
+    _SHARED_ON_COPY = ("shard_group", "replicate_groups", "streams")
+
+    def __deepcopy__(self, memo: dict) -> "ParamGroup":
+        new = ParamGroup.__new__(ParamGroup)
+        memo[id(self)] = new
+        for name, value in vars(self).items():
+            setattr(new, name, value if name in self._SHARED_ON_COPY else copy.deepcopy(value, memo))
+        return new
 
     # -- sharded storage ----------------------------------------------------------------
     @property
