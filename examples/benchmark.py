@@ -85,6 +85,15 @@ def build(run: str, cfg, device: torch.device) -> tuple[nn.Module, Callable[[], 
     return model, nullcontext
 
 
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor, autocast: Callable[[], object]) -> torch.Tensor:
+    with autocast():
+        loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
 def time_run(run: str, args: argparse.Namespace, device: torch.device) -> dict:
     cfg = get_config(args.preset, max_seq_len=args.seq_len)
     torch.manual_seed(0)
@@ -97,11 +106,7 @@ def time_run(run: str, args: argparse.Namespace, device: torch.device) -> dict:
     torch.cuda.reset_peak_memory_stats()
     for step in range(args.warmup + args.steps):
         start = time.perf_counter()
-        with autocast():
-            loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = train_step(model, opt, tokens, autocast)
         torch.cuda.synchronize()
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
@@ -128,11 +133,7 @@ def profile_steps(run: str, model: nn.Module, opt: torch.optim.Optimizer, tokens
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(2):
-            with autocast():
-                loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            train_step(model, opt, tokens, autocast)
         torch.cuda.synchronize()
     if dist.get_rank() == 0:
         events = prof.key_averages()

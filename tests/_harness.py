@@ -70,7 +70,10 @@ def _worker_main(conn: Connection, fault_path: str) -> None:
     """Worker loop: receive a task, run it on a fresh process group, send back the outcome."""
     # A segfault or abort kills the worker without a traceback: faulthandler writes the
     # Python stacks to a file that the parent puts into the RankError.
-    faulthandler.enable(open(fault_path, "w"), all_threads=True)  # noqa: SIM115
+    # SIGUSR1 dumps the stacks of a hung worker there before the parent kills it.
+    fault_file = open(fault_path, "w")  # noqa: SIM115 - open for the life of the worker
+    faulthandler.enable(fault_file, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, fault_file, all_threads=True)
     # Ctrl-C is for the parent; it tears the pool down itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     with contextlib.suppress(Exception):  # die with the parent even if it is SIGKILLed
@@ -104,6 +107,11 @@ def _worker_main(conn: Connection, fault_path: str) -> None:
             if "nccl" in backend:
                 torch.cuda.set_device(rank)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+            # gloo's init is no barrier: a rank that finishes fn and destroys its group early
+            # would break a slow peer's connection handshake. Wait until all are connected.
+            if store.add("initialised", 1) == world_size:
+                store.set("all_initialised", "1")
+            store.wait(["all_initialised"])
             torch.manual_seed(0)
             random.seed(0)
             torch.set_default_dtype(torch.float32)
@@ -161,12 +169,26 @@ class _Pool:
             self.procs[slot], self.conns[slot], self.ready[slot] = p, parent, False
             self.fault_paths[slot] = fault_path
 
-    def death_note(self, slot: int) -> str:
-        """Why the worker of ``slot`` died: exit code and any faulthandler output."""
-        self.procs[slot].join(1.0)
+    def fault_text(self, slot: int) -> str:
         with contextlib.suppress(OSError), open(self.fault_paths[slot]) as f:
-            stacks = f.read().strip()
-        return f"{stacks if stacks else ''}\nworker died (exit code {self.procs[slot].exitcode})"
+            return f.read().strip()
+        return ""
+
+    def death_note(self, slot: int) -> str:
+        """Why the worker of ``slot`` died: faulthandler's stacks and the exit code."""
+        self.procs[slot].join(1.0)
+        return f"{self.fault_text(slot)}\nworker died (exit code {self.procs[slot].exitcode})"
+
+    def stacks(self, slots: list[int]) -> str:
+        """The Python stacks of hung workers, dumped by faulthandler on SIGUSR1."""
+        for i in slots:
+            with contextlib.suppress(Exception):
+                os.kill(self.procs[i].pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline and not all(self.fault_text(i) for i in slots):
+            time.sleep(0.05)
+        return "".join(f"\n----- stack of hung rank {i} -----\n{self.fault_text(i)}"
+                       for i in slots)
 
     def wait_ready(self, n: int) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -261,20 +283,23 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any,
                 (results if ok else errors)[rank] = payload
                 if not ok:  # the others may wait forever in a collective it never joins
                     deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+        stuck = sorted(pending.values())
+        stacks = pool.stacks(stuck) if stuck else ""
     finally:  # also on KeyboardInterrupt: a worker still busy would answer the next call
         stuck = sorted(pending.values())
         dead = [r for r in errors if not pool.procs[r].is_alive()]
         for slot in stuck + dead:  # a wedged process group cannot be reused: fresh workers
             pool.start(slot)
     if errors:
-        raise _rank_error(errors, results, stuck)
+        raise _rank_error(errors, results, stuck, stacks)
     if stuck:
         raise TimeoutError(f"run_on_ranks({getattr(fn, '__name__', fn)}): ranks {stuck} of "
-                           f"{world_size} did not finish within {timeout} s (killed)")
+                           f"{world_size} did not finish within {timeout} s (killed){stacks}")
     return [results[r] for r in range(world_size)]
 
 
-def _rank_error(errors: dict[int, str], results: dict[int, Any], stuck: list[int]) -> RankError:
+def _rank_error(errors: dict[int, str], results: dict[int, Any], stuck: list[int],
+                stacks: str) -> RankError:
     # Root causes first: a peer's failure shows up as a gloo/NCCL error on the others.
     errors = {r: errors[r] for r in sorted(errors, key=lambda r: (_is_peer_failure(errors[r]), r))}
     lines = [f"rank {r} failed: {tb.strip().splitlines()[-1]}" for r, tb in errors.items()]
@@ -285,7 +310,7 @@ def _rank_error(errors: dict[int, str], results: dict[int, Any], stuck: list[int
         lines.append(f"ranks {sorted(results)} returned normally: did they skip a collective "
                      "the others issued?")
     lines += [f"\n----- traceback of rank {r} -----\n{tb.rstrip()}" for r, tb in errors.items()]
-    return RankError("\n".join(lines), errors)
+    return RankError("\n".join(lines) + stacks, errors)
 
 
 def _is_peer_failure(tb: str) -> bool:
