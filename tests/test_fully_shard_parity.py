@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from _harness import assert_close_tensors, requires_gpus, run_on_ranks
@@ -165,9 +166,11 @@ def _parity_with_torch_fsdp(rank: int, world: int, reshard_after_forward: bool) 
 
     theirs = TinyTransformer()
     ours = copy.deepcopy(theirs)
+    # FSDP2's default mesh is a CUDA one wherever CUDA exists, even under gloo: be explicit.
+    mesh = init_device_mesh("cpu", (world,))
     for block in theirs.layers:
-        torch_fully_shard(block, reshard_after_forward=reshard_after_forward)
-    torch_fully_shard(theirs, reshard_after_forward=reshard_after_forward)
+        torch_fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    torch_fully_shard(theirs, mesh=mesh, reshard_after_forward=reshard_after_forward)
     for block in ours.layers:
         fully_shard(block, reshard_after_forward=reshard_after_forward)
     fully_shard(ours, reshard_after_forward=reshard_after_forward)

@@ -322,7 +322,9 @@ class GradReducer:
             if all(red.assigned) and red.assigned:
                 continue
             present_anywhere = red.present
-            if red.with_presence:  # undo the averaging of the flags: > 0 means some rank had it
+            if red.with_presence and not all(red.present):
+                # Only a locally missing gradient needs the flags (> 0: some rank had one); the
+                # read waits for the reduction, so skip it in the common all-present case.
                 present_anywhere = (out[-len(red.params):] > 0).tolist()
             target_device = torch.device("cpu") if cfg.offload else cfg.device
             out = out.to(device=target_device, dtype=g.orig_dtype)
