@@ -1,13 +1,9 @@
-"""Test harness: multi-process runs, the fake process group, collective counting.
+"""Test harness: the one place for multi-process machinery and for every use of the private
+``torch.testing._internal``. Tests import it as ``from _harness import ...``.
 
-This is the one place for multi-process machinery and for every use of the private
-``torch.testing._internal``; tests import from here (``from _harness import ...``).
-
-- ``run_on_ranks(fn, world_size)`` runs ``fn(rank, world_size, ...)`` on a persistent pool of
-  spawned workers, each call on a fresh process group. Spawning per test costs 3.5-9 s on
-  2 cores; the pool costs a few hundredths of a second per call.
-- ``fake_process_group(world_size, rank)`` pretends to be one rank of any world in this process.
-- ``count_collectives()`` / ``trace_collectives()`` record the collectives issued in a block.
+``run_on_ranks`` uses a persistent pool of spawned workers (a few hundredths of a second per
+call, where spawning per test costs 3.5-9 s on 2 cores); ``fake_process_group`` makes this
+process one rank of any world; ``count_collectives``/``trace_collectives`` record collectives.
 """
 
 from __future__ import annotations
@@ -54,10 +50,7 @@ STARTUP_TIMEOUT_S = 180.0  # spawning + importing torch; generous for a loaded 2
 
 
 class RankError(AssertionError):
-    """One or more ranks raised (or died, or hung after another rank failed).
-
-    ``errors`` maps each failing rank to its remote traceback text.
-    """
+    """Ranks raised, died, or hung after another failed; ``errors``: rank -> remote traceback."""
 
     def __init__(self, message: str, errors: dict[int, str]) -> None:
         super().__init__(message)
@@ -66,11 +59,20 @@ class RankError(AssertionError):
 
 # ----------------------------------------------------------------------------- worker side
 
+def _forget_sharding_cache() -> None:
+    """DTensor caches sharding propagation keyed by meshes that compare equal across process
+    groups (same ranks): in a persistent worker a later test could reuse a decision naming
+    this test's destroyed group ("Could not resolve the process group", seen on torch 2.11)."""
+    with contextlib.suppress(Exception):
+        from torch.distributed.tensor import DTensor
+
+        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+
+
 def _worker_main(conn: Connection, fault_path: str) -> None:
     """Worker loop: receive a task, run it on a fresh process group, send back the outcome."""
-    # A segfault or abort kills the worker without a traceback: faulthandler writes the
-    # Python stacks to a file that the parent puts into the RankError.
-    # SIGUSR1 dumps the stacks of a hung worker there before the parent kills it.
+    # A segfault or abort leaves no traceback: faulthandler writes the Python stacks to a file
+    # that the parent puts into the RankError; on SIGUSR1 it dumps the stacks of a hung worker.
     fault_file = open(fault_path, "w")  # noqa: SIM115 - open for the life of the worker
     faulthandler.enable(fault_file, all_threads=True)
     faulthandler.register(signal.SIGUSR1, fault_file, all_threads=True)
@@ -89,12 +91,10 @@ def _worker_main(conn: Connection, fault_path: str) -> None:
     while True:
         try:
             task = conn.recv()
-        except EOFError:
-            return
-        if task is None:
+        except EOFError:  # the parent is gone
             return
         call_id, rank, world_size, port, backend, blob = task
-        ok, payload = True, None
+        ok, payload, in_fn = True, None, False
         try:
             sys_path, filters, fn, args, kwargs = pickle.loads(blob)
             sys.path.extend(p for p in sys_path if p not in sys.path)
@@ -120,18 +120,24 @@ def _worker_main(conn: Connection, fault_path: str) -> None:
                 if filters is not None:
                     warnings.filters[:] = filters
                     getattr(warnings, "_filters_mutated", lambda: None)()
+                in_fn = True
                 payload = fn(rank, world_size, *args, **kwargs)
         except BaseException:  # noqa: BLE001 - everything goes back to the parent
             ok, payload = False, traceback.format_exc()
-        finally:
-            with contextlib.suppress(Exception):
-                if dist.is_initialized():
-                    dist.destroy_process_group()
+        healthy = in_fn  # a failed init/rendezvous may leave c10d state half made
         try:
-            conn.send((call_id, ok, payload))
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            _forget_sharding_cache()
+        except Exception:  # noqa: BLE001
+            healthy = False
+        try:
+            conn.send((call_id, ok, payload, healthy))
         except Exception:  # noqa: BLE001 - an unpicklable return value
             conn.send((call_id, False, f"return value of rank {rank} is not picklable:\n"
-                                       + traceback.format_exc()))
+                                       + traceback.format_exc(), healthy))
+        if not healthy:
+            return  # the parent replaces this worker
 
 
 # ----------------------------------------------------------------------------- parent side
@@ -204,15 +210,9 @@ class _Pool:
                 self.ready[i] = True
 
     def shutdown(self) -> None:
-        for c in self.conns:
-            with contextlib.suppress(Exception):
-                c.send(None)  # idle workers exit at once; busy ones are killed below
-        deadline = time.monotonic() + 2.0
-        for p in self.procs:
-            p.join(max(0.0, deadline - time.monotonic()))
+        for p, c in zip(self.procs, self.conns):  # idle workers hold nothing worth flushing
             p.kill()
-        for p, c in zip(self.procs, self.conns):
-            p.join(1.0)
+            p.join(2.0)
             c.close()
         self.procs, self.conns, self.ready = [], [], []
         shutil.rmtree(self.tmpdir, ignore_errors=True)
@@ -270,25 +270,26 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any,
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
     pending = {pool.conns[r]: r for r in range(world_size)}
+    retire: list[int] = []  # dead, or failed outside fn: replace them
     deadline = time.monotonic() + timeout
     try:
         while pending and time.monotonic() < deadline:
             for conn in wait(list(pending), timeout=max(0.0, deadline - time.monotonic())):
                 rank = pending.pop(conn)
                 try:
-                    call_id, ok, payload = conn.recv()
+                    call_id, ok, payload, healthy = conn.recv()
                     assert call_id == pool.call_id, "stale message from a harness worker"
                 except EOFError:
-                    ok, payload = False, pool.death_note(rank)
+                    ok, payload, healthy = False, pool.death_note(rank), False
+                if not healthy:
+                    retire.append(rank)
                 (results if ok else errors)[rank] = payload
                 if not ok:  # the others may wait forever in a collective it never joins
                     deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
-        stuck = sorted(pending.values())
-        stacks = pool.stacks(stuck) if stuck else ""
     finally:  # also on KeyboardInterrupt: a worker still busy would answer the next call
         stuck = sorted(pending.values())
-        dead = [r for r in errors if not pool.procs[r].is_alive()]
-        for slot in stuck + dead:  # a wedged process group cannot be reused: fresh workers
+        stacks = pool.stacks(stuck) if stuck else ""
+        for slot in stuck + retire:  # a wedged process group cannot be reused: fresh workers
             pool.start(slot)
     if errors:
         raise _rank_error(errors, results, stuck, stacks)

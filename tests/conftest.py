@@ -5,7 +5,10 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# pytest's default import mode already does this; `--import-mode=importlib` does not.
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
 
 try:
     from hypothesis import HealthCheck, settings

@@ -175,6 +175,12 @@ def test_dead_worker_is_reported_with_its_stack_and_replaced() -> None:
     assert run_on_ranks(_all_reduce_ranks, 2) == [3.0, 3.0]
 
 
+def test_failed_init_retires_the_workers() -> None:
+    with pytest.raises(RankError, match="(?s)rank 0 failed.*bogus"):
+        run_on_ranks(_noop, 2, backend="bogus")
+    assert run_on_ranks(_all_reduce_ranks, 2) == [3.0, 3.0]
+
+
 def test_unpicklable_result_and_fn() -> None:
     with pytest.raises(RankError, match="not picklable"):
         run_on_ranks(_unpicklable_result, 2)
