@@ -55,6 +55,7 @@ class ModuleState:
         self.backward_prefetch: list[ModuleState] = []
         self._forward_order: list[ModuleState] = []  # root only: post-forward order this iteration
         self._forward_index: int | None = None  # position in the root's forward order
+        self._ran_forward_with_grad = False  # since the last end of backward
         self._hook_handles = [
             module.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
             module.register_forward_hook(self._post_forward, always_call=False),
@@ -119,6 +120,7 @@ class ModuleState:
         if self.is_root:
             self._root_pre_forward()
         self.training_state = TrainingState.FORWARD
+        self._ran_forward_with_grad |= torch.is_grad_enabled()
         if self.group is not None:
             self.group.unshard()
             self._after_unshard()
@@ -229,6 +231,7 @@ class ModuleState:
                 group.reshard()
             state.training_state = TrainingState.IDLE
             state._forward_index = None
+            state._ran_forward_with_grad = False
         for state in self._tree_states:
             if state.group is not None:
                 state.group.finish_reduce()

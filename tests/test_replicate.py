@@ -406,3 +406,21 @@ def _unused_parameters(rank: int, world_size: int, used_on: str) -> None:
 ])
 def test_unused_parameters_match_ddp_find_unused(used_on: str) -> None:
     run_on_ranks(_unused_parameters, 2, used_on=used_on)
+
+
+def _replicated_child_counts(rank: int, world_size: int) -> list[int]:
+    """replicate on an inner module whose inputs require grad: its post-backward and the end of
+    backward both flush; the second flush must not re-send the buckets."""
+    model = Tree()
+    model.b.register_parameter("unused", nn.Parameter(torch.zeros(2)))  # its bucket waits for a flush
+    replicate(model.b, bucket_cap_mb=1e-9)  # weight, bias, unused: one bucket each
+    counts = []
+    for step in range(3):
+        with count_collectives() as comm:
+            loss_fn(model, data(step, rank)).backward()
+        counts.append(comm.counts["all_reduce"])
+    return counts
+
+
+def test_inner_replicate_sends_each_bucket_once_per_backward() -> None:
+    assert run_on_ranks(_replicated_child_counts, 2) == [[3, 3, 3]] * 2

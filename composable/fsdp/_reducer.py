@@ -268,10 +268,10 @@ class GradReducer:
         late = [mp for i in sorted(self._launched) for mp in buckets[i] if self.has_grads(mp)]
         for index in range(self._next_bucket, len(buckets)):
             self._launch_bucket(index)
+        self._next_bucket = len(buckets)  # a second flush in this backward launches only late ones
         if late:
             grads, present = self._take_grads(late)
             self._launch_all_reduce(late, grads, present)
-        self._reset_buckets()
 
     def _reset_buckets(self) -> None:
         self._ready.clear()
