@@ -26,41 +26,31 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import dataclasses
-import json
 import math
 import os
-import shutil
 import socket
 import sys
 import time
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:  # model.py and data.py live next to this file
+if HERE not in sys.path:  # model.py, data.py, parallel.py, ... live next to this file
     sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 import torch.nn as nn  # noqa: E402
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
 
-from composable import (  # noqa: E402
-    CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, ShardedGradScaler, checkpoint,
-    clip_grad_norm_, fully_shard, no_sync, replicate,
-)
+from composable import ShardedGradScaler, clip_grad_norm_, fully_shard, no_sync  # noqa: E402
+
+# The example's own modules (found through HERE above, under torchrun and mp.spawn alike):
+from checkpointing import CKPT_DIR, checkpoint_dirs, load_checkpoint, save_checkpoint  # noqa: E402
 from data import VOCAB_SIZE, ByteCorpus, get_batch  # noqa: E402
 from model import PRESETS, ModelConfig, Transformer, count_parameters, get_config, lm_loss  # noqa: E402
-
-DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class UsageError(ValueError):
-    """Flags that do not fit the world size or the model (reported without a traceback)."""
+from parallel import UsageError, build_mesh, parallelize  # noqa: E402
+from reporting import memory_string, print_summary, write_outputs  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -179,58 +169,7 @@ def _run_rank(args: argparse.Namespace) -> int:
     return 0
 
 
-# ----------------------------------------------------------------------------- setup
-
-def build_mesh(args: argparse.Namespace, device_type: str) -> tuple[DeviceMesh, DeviceMesh, int, int]:
-    """(mesh for parallelize, data-parallel mesh, data-parallel rank, data-parallel size)."""
-    world = dist.get_world_size()
-    if args.parallel == "tp":
-        if world % args.tp_size:
-            raise UsageError(f"--tp-size {args.tp_size} does not divide the world size {world}")
-        mesh = init_device_mesh(device_type, (world // args.tp_size, args.tp_size), mesh_dim_names=("dp", "tp"))
-        return mesh, mesh["dp"], mesh["dp"].get_local_rank(), mesh["dp"].size()
-    if args.parallel == "hsdp":
-        shard = args.hsdp_shard_size or max(1, world // 2)
-        if world % shard:
-            raise UsageError(f"--hsdp-shard-size {shard} does not divide the world size {world}")
-        mesh = init_device_mesh(device_type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
-        return mesh, mesh, dist.get_rank(), world
-    mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("dp",))
-    return mesh, mesh, dist.get_rank(), world
-
-
-def mp_policy_for(name: str) -> MixedPrecisionPolicy:
-    dtype = DTYPES[name]
-    # Gradients are reduced in fp32 whatever the compute dtype: cheap insurance for the sum.
-    return MixedPrecisionPolicy() if dtype is None else MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-
-
-def parallelize(model: Transformer, args: argparse.Namespace, mesh: DeviceMesh, dp_mesh: DeviceMesh) -> None:
-    """Apply checkpoint / tensor parallelism / fully_shard or replicate, in that order:
-    per block first, then the root (which then manages only the embeddings, final norm and head)."""
-    mp_policy = mp_policy_for(args.mp)
-    if args.activation_checkpointing:
-        for block in model.layers:
-            checkpoint(block)
-    if args.parallel == "tp":
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-        if model.cfg.n_heads % args.tp_size:
-            raise UsageError(f"--tp-size {args.tp_size} must divide n_heads {model.cfg.n_heads}")
-        # Megatron-style: q/k/v and w1/w3 split by output features (heads), wo/w2 by input
-        # features with an all-reduce after. Norms, embeddings and head stay replicated over tp.
-        plan = {name: ColwiseParallel() for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")}
-        plan.update({name: RowwiseParallel() for name in ("attention.wo", "feed_forward.w2")})
-        for block in model.layers:
-            parallelize_module(block, mesh["tp"], plan)
-    if args.parallel == "replicate":
-        replicate(model, mesh=dp_mesh, mp_policy=mp_policy)
-        return
-    offload = CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()
-    for block in model.layers:
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload)
-
+# ----------------------------------------------------------------------------- optimizer
 
 def build_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
     # No weight decay on gains (1D): decaying RMSNorm weights towards 0 only hurts.
@@ -247,150 +186,6 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
         return args.lr * step / max(1, warmup)
     progress = (step - warmup) / max(1, args.steps - warmup)
     return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
-
-
-# ----------------------------------------------------------------------------- checkpoints
-
-CKPT_DIR = "checkpoints"
-STATE_FILE = "trainer_state.json"
-
-
-def checkpoint_dirs(out: str) -> list[tuple[int, str]]:
-    """Complete checkpoints under `out`, oldest first. A `.tmp` directory is an unfinished save."""
-    root = os.path.join(out, CKPT_DIR)
-    found = []
-    if os.path.isdir(root):
-        for name in os.listdir(root):
-            path = os.path.join(root, name)
-            if name.startswith("step_") and name[5:].isdigit() and os.path.isfile(os.path.join(path, STATE_FILE)):
-                found.append((int(name[5:]), path))
-    return sorted(found)
-
-
-def _dcp_save(state: dict[str, Any], path: str) -> None:
-    """The collective write of one checkpoint (a seam for tests to simulate a crash)."""
-    dcp.save(state, checkpoint_id=path)
-
-
-def save_checkpoint(out: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict[str, Any], keep: int) -> str:
-    """Write `checkpoints/step_N/` atomically: every rank writes into `step_N.tmp/`; after a
-    barrier rank 0 renames it. A crash before the rename leaves the previous checkpoints as
-    they were (the `.tmp` leftover is ignored by resume and cleared by the next save)."""
-    rank = dist.get_rank()
-    root = os.path.join(out, CKPT_DIR)
-    final = os.path.join(root, f"step_{step:07d}")
-    tmp = final + ".tmp"
-    if rank == 0:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-    dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    # RNG per rank (keyed by rank: DCP keeps one copy of same-named plain tensors).
-    state = {"model": model_sd, "optim": optim_sd, "rng": {f"rank{rank}": torch.get_rng_state()}}
-    _dcp_save(state, tmp)
-    if rank == 0:
-        _write_json(os.path.join(tmp, STATE_FILE), trainer_state)  # its presence marks a complete save
-    dist.barrier()  # every rank's shards are on disk
-    if rank == 0:
-        old = final + ".old"
-        if os.path.exists(final):  # saving the same step again (after a resume)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        shutil.rmtree(old, ignore_errors=True)
-        for _, path in checkpoint_dirs(out)[:-keep]:
-            shutil.rmtree(path, ignore_errors=True)
-    dist.barrier()
-    return final
-
-
-def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Load a checkpoint written by `save_checkpoint` in place; returns its trainer state."""
-    rank = dist.get_rank()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd, "rng": {f"rank{rank}": torch.get_rng_state()}}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    torch.set_rng_state(state["rng"][f"rank{rank}"])
-    with open(os.path.join(path, STATE_FILE)) as f:
-        return json.load(f)
-
-
-def _write_json(path: str, obj: Any) -> None:
-    tmp = path + ".part"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_dir(path: str) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-# ----------------------------------------------------------------------------- metrics
-
-def memory_string(device: torch.device) -> tuple[float, str]:
-    """(GiB, label): CUDA max allocated on a GPU, the process's resident set on the CPU."""
-    if device.type == "cuda":
-        gib = torch.cuda.max_memory_allocated(device) / 2**30
-        return gib, f"{gib:.2f}GiB alloc"
-    gib = _rss_bytes() / 2**30
-    return gib, f"{gib * 1024:.0f}MiB rss"
-
-
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        import resource  # peak, not current, but what the platform offers
-
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return rss if sys.platform == "darwin" else rss * 1024
-
-
-def write_outputs(out: str, history: list[dict[str, Any]], summary: dict[str, Any], title: str, say: Any) -> None:
-    """metrics.json, metrics.csv and loss.png under `out` (rank 0)."""
-    os.makedirs(out, exist_ok=True)
-    _write_json(os.path.join(out, "metrics.json"), {"summary": summary, "history": history})
-    fields = ["step", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "mem_gib", "time_s"]
-    with open(os.path.join(out, "metrics.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(history)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        say("matplotlib is not installed: skipping loss.png (pip install matplotlib)")
-        return
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    steps = [h["step"] for h in history]
-    ax.plot(steps, [h["loss"] for h in history], lw=0.8, alpha=0.5, label="train (per step)")
-    if len(history) >= 10:
-        k = max(2, len(history) // 25)
-        smooth = [sum(h["loss"] for h in history[max(0, i - k + 1): i + 1]) / len(history[max(0, i - k + 1): i + 1]) for i in range(len(history))]
-        ax.plot(steps, smooth, lw=1.6, label=f"train ({k}-step mean)")
-    val = [(h["step"], h["val_loss"]) for h in history if h.get("val_loss") is not None]
-    if val:
-        ax.plot(*zip(*val), "o-", lw=1.6, label="validation (held out)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/byte)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "loss.png"), dpi=120)
-    plt.close(fig)
 
 
 # ----------------------------------------------------------------------------- training
@@ -553,26 +348,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if rank == 0:
         write_outputs(args.out, history, summary, title, say)
         if verbose:
-            _print_summary(summary, args.out)
+            print_summary(summary, args.out)
     return {**summary, "history": history}
-
-
-def _print_summary(s: dict[str, Any], out: str) -> None:
-    fmt = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
-    lines = [
-        "", "summary",
-        f"  model         {s['preset']}, {s['params'] / 1e6:.2f}M parameters",
-        f"  parallelism   --parallel {s['parallel']}, --mp {s['mp']}, {s['world_size']} ranks on {s['device']}",
-        f"  steps         {s['steps']}" + (f" (resumed from {s['resumed_from']})" if s["resumed_from"] else ""),
-        f"  train loss    {fmt(s['first_train_loss'], '.4f')} -> {fmt(s['final_train_loss'], '.4f')}",
-        f"  val loss      {fmt(s['final_val_loss'], '.4f')}",
-        f"  throughput    {fmt(s['tokens_per_s'], ',.0f')} tokens/s ({fmt(s['tokens_per_s_per_rank'], ',.0f')} per rank)",
-        f"  memory        {fmt(s['peak_mem_gib'], '.2f')} GiB peak (rank 0)",
-        f"  time          {s['train_time_s']:.1f} s training, {s['wall_time_s']:.1f} s in all",
-        f"  outputs       {os.path.join(out, 'metrics.json')}, metrics.csv, loss.png" + (f", {CKPT_DIR}/" if s["checkpoints"] else ""),
-    ]
-    print("\n".join(lines), flush=True)
-
 
 if __name__ == "__main__":
     sys.exit(main())

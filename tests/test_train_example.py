@@ -26,6 +26,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 if str(EXAMPLES) not in sys.path:
     sys.path.insert(0, str(EXAMPLES))
 
+import checkpointing  # noqa: E402
 import train as train_script  # noqa: E402
 from model import ModelConfig, Transformer, apply_rope, count_parameters, get_config, rope_tables  # noqa: E402
 
@@ -43,7 +44,7 @@ def _train(rank: int, world_size: int, argv: list[str], crash_save_at: int | Non
     """Run train.train on this rank; with `crash_save_at`, the save of that step writes its
     files, corrupts this rank's shard and then "dies" (on every rank, like a killed job)."""
     args = train_script.parse_args(argv)
-    real_save = train_script._dcp_save
+    real_save = checkpointing._dcp_save
 
     def crashing_save(state: dict, path: str) -> None:
         if not path.endswith(f"step_{crash_save_at:07d}.tmp"):
@@ -56,13 +57,13 @@ def _train(rank: int, world_size: int, argv: list[str], crash_save_at: int | Non
         raise SimulatedCrash(path)
 
     if crash_save_at is not None:
-        train_script._dcp_save = crashing_save
+        checkpointing._dcp_save = crashing_save
     try:
         return train_script.train(args)
     except SimulatedCrash as e:
         return {"crashed": str(e)}
     finally:
-        train_script._dcp_save = real_save
+        checkpointing._dcp_save = real_save
 
 
 def _losses(result: dict) -> list[float]:

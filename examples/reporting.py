@@ -1,0 +1,90 @@
+"""What train.py reports: memory strings, metrics.json / metrics.csv, loss.png, the summary.
+
+Everything here runs on rank 0 only (or on every rank without communicating): no collectives.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import sys
+from typing import Any, Callable
+
+import torch
+
+from checkpointing import CKPT_DIR, write_json
+
+
+def memory_string(device: torch.device) -> tuple[float, str]:
+    """(GiB, label): CUDA max allocated on a GPU, the process's resident set on the CPU."""
+    if device.type == "cuda":
+        gib = torch.cuda.max_memory_allocated(device) / 2**30
+        return gib, f"{gib:.2f}GiB alloc"
+    gib = _rss_bytes() / 2**30
+    return gib, f"{gib * 1024:.0f}MiB rss"
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource  # peak, not current, but what the platform offers
+
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return rss if sys.platform == "darwin" else rss * 1024
+
+
+def write_outputs(out: str, history: list[dict[str, Any]], summary: dict[str, Any], title: str, say: Callable[[str], Any]) -> None:
+    """metrics.json, metrics.csv and loss.png under `out` (rank 0)."""
+    os.makedirs(out, exist_ok=True)
+    write_json(os.path.join(out, "metrics.json"), {"summary": summary, "history": history})
+    fields = ["step", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "mem_gib", "time_s"]
+    with open(os.path.join(out, "metrics.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(history)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        say("matplotlib is not installed: skipping loss.png (pip install matplotlib)")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    steps = [h["step"] for h in history]
+    ax.plot(steps, [h["loss"] for h in history], lw=0.8, alpha=0.5, label="train (per step)")
+    if len(history) >= 10:
+        k = max(2, len(history) // 25)
+        smooth = [sum(h["loss"] for h in history[max(0, i - k + 1): i + 1]) / len(history[max(0, i - k + 1): i + 1]) for i in range(len(history))]
+        ax.plot(steps, smooth, lw=1.6, label=f"train ({k}-step mean)")
+    val = [(h["step"], h["val_loss"]) for h in history if h.get("val_loss") is not None]
+    if val:
+        ax.plot(*zip(*val), "o-", lw=1.6, label="validation (held out)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/byte)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "loss.png"), dpi=120)
+    plt.close(fig)
+
+
+def print_summary(s: dict[str, Any], out: str) -> None:
+    """The end-of-run summary on stdout (rank 0, unless --quiet)."""
+    fmt = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
+    lines = [
+        "", "summary",
+        f"  model         {s['preset']}, {s['params'] / 1e6:.2f}M parameters",
+        f"  parallelism   --parallel {s['parallel']}, --mp {s['mp']}, {s['world_size']} ranks on {s['device']}",
+        f"  steps         {s['steps']}" + (f" (resumed from {s['resumed_from']})" if s["resumed_from"] else ""),
+        f"  train loss    {fmt(s['first_train_loss'], '.4f')} -> {fmt(s['final_train_loss'], '.4f')}",
+        f"  val loss      {fmt(s['final_val_loss'], '.4f')}",
+        f"  throughput    {fmt(s['tokens_per_s'], ',.0f')} tokens/s ({fmt(s['tokens_per_s_per_rank'], ',.0f')} per rank)",
+        f"  memory        {fmt(s['peak_mem_gib'], '.2f')} GiB peak (rank 0)",
+        f"  time          {s['train_time_s']:.1f} s training, {s['wall_time_s']:.1f} s in all",
+        f"  outputs       {os.path.join(out, 'metrics.json')}, metrics.csv, loss.png" + (f", {CKPT_DIR}/" if s["checkpoints"] else ""),
+    ]
+    print("\n".join(lines), flush=True)
