@@ -232,9 +232,14 @@ class ModuleState:
             state.training_state = TrainingState.IDLE
             state._forward_index = None
             state._ran_forward_with_grad = False
+        released = set()
         for state in self._tree_states:
-            if state.group is not None:
-                state.group.finish_reduce()
+            group = state.group
+            if group is not None:
+                group.finish_reduce()
+                if group.streams is not None and id(group.streams) not in released:
+                    released.add(id(group.streams))
+                    group.streams.end_of_backward()
         self._final_callback_queued = False
 
 

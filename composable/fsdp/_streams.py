@@ -58,6 +58,16 @@ class CommStreams:
     def after_reduce(self, event: torch.cuda.Event, buffers: Any) -> None:
         self._reduce_done, self._reduce_buffers = event, buffers
 
+    def end_of_backward(self) -> None:
+        """Drop the last all-gather's and reduce-scatter's buffers before the optimizer step
+        instead of holding them until the next iteration. Safe: the compute stream has waited
+        for every reduction (`finish`), and the next all-gather stream allocation is ordered
+        after the compute stream by `start_of_iteration`."""
+        if self._reduce_done is not None:
+            self.current().wait_event(self._reduce_done)
+        self._reduce_done, self._reduce_buffers = None, None
+        self._gather_done, self._gather_buffers = None, None
+
 
 _STREAMS: dict[torch.device, CommStreams] = {}
 
