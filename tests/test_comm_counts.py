@@ -115,7 +115,8 @@ def test_forward_without_grad_gathers_once_per_group() -> None:
 
 
 def test_sizes_are_padded_shards() -> None:
-    """Each collective moves the padded group buffer: world * sum(ceil(rows / world) * row numel)."""
+    """Each collective moves the padded group buffer: world * sum(ceil(rows / world) * row numel);
+    a reduce-scatter also carries one presence flag per gradient in every rank region."""
     with fake_process_group(WORLD):
         model = Net(2)
         for block in model.blocks:
@@ -125,7 +126,10 @@ def test_sizes_are_padded_shards() -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         phases = _step(model, opt, torch.randn(4, 8))
         assert [r.numel for r in phases["forward"].records] == expected
-        assert sorted(r.numel for r in phases["backward"].records if r.kind == "reduce_scatter") == sorted(expected)
+        flags = [WORLD * len(fully_shard.state(m).param_names) for m in [model, *model.blocks]]
+        assert sorted(r.numel for r in phases["backward"].records if r.kind == "reduce_scatter") == sorted(
+            e + f for e, f in zip(expected, flags)
+        )
         assert {r.dtype for t in phases.values() for r in t.records} == {torch.float32}
 
 
@@ -191,7 +195,10 @@ class TestTrace(expecttest.TestCase):
     in reverse forward order: the root's pre-backward gathers blocks.2, blocks.2's gathers
     blocks.1, ...); a block is reduce-scattered once its input gradients exist; blocks.0 (whose
     input needs no gradient) and the root are reduced by the end-of-backward callback, root
-    first. The optimizer step on sharded DTensors communicates nothing.
+    first. A reduce-scatter moves its group's all-gather size plus one presence flag per
+    gradient in each of the 8 rank regions (blocks.2: 64 + 8*2 = 80, root: 248 + 8*3 = 272), so
+    every rank learns which gradients any rank produced. The optimizer step on sharded DTensors
+    communicates nothing.
     """
 
     def test_full_shard_fp32(self) -> None:
@@ -204,11 +211,11 @@ forward:
 backward:
   all_gather(g[0,1,2,3,4,5,6,7], float32, 64)
   all_gather(g[0,1,2,3,4,5,6,7], float32, 88)
-  reduce_scatter(g[0,1,2,3,4,5,6,7], float32, 64)
-  all_gather(g[0,1,2,3,4,5,6,7], float32, 80)
-  reduce_scatter(g[0,1,2,3,4,5,6,7], float32, 88)
-  reduce_scatter(g[0,1,2,3,4,5,6,7], float32, 248)
   reduce_scatter(g[0,1,2,3,4,5,6,7], float32, 80)
+  all_gather(g[0,1,2,3,4,5,6,7], float32, 80)
+  reduce_scatter(g[0,1,2,3,4,5,6,7], float32, 104)
+  reduce_scatter(g[0,1,2,3,4,5,6,7], float32, 272)
+  reduce_scatter(g[0,1,2,3,4,5,6,7], float32, 96)
 optimizer:
 """)
 
@@ -222,10 +229,10 @@ forward:
   all_gather(g[0,1,2,3,4,5,6,7], bfloat16, 88)
   all_gather(g[0,1,2,3,4,5,6,7], bfloat16, 64)
 backward:
-  reduce_scatter(g[0,1,2,3,4,5,6,7], float32, 64)
-  reduce_scatter(g[0,1,2,3,4,5,6,7], float32, 88)
-  reduce_scatter(g[0,1,2,3,4,5,6,7], float32, 248)
   reduce_scatter(g[0,1,2,3,4,5,6,7], float32, 80)
+  reduce_scatter(g[0,1,2,3,4,5,6,7], float32, 104)
+  reduce_scatter(g[0,1,2,3,4,5,6,7], float32, 272)
+  reduce_scatter(g[0,1,2,3,4,5,6,7], float32, 96)
 optimizer:
 """)
 
@@ -241,14 +248,14 @@ forward:
 backward:
   all_gather(g[0,1,2,3], float32, 48)
   all_gather(g[0,1,2,3], float32, 44)
-  reduce_scatter(g[0,1,2,3], float32, 48)
-  all_reduce(g[0,4], float32, 12)
+  reduce_scatter(g[0,1,2,3], float32, 56)
+  all_reduce(g[0,4], float32, 14)
   all_gather(g[0,1,2,3], float32, 60)
-  reduce_scatter(g[0,1,2,3], float32, 44)
-  all_reduce(g[0,4], float32, 11)
-  reduce_scatter(g[0,1,2,3], float32, 204)
-  all_reduce(g[0,4], float32, 51)
-  reduce_scatter(g[0,1,2,3], float32, 60)
-  all_reduce(g[0,4], float32, 15)
+  reduce_scatter(g[0,1,2,3], float32, 52)
+  all_reduce(g[0,4], float32, 13)
+  reduce_scatter(g[0,1,2,3], float32, 216)
+  all_reduce(g[0,4], float32, 54)
+  reduce_scatter(g[0,1,2,3], float32, 68)
+  all_reduce(g[0,4], float32, 17)
 optimizer:
 """)

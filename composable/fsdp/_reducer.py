@@ -152,17 +152,21 @@ class GradReducer:
         world, dtype = g.shard_world, g.reduce_dtype
         pre, _ = _divide_factors(self.dp_world, dtype)
         # Copy-in on the compute stream, so the unsharded gradients are freed in stream order.
-        # 0-d parameters are replicated in every rank region: feed each region a copy.
-        flat_in = comm.chunk_cat([gr.expand(world) if gr.dim() == 0 else gr for gr in grads], world, dtype, cfg.device)
+        # 0-d parameters are replicated in every rank region: feed each region a copy. So are
+        # the presence flags (one per parameter, at the end of every region): after the sum,
+        # a rank knows which gradients any rank produced, even for its own missing ones.
+        flags = torch.tensor([float(p) for p in present], dtype=grads[0].dtype).to(cfg.device, non_blocking=True)
+        pieces = [gr.expand(world) if gr.dim() == 0 else gr for gr in grads] + [flags.expand(world, len(present))]
+        flat_in = comm.chunk_cat(pieces, world, dtype, cfg.device)
         if pre != 1.0:
             flat_in.div_(pre)
-        del grads
+        del grads, pieces
         streams = g.streams
         if streams is not None:
             streams.before_reduce()
         # CPU: gloo works run asynchronously and need their input until `finish`. CUDA: the
         # streams keep it alive only until the next reduce-scatter (memory stays bounded).
-        red = _Reduction(params, present, _offsets(params), flat_in, keep_alive=[flat_in] if streams is None else [])
+        red = _Reduction(params, present, _offsets(params), flat_in, keep_alive=[flat_in] if streams is None else [], with_presence=True)
         with _maybe_stream(streams.reduce if streams is not None else None):
             out = torch.empty(flat_in.numel() // world, dtype=dtype, device=cfg.device)
             red.output = out
