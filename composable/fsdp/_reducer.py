@@ -156,7 +156,7 @@ class GradReducer:
         # the presence flags (one per parameter, at the end of every region): after the sum,
         # a rank knows which gradients any rank produced, even for its own missing ones.
         flags = torch.tensor([float(p) for p in present], dtype=grads[0].dtype).to(cfg.device, non_blocking=True)
-        pieces = [gr.expand(world) if gr.dim() == 0 else gr for gr in grads] + [flags.expand(world, len(present))]
+        pieces = [gr.expand(world) if gr.dim() == 0 else gr for gr in grads] + [flags.expand(world, len(present)).contiguous()]
         flat_in = comm.chunk_cat(pieces, world, dtype, cfg.device)
         if pre != 1.0:
             flat_in.div_(pre)
