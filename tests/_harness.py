@@ -456,9 +456,11 @@ def trace_collectives() -> CollectiveTracer:
 
 # ----------------------------------------------------------------------------- misc
 
-def requires_gpus(n: int) -> pytest.MarkDecorator:
-    """Skip unless at least ``n`` CUDA devices are visible."""
-    return pytest.mark.skipif(torch.cuda.device_count() < n, reason=f"needs {n} GPU(s)")
+def requires_gpus(n: int) -> Callable[[Any], Any]:
+    """Mark a test ``gpu`` (``pytest -m gpu`` runs the GPU suite) and skip it unless at least
+    ``n`` CUDA devices are visible."""
+    skip = pytest.mark.skipif(torch.cuda.device_count() < n, reason=f"needs {n} GPU(s)")
+    return lambda test: pytest.mark.gpu(skip(test))
 
 
 def assert_close_tensors(a: Any, b: Any, *, exact: bool = False, rtol: float | None = None,
