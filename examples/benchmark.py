@@ -23,6 +23,7 @@ import time
 from typing import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # uninstalled checkout
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

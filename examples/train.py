@@ -37,6 +37,8 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:  # model.py, data.py, parallel.py, ... live next to this file
     sys.path.insert(0, HERE)
+if os.path.dirname(HERE) not in sys.path:  # a checkout that was not pip-installed still runs
+    sys.path.append(os.path.dirname(HERE))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
