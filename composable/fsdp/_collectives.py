@@ -8,7 +8,6 @@ deprecated from 2.13 on).
 
 from __future__ import annotations
 
-from contextlib import ExitStack
 from typing import Sequence
 
 import torch
@@ -40,12 +39,12 @@ def copy_out(all_gather_output: torch.Tensor, world: int, region_numels: Sequenc
     elements). One fused kernel; autograd's version counters of the outputs are preserved
     because refilling freed storage is not a mutation autograd should see.
     """
-    with torch.no_grad(), ExitStack() as stack:
-        for out in outputs:
-            stack.enter_context(torch.autograd._unsafe_preserve_version_counter(out))
+    versions = tuple(out._version for out in outputs)
+    with torch.no_grad():
         torch.split_with_sizes_copy(
             all_gather_output.view(world, -1), list(region_numels), dim=1, out=[o.view(world, -1) for o in outputs]
         )
+    torch._C._autograd._unsafe_set_version_counter(tuple(outputs), versions)
 
 
 def copy_preserving_version(dst: torch.Tensor, src: torch.Tensor) -> None:

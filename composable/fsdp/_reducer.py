@@ -81,6 +81,7 @@ class GradReducer:
         self._complete: set[int] = set()  # buckets whose gradients are all in
         self._next_bucket = 0  # buckets launch strictly in order
         self._dp_world: int | None = None
+        self._all_present: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
     # -- sizes ----------------------------------------------------------------------------
     @property
@@ -136,6 +137,16 @@ class GradReducer:
         up = mp.unsharded_param
         return (up is not None and up.grad is not None) or "acc_grad" in mp.extra
 
+    def _presence_flags(self, present: list[bool], dtype: torch.dtype) -> torch.Tensor:
+        """One flag per parameter on the compute device; the all-present case is cached."""
+        if all(present):
+            key = (len(present), dtype)
+            cached = self._all_present.get(key)
+            if cached is None:
+                cached = self._all_present[key] = torch.ones(len(present), dtype=dtype, device=self.group.config.device)
+            return cached
+        return torch.tensor([float(p) for p in present], dtype=dtype).to(self.group.config.device, non_blocking=True)
+
     # -- launching ------------------------------------------------------------------------
     def launch(self) -> None:
         params = self._grad_params()
@@ -155,7 +166,7 @@ class GradReducer:
         # 0-d parameters are replicated in every rank region: feed each region a copy. So are
         # the presence flags (one per parameter, at the end of every region): after the sum,
         # a rank knows which gradients any rank produced, even for its own missing ones.
-        flags = torch.tensor([float(p) for p in present], dtype=grads[0].dtype).to(cfg.device, non_blocking=True)
+        flags = self._presence_flags(present, grads[0].dtype)
         pieces = [gr.expand(world) if gr.dim() == 0 else gr for gr in grads] + [flags.expand(world, len(present)).contiguous()]
         flat_in = comm.chunk_cat(pieces, world, dtype, cfg.device)
         if pre != 1.0:
@@ -197,7 +208,7 @@ class GradReducer:
         pre, _ = _divide_factors(self.dp_world, dtype)
         pieces = [gr.reshape(-1).to(dtype) for gr in grads]
         if with_presence:  # one flag per parameter: after the sum, > 0 where any rank had a gradient
-            pieces.append(torch.tensor([float(p) for p in present], dtype=dtype).to(cfg.device, non_blocking=True))
+            pieces.append(self._presence_flags(present, dtype))
         flat = torch.cat(pieces)
         if pre != 1.0:
             flat.div_(pre)
