@@ -80,12 +80,14 @@ class ModuleState:
         if self.group is not None:
             self.group.reshard()
 
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, recurse: bool = True) -> None:
         """False: backward accumulates unsharded gradients locally (more memory: a full
         gradient per parameter is held) and communicates nothing; the next backward with
         True reduces everything accumulated."""
         if not isinstance(requires_gradient_sync, bool):
             raise TypeError(f"set_requires_gradient_sync: 'requires_gradient_sync' must be a bool, got {requires_gradient_sync!r}")
+        if not isinstance(recurse, bool):
+            raise TypeError(f"set_requires_gradient_sync: 'recurse' must be a bool, got {recurse!r}")
         targets = [s for _, _, s in iter_param_states(self.module)] if recurse else [self]
         for state in targets:
             state.requires_gradient_sync = requires_gradient_sync

@@ -48,7 +48,7 @@ class FSDPState(ModuleState):
         """In this module's pre-backward, start gathering these modules' parameters too."""
         self.backward_prefetch = _states_of("set_modules_to_backward_prefetch", modules)
 
-    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+    def set_requires_all_reduce(self, requires_all_reduce: bool, recurse: bool = True) -> None:
         """HSDP gradient accumulation with less communication: with False, gradients are still
         reduce-scattered within the shard group every backward (so only sharded gradients are
         held, not full ones) but the all-reduce across replicas is deferred to the next
