@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.distributed.utils import _apply_to_tensors
 
 from ._contract import iter_param_states
 from .fsdp._param_group import ParamGroup
@@ -262,37 +262,37 @@ class _PostBackward(torch.autograd.Function):
 
 
 def _attach_post_backward(state: ModuleState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    flat, spec = tree_flatten((args, kwargs))
-    idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
-    if not idx:
+    tensors = [t for t in _tensors_in((args, kwargs)) if t.requires_grad]
+    if not tensors:
         return args, kwargs
-    outs = _PostBackward.apply(state, *[flat[i] for i in idx])
-    for i, out in zip(idx, outs):
-        flat[i] = out
-    return tree_unflatten(flat, spec)
+    replaced = dict(zip(map(id, tensors), _PostBackward.apply(state, *tensors)))
+    return _apply_to_tensors(lambda t: replaced.get(id(t), t), (args, kwargs))
 
 
 def _attach_pre_backward(state: ModuleState, output: Any) -> Any:
     def hook(_grad: torch.Tensor) -> None:
         state._pre_backward()
 
-    for t in tree_flatten(output)[0]:
-        if isinstance(t, torch.Tensor) and t.requires_grad:
+    for t in _tensors_in(output):
+        if t.requires_grad:
             t.register_hook(hook)
     return output
 
 
+def _tensors_in(tree: Any) -> list[torch.Tensor]:
+    """Every tensor in nested lists/tuples/dicts/namedtuples/dataclasses (what PyTorch's own
+    data-parallel wrappers look through)."""
+    found: list[torch.Tensor] = []
+    _apply_to_tensors(lambda t: found.append(t) or t, tree)
+    return found
+
+
 def _any_requires_grad(tree: Any) -> bool:
-    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(tree)[0])
+    return any(t.requires_grad for t in _tensors_in(tree))
 
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
-    def cast(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
-            return x.to(dtype)
-        return x
-
-    return tree_map(cast, tree)
+    return _apply_to_tensors(lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, tree)
 
 
 def all_states_in(module: nn.Module) -> list[ModuleState]:

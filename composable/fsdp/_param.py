@@ -82,13 +82,25 @@ class ManagedParam:
     fqn: str
     slots: list[tuple[nn.Module, str]]
     layout: ParamLayout
-    requires_grad: bool
+    requires_grad: bool  # at the call; `wants_grad` is the live value (users may freeze later)
     spec: "DTensorSpecLite | None" = None  # how the sharded parameter presents itself
     tp: "DTensorSpecLite | None" = None  # tensor-parallel spec of the unsharded parameter, if any
     sharded_param: nn.Parameter | None = None  # DTensor parameter the optimizer sees
     unsharded_param: nn.Parameter | None = None  # plain parameter the module computes with
     unsharded_padded: torch.Tensor | None = None  # 1D padded storage behind unsharded_param
     extra: dict = field(default_factory=dict)
+
+    @property
+    def wants_grad(self) -> bool:
+        """Whether the parameter trains now: the sharded parameter's live `requires_grad`, so
+        freezing or unfreezing after `fully_shard` takes effect (as in PyTorch FSDP2)."""
+        return self.requires_grad if self.sharded_param is None else self.sharded_param.requires_grad
+
+    def sync_requires_grad(self) -> None:
+        """Make the unsharded parameter follow the sharded one's `requires_grad`."""
+        up = self.unsharded_param
+        if up is not None and up.requires_grad != self.wants_grad:
+            up.requires_grad_(self.wants_grad)
 
     # -- sharded side -------------------------------------------------------------------
     def local_view(self, flat_shard: torch.Tensor) -> torch.Tensor:
@@ -124,7 +136,7 @@ class ManagedParam:
             self.unsharded_padded = torch.empty(numel, dtype=dtype, device=device)
             view = self.unsharded_padded[: lay.rows * lay.row_numel].view(lay.shape)
             # With tensor parallelism the module computes with TP DTensors.
-            self.unsharded_param = nn.Parameter(view if self.tp is None else self.tp.wrap(view), requires_grad=self.requires_grad)
+            self.unsharded_param = nn.Parameter(view if self.tp is None else self.tp.wrap(view), requires_grad=self.wants_grad)
             return
         storage = self.unsharded_padded.untyped_storage()
         nbytes = numel * self.unsharded_padded.element_size()

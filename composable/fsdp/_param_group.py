@@ -216,7 +216,7 @@ class ParamGroup:
         if self._unsharded_aliases_shard:
             for mp in self.params:
                 if mp.unsharded_param is None or mp.extra.get("alias_of") is not mp.extra["local"]:
-                    mp.unsharded_param = nn.Parameter(mp.extra["local"], requires_grad=mp.requires_grad)
+                    mp.unsharded_param = nn.Parameter(mp.extra["local"], requires_grad=mp.wants_grad)
                     mp.extra["alias_of"] = mp.extra["local"]
         else:
             work, gathered, gather_in = self._pending_gather  # type: ignore[misc]
@@ -232,6 +232,7 @@ class ParamGroup:
                 self.streams.after_copy_out((gathered, gather_in))
         self._pending_gather = None
         for mp in self.params:
+            mp.sync_requires_grad()
             mp.register(mp.unsharded_param)
         self.state = GroupState.UNSHARDED
 

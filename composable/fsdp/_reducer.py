@@ -92,7 +92,7 @@ class GradReducer:
         return self._dp_world
 
     def _grad_params(self) -> list["ManagedParam"]:
-        return [mp for mp in self.group.params if mp.requires_grad]
+        return [mp for mp in self.group.params if mp.wants_grad]
 
     def _take_grads(self, params: list["ManagedParam"]) -> tuple[list[torch.Tensor], list[bool]]:
         """Detach the unsharded gradients from their parameters (freeing them after the

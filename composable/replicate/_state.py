@@ -19,7 +19,7 @@ class ReplicateState(ModuleState):
         # gradient-ready hooks are attached to whichever object is current.
         for mp in self.group.params:  # type: ignore[union-attr]
             up = mp.unsharded_param
-            if mp.requires_grad and up is not None and mp.extra.get("hooked") is not up:
+            if mp.wants_grad and up is not None and mp.extra.get("hooked") is not up:
                 up.register_post_accumulate_grad_hook(self._make_grad_ready_hook(mp))
                 mp.extra["hooked"] = up
 
