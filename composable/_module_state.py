@@ -153,8 +153,11 @@ class ModuleState:
         # In eval mode a backward rarely follows (a validation forward without no_grad): reshard
         # so the sharded parameters are registered again (state_dict, checkpointing); a
         # backward that does follow gathers them again in pre_backward.
-        if self.group is not None and (self.reshard_after_forward or not backward_follows or not module.training):
-            self.group.reshard()
+        if self.group is not None:
+            if self.reshard_after_forward or not backward_follows or not module.training:
+                self.group.reshard()
+            else:  # keep the storage for backward, but show the sharded parameters meanwhile
+                self.group.register_sharded()
         if backward_follows:
             output = _attach_pre_backward(self, output)
             root = self._root()

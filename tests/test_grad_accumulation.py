@@ -256,13 +256,18 @@ def _no_sync_mixed_precision(rank: int, world_size: int, param_dtype: torch.dtyp
             _micro_step(ours, "no_sync", sync, tokens)
             theirs.set_requires_gradient_sync(sync)
             lm_loss(theirs, tokens).backward()
+        # Replicated groups follow DDP: a no-sync sum on top of an already reduced, not yet
+        # zeroed gradient is reduced together with it (avg(prev + new), not prev + avg(new)):
+        # the same value up to one rounding, so those compare with a tolerance of an ulp or so.
+        exact = api == "fully_shard"
+        tol = {} if exact else {"rtol": 1e-6, "atol": 1e-7}
         for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
-            assert_close_tensors(p.grad, q.grad, exact=True, msg=f"step {step} accumulated grad {name}")
+            assert_close_tensors(p.grad, q.grad, exact=exact, msg=f"step {step} accumulated grad {name}", **tol)
         for o in opts:
             o.step()
             o.zero_grad()
         for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
-            assert_close_tensors(p, q, exact=True, msg=f"step {step} param {name}")
+            assert_close_tensors(p, q, exact=exact, msg=f"step {step} param {name}", **({} if exact else {"rtol": 1e-5, "atol": 1e-6}))
 
 
 @pytest.mark.parametrize("pattern", list(PATTERNS))

@@ -85,6 +85,7 @@ class ParamGroup:
         self.replicate_groups = config.replicate_groups
         self.shard_world, self.shard_rank = _world_and_rank(self.shard_group)
         self.state = GroupState.SHARDED
+        self._unsharded_registered = False  # which parameters the modules show: sharded
         self._pending_gather: tuple | None = None  # (work or event, all-gather output, input)
         self.reducer = GradReducer(self)
         self.streams = streams_for(config.device)
@@ -184,6 +185,26 @@ class ParamGroup:
             self._start_unshard()
         if not async_op:
             self.wait_for_unshard()
+            if not self._unsharded_registered:
+                self._register_unsharded()
+
+    def _register_unsharded(self) -> None:
+        for mp in self.params:
+            mp.sync_requires_grad()
+            mp.register(mp.unsharded_param)
+        self._unsharded_registered = True
+
+    def register_sharded(self) -> None:
+        """Register the sharded DTensors but keep the unsharded storage (no reshard): outside
+        forward/backward the module shows its sharded parameters (state dicts, DCP, the
+        optimizer's view), while backward, which holds its own references to the unsharded
+        parameters, needs no new all-gather; `unshard` registers them again for a re-run
+        forward (activation checkpointing)."""
+        if self.state is GroupState.UNSHARDING:
+            self.wait_for_unshard()
+        for mp in self.params:
+            mp.register(mp.sharded_param)
+        self._unsharded_registered = False
 
     def _start_unshard(self) -> None:
         cfg = self.config
@@ -231,10 +252,8 @@ class ParamGroup:
             if self.streams is not None:
                 self.streams.after_copy_out((gathered, gather_in))
         self._pending_gather = None
-        for mp in self.params:
-            mp.sync_requires_grad()
-            mp.register(mp.unsharded_param)
         self.state = GroupState.UNSHARDED
+        self._register_unsharded()
 
     def reshard(self) -> None:
         """Register the sharded parameters again and free the unsharded storage."""
@@ -247,6 +266,7 @@ class ParamGroup:
             if not self._unsharded_aliases_shard:
                 mp.free_unsharded()
         self.state = GroupState.SHARDED
+        self._unsharded_registered = False
 
     # -- gradients --------------------------------------------------------------------------
     def has_unsharded_grads(self) -> bool:

@@ -104,6 +104,11 @@ class GradReducer:
             acc = mp.extra.pop("acc_grad", None)  # what no-sync micro-steps stashed (see `stash`)
             if acc is not None:
                 g = acc if g is None else acc.add_(g)
+            if mp.extra.pop("unreduced_grad", False):  # replicated no-sync sums, shown as `.grad`
+                visible, mp.sharded_param.grad = mp.sharded_param.grad, None
+                if visible is not None:  # None: the user discarded them (zero_grad)
+                    local = visible._local_tensor.to(self.group.config.device)
+                    g = local if g is None else local.add_(g)
             if isinstance(g, DTensor):  # tensor parallel: complete pending TP reductions, go local
                 g = g.redistribute(mp.tp.mesh, mp.tp.placements).to_local()
             present.append(g is not None)
@@ -121,6 +126,9 @@ class GradReducer:
         wider than the compute dtype (bf16 compute, fp32 reduce), as PyTorch FSDP2 does, so the
         sum over micro-steps is not rounded to bf16 each time (at the price of holding a wider
         gradient). Otherwise they simply stay in `.grad`, where autograd accumulates them."""
+        if not self.group.config.sharded:
+            self._stash_as_visible_grads()
+            return
         dtype = self.group.reduce_dtype
         if dtype.itemsize <= self.group.unsharded_dtype.itemsize:
             return
@@ -132,10 +140,34 @@ class GradReducer:
             mp.extra["acc_grad"] = up.grad.to(dtype) if acc is None else acc.add_(up.grad)
             up.grad = None
 
+    def _stash_as_visible_grads(self) -> None:
+        """Replicated groups (replicate, NO_SHARD), as in DDP: during no_sync the locally
+        accumulated gradient is the parameter's visible `.grad` (in the parameter's dtype), so
+        `zero_grad` discards it and the next synced backward reduces whatever is left there.
+        Gradients already reduced are equal on every rank, so reducing them again with the
+        new local ones leaves them unchanged: accumulation across steps stays right."""
+        for mp in self._grad_params():
+            up = mp.unsharded_param
+            if up is None or up.grad is None:
+                continue
+            grad, up.grad = up.grad, None
+            sp = mp.sharded_param
+            local = grad.to(device=sp._local_tensor.device, dtype=sp.dtype)
+            with torch.no_grad():
+                if sp.grad is None:
+                    sp.grad = mp.make_sharded_grad(local)
+                else:
+                    sp.grad._local_tensor.add_(local)
+            mp.extra["unreduced_grad"] = True
+
     def has_grads(self, mp: "ManagedParam") -> bool:
         """Whether `mp` has an unsharded gradient (or a stashed one) waiting to be reduced."""
         up = mp.unsharded_param
-        return (up is not None and up.grad is not None) or "acc_grad" in mp.extra
+        return (
+            (up is not None and up.grad is not None)
+            or "acc_grad" in mp.extra
+            or (mp.extra.get("unreduced_grad", False) and mp.sharded_param.grad is not None)
+        )
 
     def _presence_flags(self, present: list[bool], dtype: torch.dtype) -> torch.Tensor:
         """One flag per parameter on the compute device; the all-present case is cached."""
