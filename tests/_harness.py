@@ -67,6 +67,10 @@ def _forget_sharding_cache() -> None:
         from torch.distributed.tensor import DTensor
 
         DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    with contextlib.suppress(Exception):  # the redistribute planner caches per mesh as well
+        from torch.distributed.tensor import _redistribute
+
+        _redistribute._gen_transform_infos.cache_clear()
 
 
 def _worker_main(conn: Connection, fault_path: str) -> None:
