@@ -62,6 +62,11 @@ def iter_param_states(module: nn.Module) -> Iterator[tuple[str, nn.Module, Any]]
                 yield api, sub, states[api]
 
 
+def param_states(module: nn.Module) -> list[Any]:
+    """Every parameter-owning state in `module`'s subtree, pre-order."""
+    return [state for _, _, state in iter_param_states(module)]
+
+
 def check_composable(api: str, module: nn.Module) -> None:
     """Forbid two parameter-owning APIs (or one API twice) on the same module."""
     other = owning_api(module)

@@ -17,13 +17,13 @@ During backward a re-run forward (activation checkpointing) neither reshards nor
 from __future__ import annotations
 
 from enum import Enum, auto
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.distributed.utils import _apply_to_tensors
 
-from ._contract import iter_param_states
+from ._contract import param_states
 from .fsdp._param_group import ParamGroup
 from .mixed_precision import MixedPrecisionPolicy
 
@@ -88,7 +88,7 @@ class ModuleState:
             raise TypeError(f"set_requires_gradient_sync: 'requires_gradient_sync' must be a bool, got {requires_gradient_sync!r}")
         if not isinstance(recurse, bool):
             raise TypeError(f"set_requires_gradient_sync: 'recurse' must be a bool, got {recurse!r}")
-        targets = [s for _, _, s in iter_param_states(self.module)] if recurse else [self]
+        targets = param_states(self.module) if recurse else [self]
         for state in targets:
             state.requires_gradient_sync = requires_gradient_sync
 
@@ -97,7 +97,7 @@ class ModuleState:
         if self.is_root is not None:
             return
         self.is_root = True
-        self._tree_states = [s for _, _, s in iter_param_states(self.module)]
+        self._tree_states = param_states(self.module)
         for state in self._tree_states:
             if state is not self:
                 state.is_root = False
@@ -296,11 +296,3 @@ def _any_requires_grad(tree: Any) -> bool:
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     return _apply_to_tensors(lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, tree)
-
-
-def all_states_in(module: nn.Module) -> list[ModuleState]:
-    """Every parameter-owning state in `module`'s subtree."""
-    return [s for _, _, s in iter_param_states(module)]
-
-
-HookFn = Callable[..., Any]

@@ -7,7 +7,7 @@ from typing import ContextManager, Iterator
 
 import torch.nn as nn
 
-from ._contract import check_module, iter_param_states
+from ._contract import check_module, param_states
 
 
 def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:
@@ -20,7 +20,7 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
     check_module("set_requires_gradient_sync", module)
     if not isinstance(requires_gradient_sync, bool):
         raise TypeError(f"set_requires_gradient_sync: 'requires_gradient_sync' must be a bool, got {requires_gradient_sync!r}")
-    for _, _, state in iter_param_states(module):
+    for state in param_states(module):
         state.requires_gradient_sync = requires_gradient_sync
 
 
@@ -33,7 +33,7 @@ def no_sync(module: nn.Module) -> ContextManager[None]:
 
 @contextmanager
 def _no_sync(module: nn.Module) -> Iterator[None]:
-    states = [s for _, _, s in iter_param_states(module)]
+    states = param_states(module)
     previous = [s.requires_gradient_sync for s in states]
     for state in states:
         state.requires_gradient_sync = False

@@ -32,7 +32,7 @@ import torch.nn as nn  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 import composable  # noqa: E402
-from model import Transformer, TransformerBlock, get_config, lm_loss, model_flops_per_token  # noqa: E402
+from model import Transformer, get_config, lm_loss, model_flops_per_token  # noqa: E402
 
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0}
 

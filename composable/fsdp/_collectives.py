@@ -47,12 +47,6 @@ def copy_out(all_gather_output: torch.Tensor, world: int, region_numels: Sequenc
     torch._C._autograd._unsafe_set_version_counter(tuple(outputs), versions)
 
 
-def copy_preserving_version(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """`dst.copy_(src)` without bumping dst's autograd version counter (see `copy_out`)."""
-    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(dst):
-        dst.copy_(src)
-
-
 def chunk_cat(tensors: Sequence[torch.Tensor], world: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The reduce-scatter input: each tensor split into `world` dim-0 chunks (zero padded),
     chunk r of every tensor concatenated into region r. Returns a 1D tensor."""

@@ -124,9 +124,6 @@ class ManagedParam:
         """Make the existing sharded parameter's local shard be `local` (keeps its identity)."""
         self.sharded_param._local_tensor = local  # type: ignore[union-attr]
 
-    def local_shard(self) -> torch.Tensor:
-        return self.sharded_param._local_tensor  # type: ignore[union-attr]
-
     # -- unsharded side -----------------------------------------------------------------
     def alloc_unsharded(self, world: int, dtype: torch.dtype, device: torch.device) -> None:
         """Create (first time) or re-grow (after `free_unsharded`) the padded unsharded storage."""

@@ -14,7 +14,6 @@ Two communication modes share everything else:
 from __future__ import annotations
 
 import copy
-from contextlib import nullcontext
 from dataclasses import dataclass
 from enum import Enum, auto
 
@@ -27,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from . import _collectives as comm
 from ._param import ManagedParam
 from ._reducer import GradReducer
-from ._streams import streams_for
+from ._streams import stream_context, streams_for
 
 
 class GroupState(Enum):
@@ -62,10 +61,6 @@ class GroupConfig:
         if self.sharded:
             return [self.mesh.get_group(0)] if self.hsdp else []
         return [self.mesh.get_group(d) for d in range(self.mesh.ndim)]
-
-
-def _maybe_stream(stream: "torch.cuda.Stream | None"):  # type: ignore[no-untyped-def]
-    return nullcontext() if stream is None else torch.cuda.stream(stream)
 
 
 def _world_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -166,7 +161,7 @@ class ParamGroup:
         stale = False
         for mp in self.params:
             registered = mp.registered()
-            if registered is not mp.sharded_param and self.state is GroupState.SHARDED:
+            if registered is not mp.sharded_param and not self._unsharded_registered:
                 if not isinstance(registered, DTensor) or registered.shape != mp.spec.shape:
                     raise RuntimeError(f"fully_shard: parameter '{mp.fqn}' was replaced by a {type(registered).__name__} of shape {tuple(registered.shape)}; expected a DTensor of shape {tuple(mp.spec.shape)}")
                 mp.sharded_param = registered
@@ -215,7 +210,7 @@ class ParamGroup:
         streams = self.streams
         if streams is not None:
             streams.before_all_gather()
-        with _maybe_stream(streams.all_gather if streams is not None else None):
+        with stream_context(streams.all_gather if streams is not None else None):
             # One fused copy (+cast): the all-gather input lives on the compute device in
             # the unsharded dtype; no copy at all when neither a cast nor an offload is needed.
             gather_in = self.flat_shard.to(device=cfg.device, dtype=self.unsharded_dtype, non_blocking=True)

@@ -14,7 +14,6 @@ underflow; gloo has neither AVG nor PREMUL_SUM, so this works on every backend.
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -23,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from . import _collectives as comm
+from ._streams import stream_context
 
 if TYPE_CHECKING:
     from ._param import ManagedParam
@@ -54,10 +54,6 @@ def _offsets(params: list["ManagedParam"]) -> list[int]:
     return offsets
 
 
-def _maybe_stream(stream: "torch.cuda.Stream | None"):  # type: ignore[no-untyped-def]
-    return nullcontext() if stream is None else torch.cuda.stream(stream)
-
-
 def _divide_factors(world: int, dtype: torch.dtype) -> tuple[float, float]:
     if world == 1:
         return 1.0, 1.0
@@ -86,7 +82,6 @@ class GradReducer:
     # -- sizes ----------------------------------------------------------------------------
     @property
     def dp_world(self) -> int:
-        cfg = self.group.config
         if self._dp_world is None:
             self._dp_world = self.group.shard_world * math.prod(dist.get_world_size(pg) for pg in self.group.replicate_groups)
         return self._dp_world
@@ -210,7 +205,7 @@ class GradReducer:
         # CPU: gloo works run asynchronously and need their input until `finish`. CUDA: the
         # streams keep it alive only until the next reduce-scatter (memory stays bounded).
         red = _Reduction(params, present, _offsets(params), flat_in, keep_alive=[flat_in] if streams is None else [], with_presence=True)
-        with _maybe_stream(streams.reduce if streams is not None else None):
+        with stream_context(streams.reduce if streams is not None else None):
             out = torch.empty(flat_in.numel() // world, dtype=dtype, device=cfg.device)
             red.output = out
             async_op = streams is None
@@ -227,7 +222,7 @@ class GradReducer:
                 else:
                     red.all_reduced = False
             if streams is not None:
-                self._divide_on_stream(red)
+                self._average(red)
                 red.event = streams.reduce.record_event()
                 streams.after_reduce(red.event, flat_in)
         red.works = [w for w in red.works if w is not None]
@@ -235,7 +230,7 @@ class GradReducer:
         self.pending.append(red)
 
     def _launch_all_reduce(self, params: list["ManagedParam"], grads: list[torch.Tensor], present: list[bool], with_presence: bool = False) -> None:
-        g, cfg = self.group, self.group.config
+        g = self.group
         dtype = g.reduce_dtype
         pre, _ = _divide_factors(self.dp_world, dtype)
         pieces = [gr.reshape(-1).to(dtype) for gr in grads]
@@ -249,13 +244,13 @@ class GradReducer:
         streams = g.streams
         if streams is not None:  # buckets stay alive until `finish`, as DDP's do: no stall
             streams.reduce.wait_stream(streams.current())
-        with _maybe_stream(streams.reduce if streams is not None else None):
+        with stream_context(streams.reduce if streams is not None else None):
             for grp in g.replicate_groups:
                 work = comm.all_reduce_sum(flat, grp, async_op=streams is None)
                 if work is not None:
                     red.works.append(work)
             if streams is not None:
-                self._divide_on_stream(red)
+                self._average(red)
                 red.event = streams.reduce.record_event()
         self._assign_early(red)
         self.pending.append(red)
@@ -327,10 +322,10 @@ class GradReducer:
         self._next_bucket = 0
 
     # -- finishing ----------------------------------------------------------------------------
-    def _divide_on_stream(self, red: _Reduction) -> None:
-        """CUDA: average right after the collectives, on the reduce stream, so the end of
-        backward has less left to do."""
-        if red.all_reduced:
+    def _average(self, red: _Reduction) -> None:
+        """Apply the post-division of the average, once. On CUDA it runs on the reduce stream
+        right after the collectives, so the end of backward has less left to do."""
+        if red.all_reduced and not red.divided:
             _, post = _divide_factors(self.dp_world, red.output.dtype)
             if post != 1.0:
                 red.output.div_(post)
@@ -361,11 +356,8 @@ class GradReducer:
             if not red.all_reduced:
                 self._partial = red.output if self._partial is None else self._partial.add_(red.output)
                 continue
+            self._average(red)
             out = red.output
-            if not red.divided:
-                _, post = _divide_factors(self.dp_world, out.dtype)
-                if post != 1.0:
-                    out.div_(post)
             if all(red.assigned) and red.assigned:
                 continue
             present_anywhere = red.present

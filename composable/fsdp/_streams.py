@@ -13,6 +13,7 @@ On CPU (gloo) there are no streams: collectives are issued with `async_op=True` 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -67,6 +68,11 @@ class CommStreams:
             self.current().wait_event(self._reduce_done)
         self._reduce_done, self._reduce_buffers = None, None
         self._gather_done, self._gather_buffers = None, None
+
+
+def stream_context(stream: "torch.cuda.Stream | None") -> Any:
+    """Run on `stream` (CUDA), or on the current one when there is none (CPU)."""
+    return nullcontext() if stream is None else torch.cuda.stream(stream)
 
 
 _STREAMS: dict[torch.device, CommStreams] = {}
