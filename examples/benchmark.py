@@ -42,11 +42,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--preset", default="1b")
     p.add_argument("--batch-size", type=int, default=4, help="local (per-GPU) batch")
     p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per run per round")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3, help="every run once per round; ratios are medians of per-round ratios")
     p.add_argument("--runs", default="floor,fully_shard,fsdp2,replicate,ddp", help="comma list")
     p.add_argument("--out", default=None, help="write results JSON here")
-    p.add_argument("--profile", default="", help="comma list of runs to profile (2 extra steps each)")
+    p.add_argument("--profile", default="", help="comma list of runs to profile (2 extra steps each, first round)")
+    p.add_argument("--trace-dir", default=None, help="with --profile: write rank 0's Chrome trace of each profiled run here (gzipped)")
     p.add_argument("--cpu-overhead", action="store_true", help="measure hook CPU overhead on 64 tiny blocks (gloo, 2 ranks)")
     return p.parse_args(argv)
 
@@ -95,7 +97,7 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tenso
     return loss.detach()
 
 
-def time_run(run: str, args: argparse.Namespace, device: torch.device) -> dict:
+def time_run(run: str, args: argparse.Namespace, device: torch.device, profile: bool = False) -> dict:
     cfg = get_config(args.preset, max_seq_len=args.seq_len)
     torch.manual_seed(0)
     model, autocast = build(run, cfg, device)
@@ -111,14 +113,14 @@ def time_run(run: str, args: argparse.Namespace, device: torch.device) -> dict:
         torch.cuda.synchronize()
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
-    if args.profile and run in args.profile.split(","):
-        profile_steps(run, model, opt, tokens, autocast)
+    if profile and run in args.profile.split(","):
+        profile_steps(run, model, opt, tokens, autocast, args)
     step_s = statistics.median(times)
     tok_s = args.batch_size * args.seq_len / step_s
     name = torch.cuda.get_device_name(device)
     peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), 989.0)
     result = dict(
-        run=run, step_s=step_s, tok_s_gpu=tok_s, mfu=tok_s * model_flops_per_token(cfg, args.seq_len) / (peak * 1e12),
+        run=run, step_s=step_s, tok_s_gpu=tok_s, mfu_per_tok_s=model_flops_per_token(cfg, args.seq_len) / (peak * 1e12),
         peak_alloc_gib=torch.cuda.max_memory_allocated() / 2**30, peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
         loss=float(loss),
     )
@@ -128,8 +130,13 @@ def time_run(run: str, args: argparse.Namespace, device: torch.device) -> dict:
     return result
 
 
-def profile_steps(run: str, model: nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor, autocast: Callable[[], object]) -> None:
-    """Print where device time goes in 2 steps (rank 0): top kernels and communication share."""
+def profile_steps(run: str, model: nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor, autocast: Callable[[], object],
+                  args: argparse.Namespace) -> None:
+    """Print where device time goes in 2 steps (rank 0): top kernels and communication share.
+
+    With `--trace-dir`, rank 0 also writes `<run>_b<batch>.json.gz`, a Chrome trace of the
+    2 steps (`examples/trace_overlap.py` reads it).
+    """
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -142,41 +149,77 @@ def profile_steps(run: str, model: nn.Module, opt: torch.optim.Optimizer, tokens
         comm = sum(e.self_device_time_total for e in events if "nccl" in e.key.lower())
         print(f"[profile {run}] device time {total / 2e3:.1f} ms/step, of which NCCL {comm / 2e3:.1f} ms/step")
         print(events.table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=60))
+        if args.trace_dir:
+            _write_trace(prof, os.path.join(args.trace_dir, f"{run}_b{args.batch_size}.json.gz"))
+
+
+def _write_trace(prof, path: str) -> None:  # type: ignore[no-untyped-def]
+    import gzip
+    import shutil
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
+        prof.export_chrome_trace(tmp.name)
+    with open(tmp.name, "rb") as src, gzip.open(path, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.unlink(tmp.name)
 
 
 def gpu_main(args: argparse.Namespace) -> None:
+    """Every contender once per round, rounds one after the other: slow drifts of the host
+    (other tenants, clocks) hit all contenders alike, and each ratio is the median of its
+    per-round ratios."""
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     device = torch.device("cuda", local)
-    results = []
-    for run in args.runs.split(","):
-        res = time_run(run, args, device)
-        agg = torch.tensor([res["step_s"], res["peak_alloc_gib"], res["peak_reserved_gib"]], device=device)
-        dist.all_reduce(agg, op=dist.ReduceOp.MAX)  # the slowest rank and the largest peak count
-        res["step_s"], res["peak_alloc_gib"], res["peak_reserved_gib"] = agg.tolist()
-        res["tok_s_gpu"] = args.batch_size * args.seq_len / res["step_s"]
-        results.append(res)
-        if dist.get_rank() == 0:
-            print(f"[{run}] {res['step_s']:.4f} s/step  {res['tok_s_gpu'] / 1e3:.1f}k tok/s/GPU  peak {res['peak_alloc_gib']:.1f} GiB", flush=True)
+    runs = args.runs.split(",")
+    rounds: list[dict[str, dict]] = []
+    for r in range(args.rounds):
+        rounds.append({})
+        for run in runs:
+            res = time_run(run, args, device, profile=r == 0)
+            agg = torch.tensor([res["step_s"], res["peak_alloc_gib"], res["peak_reserved_gib"]], device=device)
+            dist.all_reduce(agg, op=dist.ReduceOp.MAX)  # the slowest rank and the largest peak count
+            res["step_s"], res["peak_alloc_gib"], res["peak_reserved_gib"] = agg.tolist()
+            res["tok_s_gpu"] = args.batch_size * args.seq_len / res["step_s"]
+            rounds[-1][run] = res
+            if dist.get_rank() == 0:
+                print(f"[round {r}] [{run}] {res['step_s']:.4f} s/step  {res['tok_s_gpu'] / 1e3:.1f}k tok/s/GPU  peak {res['peak_alloc_gib']:.2f} GiB", flush=True)
     if dist.get_rank() == 0:
-        report(results, args, dist.get_world_size(), torch.cuda.get_device_name(device))
+        report(rounds, args, dist.get_world_size(), torch.cuda.get_device_name(device))
     dist.destroy_process_group()
 
 
-def report(results: list[dict], args: argparse.Namespace, world: int, device_name: str) -> None:
-    by = {r["run"]: r for r in results}
-    print(f"\n{device_name} x{world}, preset {args.preset}, local batch {args.batch_size}, seq {args.seq_len}, torch {torch.__version__}")
+RATIOS = (("fully_shard", "fsdp2"), ("replicate", "ddp"), ("fully_shard", "floor"))
+
+
+def report(rounds: list[dict[str, dict]], args: argparse.Namespace, world: int, device_name: str) -> None:
+    """One table of per-run medians over rounds, then ours/theirs ratios: throughput as the
+    median of per-round ratios (with their range), memory from the largest peaks."""
+    runs = list(rounds[0])
+    med = {run: statistics.median(rd[run]["step_s"] for rd in rounds) for run in runs}
+    peak = {run: max(rd[run]["peak_alloc_gib"] for rd in rounds) for run in runs}
+    reserved = {run: max(rd[run]["peak_reserved_gib"] for rd in rounds) for run in runs}
+    print(f"\n{device_name} x{world}, preset {args.preset}, local batch {args.batch_size}, seq {args.seq_len}, "
+          f"{args.rounds} rounds x {args.steps} steps, torch {torch.__version__}")
     print(f"{'run':<12} {'s/step':>8} {'tok/s/GPU':>10} {'MFU':>6} {'alloc GiB':>10} {'reserved GiB':>13}")
-    for r in results:
-        print(f"{r['run']:<12} {r['step_s']:>8.4f} {r['tok_s_gpu']:>10.0f} {r['mfu']:>6.1%} {r['peak_alloc_gib']:>10.2f} {r['peak_reserved_gib']:>13.2f}")
-    for ours, theirs in (("fully_shard", "fsdp2"), ("replicate", "ddp"), ("fully_shard", "floor")):
-        if ours in by and theirs in by:
-            a, b = by[ours], by[theirs]
-            print(f"{ours}/{theirs}: throughput {a['tok_s_gpu'] / b['tok_s_gpu']:.3f}x, peak allocated {a['peak_alloc_gib'] / b['peak_alloc_gib']:.3f}x, reserved {a['peak_reserved_gib'] / b['peak_reserved_gib']:.3f}x")
+    for run in runs:
+        tok = args.batch_size * args.seq_len / med[run]
+        mfu = tok * rounds[0][run]["mfu_per_tok_s"]
+        print(f"{run:<12} {med[run]:>8.4f} {tok:>10.0f} {mfu:>6.1%} {peak[run]:>10.2f} {reserved[run]:>13.2f}")
+    ratios = {}
+    for ours, theirs in RATIOS:
+        if ours in med and theirs in med:
+            per_round = sorted(rd[theirs]["step_s"] / rd[ours]["step_s"] for rd in rounds)
+            ratios[f"{ours}/{theirs}"] = dict(throughput=statistics.median(per_round), throughput_range=[per_round[0], per_round[-1]],
+                                              peak_alloc=peak[ours] / peak[theirs], peak_reserved=reserved[ours] / reserved[theirs])
+            r = ratios[f"{ours}/{theirs}"]
+            print(f"{ours}/{theirs}: throughput {r['throughput']:.3f}x (rounds {per_round[0]:.3f}-{per_round[-1]:.3f}), "
+                  f"peak allocated {r['peak_alloc']:.3f}x, reserved {r['peak_reserved']:.3f}x")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(world=world, device=device_name, args=vars(args), results=results), f, indent=2)
+            json.dump(dict(world=world, device=device_name, args=vars(args), rounds=rounds, ratios=ratios), f, indent=2)
 
 
 # -- CPU hook overhead ------------------------------------------------------------------------------

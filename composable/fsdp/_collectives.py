@@ -22,14 +22,25 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGro
     return _all_gather_single(output, input, group=group, async_op=async_op)
 
 
-def reduce_scatter_sum(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool) -> dist.Work | None:
-    """Sum the 1D `input` over ranks; rank r keeps region r in `output`. (gloo has no AVG or
-    PREMUL_SUM, so averaging is a separate multiply.)"""
-    return _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+def _op(average: bool) -> dist.ReduceOp:
+    return dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
 
 
-def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool) -> dist.Work | None:
-    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, average: bool, async_op: bool) -> dist.Work | None:
+    """Sum (or, where `supports_average`, average) the 1D `input` over ranks; rank r keeps
+    region r in `output`."""
+    return _reduce_scatter_single(output, input, op=_op(average), group=group, async_op=async_op)
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, average: bool, async_op: bool) -> dist.Work | None:
+    return dist.all_reduce(tensor, op=_op(average), group=group, async_op=async_op)
+
+
+def supports_average(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the collectives can average themselves (ReduceOp.AVG: NCCL), which saves a
+    division kernel per reduction. Only for fp32/fp64: in half precision dividing before
+    summing can underflow, so those keep the pre/post-factor division. gloo has no AVG."""
+    return device.type == "cuda" and dtype in (torch.float32, torch.float64) and "nccl" in str(dist.get_backend(group))
 
 
 def copy_out(all_gather_output: torch.Tensor, world: int, region_numels: Sequence[int], outputs: Sequence[torch.Tensor]) -> None:
@@ -50,13 +61,11 @@ def copy_out(all_gather_output: torch.Tensor, world: int, region_numels: Sequenc
 def chunk_cat(tensors: Sequence[torch.Tensor], world: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The reduce-scatter input: each tensor split into `world` dim-0 chunks (zero padded),
     chunk r of every tensor concatenated into region r. Returns a 1D tensor."""
-    src_dtype = tensors[0].dtype if tensors else dtype
     # Empty tensors (dim 0 of size 0, or rows of 0 elements) take no room in any region, and
     # _chunk_cat rejects them.
     tensors = [t for t in tensors if t.numel() > 0]
     total = sum(-(-t.shape[0] // world) * (t.numel() // max(t.shape[0], 1)) for t in tensors)
-    out = torch.empty((world, total), dtype=src_dtype, device=device)
+    out = torch.empty((world, total), dtype=dtype, device=device)
     if tensors:
-        torch._chunk_cat(tensors, dim=0, num_chunks=world, out=out)
-    # _chunk_cat cannot cast; one flat cast costs the same as casting each gradient.
-    return out.view(-1) if src_dtype == dtype else out.view(-1).to(dtype)
+        torch._chunk_cat(tensors, dim=0, num_chunks=world, out=out)  # casts as it copies
+    return out.view(-1)

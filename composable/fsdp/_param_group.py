@@ -211,14 +211,18 @@ class ParamGroup:
         if streams is not None:
             streams.before_all_gather()
         with stream_context(streams.all_gather if streams is not None else None):
-            # One fused copy (+cast): the all-gather input lives on the compute device in
-            # the unsharded dtype; no copy at all when neither a cast nor an offload is needed.
-            gather_in = self.flat_shard.to(device=cfg.device, dtype=self.unsharded_dtype, non_blocking=True)
             if not cfg.sharded:
+                # No gather: only the cast (or the copy back from an offloaded shard).
+                gather_in = self.flat_shard.to(device=cfg.device, dtype=self.unsharded_dtype, non_blocking=True)
                 event = streams.all_gather.record_event() if streams is not None else None
                 self._pending_gather = (event, gather_in, gather_in)
                 return
-            gather_out = torch.empty(self.shard_world * gather_in.numel(), dtype=gather_in.dtype, device=cfg.device)
+            # In-place all-gather: the input is this rank's slot of the output, filled by one
+            # fused copy (+cast, +host-to-device when offloading); no separate input buffer.
+            n = self.flat_shard.numel()
+            gather_out = torch.empty(self.shard_world * n, dtype=self.unsharded_dtype, device=cfg.device)
+            gather_in = gather_out.narrow(0, self.shard_rank * n, n)
+            gather_in.copy_(self.flat_shard, non_blocking=True)
             if streams is None:
                 work = comm.all_gather(gather_out, gather_in, self.shard_group, async_op=True)
             else:

@@ -41,9 +41,12 @@ class _Reduction:
     all_reduced: bool = True  # False: HSDP partial, not yet reduced across replicas
     keep_alive: list[torch.Tensor] = field(default_factory=list)
     event: "torch.cuda.Event | None" = None  # CUDA: recorded on the reduce stream when done
-    divided: bool = False  # averaging already applied (CUDA: on the reduce stream)
+    divided: bool = False  # averaging applied (by ReduceOp.AVG, or the division after a SUM)
     assigned: list[bool] = field(default_factory=list)  # sharded grads already pointed at `output`
     with_presence: bool = False  # `output` ends with one presence flag per parameter
+
+
+FIRST_BUCKET_CAP_BYTES = 1 << 20  # as DDP's first bucket
 
 
 def _offsets(params: list["ManagedParam"]) -> list[int]:
@@ -78,6 +81,17 @@ class GradReducer:
         self._next_bucket = 0  # buckets launch strictly in order
         self._dp_world: int | None = None
         self._all_present: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self._collectives_average: bool | None = None
+
+    @property
+    def collectives_average(self) -> bool:
+        """Whether every collective of a reduction averages (ReduceOp.AVG) instead of summing:
+        then no division is left to do. Decided once (the backend and dtype do not change)."""
+        if self._collectives_average is None:
+            g = self.group
+            groups = ([g.shard_group] if g.config.sharded else []) + list(g.replicate_groups)
+            self._collectives_average = bool(groups) and all(comm.supports_average(pg, g.config.device, g.reduce_dtype) for pg in groups)
+        return self._collectives_average
 
     # -- sizes ----------------------------------------------------------------------------
     @property
@@ -188,7 +202,8 @@ class GradReducer:
     def _launch_reduce_scatter(self, params: list["ManagedParam"], grads: list[torch.Tensor], present: list[bool]) -> None:
         g, cfg = self.group, self.group.config
         world, dtype = g.shard_world, g.reduce_dtype
-        pre, _ = _divide_factors(self.dp_world, dtype)
+        average = self.collectives_average
+        pre = 1.0 if average else _divide_factors(self.dp_world, dtype)[0]
         # Copy-in on the compute stream, so the unsharded gradients are freed in stream order.
         # 0-d parameters are replicated in every rank region: feed each region a copy. So are
         # the presence flags (one per parameter, at the end of every region): after the sum,
@@ -204,12 +219,12 @@ class GradReducer:
             streams.before_reduce()
         # CPU: gloo works run asynchronously and need their input until `finish`. CUDA: the
         # streams keep it alive only until the next reduce-scatter (memory stays bounded).
-        red = _Reduction(params, present, _offsets(params), flat_in, keep_alive=[flat_in] if streams is None else [], with_presence=True)
+        red = _Reduction(params, present, _offsets(params), flat_in, keep_alive=[flat_in] if streams is None else [], with_presence=True, divided=average)
         with stream_context(streams.reduce if streams is not None else None):
             out = torch.empty(flat_in.numel() // world, dtype=dtype, device=cfg.device)
             red.output = out
             async_op = streams is None
-            red.works.append(comm.reduce_scatter_sum(out, flat_in, g.shard_group, async_op=async_op))
+            red.works.append(comm.reduce_scatter(out, flat_in, g.shard_group, average, async_op=async_op))
             if g.replicate_groups:
                 if self.requires_all_reduce:
                     if async_op:
@@ -218,7 +233,7 @@ class GradReducer:
                         out.add_(self._partial)
                         self._partial = None
                     for grp in g.replicate_groups:
-                        red.works.append(comm.all_reduce_sum(out, grp, async_op=async_op))
+                        red.works.append(comm.all_reduce(out, grp, average, async_op=async_op))
                 else:
                     red.all_reduced = False
             if streams is not None:
@@ -232,45 +247,47 @@ class GradReducer:
     def _launch_all_reduce(self, params: list["ManagedParam"], grads: list[torch.Tensor], present: list[bool], with_presence: bool = False) -> None:
         g = self.group
         dtype = g.reduce_dtype
-        pre, _ = _divide_factors(self.dp_world, dtype)
-        pieces = [gr.reshape(-1).to(dtype) for gr in grads]
+        average = self.collectives_average
+        pre = 1.0 if average else _divide_factors(self.dp_world, dtype)[0]
+        pieces = [gr.reshape(-1) for gr in grads]
         if with_presence:  # one flag per parameter: after the sum, > 0 where any rank had a gradient
             pieces.append(self._presence_flags(present, dtype))
-        flat = torch.cat(pieces)
+        flat = torch.empty(sum(p.numel() for p in pieces), dtype=dtype, device=g.config.device)
+        torch.cat(pieces, out=flat)  # one kernel, casting as it copies
         if pre != 1.0:
             flat.div_(pre)
         del grads, pieces
-        red = _Reduction(params, present, _offsets(params), flat, with_presence=with_presence)
-        streams = g.streams
-        if streams is not None:  # buckets stay alive until `finish`, as DDP's do: no stall
-            streams.reduce.wait_stream(streams.current())
-        with stream_context(streams.reduce if streams is not None else None):
-            for grp in g.replicate_groups:
-                work = comm.all_reduce_sum(flat, grp, async_op=streams is None)
-                if work is not None:
-                    red.works.append(work)
-            if streams is not None:
-                self._average(red)
-                red.event = streams.reduce.record_event()
+        # Issued from the current stream with async_op: the process group orders its own
+        # communication stream after the copy-in, and `finish` (work.wait) orders the
+        # current stream after the result. No stream switch or event of ours per bucket:
+        # this runs once per bucket inside backward, where CPU time is what limits small
+        # batches. The bucket stays alive until `finish`, as DDP's do.
+        red = _Reduction(params, present, _offsets(params), flat, with_presence=with_presence, divided=average)
+        for grp in g.replicate_groups:
+            work = comm.all_reduce(flat, grp, average, async_op=True)
+            if work is not None:
+                red.works.append(work)
         self._assign_early(red)
         self.pending.append(red)
 
     # -- bucketed (replicate) ---------------------------------------------------------------
     def buckets(self) -> list[list["ManagedParam"]]:
-        """Buckets of about `bucket_cap_bytes`, in reverse registration order (roughly the
-        order backward produces gradients)."""
+        """Buckets in reverse registration order (roughly the order backward produces
+        gradients), filled as DDP fills them: a bucket closes once it holds at least its cap,
+        `min(cap, 1 MiB)` for the first (its all-reduce starts as early as possible) and
+        `bucket_cap_bytes` for the rest; every collective launch costs CPU time, so there
+        are no more buckets than needed."""
         if self._buckets is None:
             cap = self.group.config.bucket_cap_bytes or 0
-            size = torch.empty((), dtype=self.group.reduce_dtype).element_size()
+            size = self.group.reduce_dtype.itemsize
             buckets: list[list[ManagedParam]] = [[]]
             used = 0
             for mp in reversed(self._grad_params()):
-                nbytes = math.prod(mp.layout.shape) * size
-                if buckets[-1] and used + nbytes > cap:
+                buckets[-1].append(mp)
+                used += math.prod(mp.layout.shape) * size
+                if used >= (min(cap, FIRST_BUCKET_CAP_BYTES) if len(buckets) == 1 else cap):
                     buckets.append([])
                     used = 0
-                buckets[-1].append(mp)
-                used += nbytes
             self._buckets = [b for b in buckets if b]
             for i, bucket in enumerate(self._buckets):
                 for mp in bucket:
