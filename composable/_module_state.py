@@ -16,6 +16,7 @@ During backward a re-run forward (activation checkpointing) neither reshards nor
 
 from __future__ import annotations
 
+import weakref
 from enum import Enum, auto
 from typing import Any
 
@@ -255,12 +256,14 @@ class _PostBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, state: ModuleState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.state = state
+        ctx.state_ref = weakref.ref(state)  # weak: see `_attach_pre_backward`
         return tuple(t.view_as(t) for t in inputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.state._post_backward()
+        state = ctx.state_ref()
+        if state is not None:
+            state._post_backward()
         return (None, *grads)
 
 
@@ -273,8 +276,16 @@ def _attach_post_backward(state: ModuleState, args: tuple, kwargs: dict) -> tupl
 
 
 def _attach_pre_backward(state: ModuleState, output: Any) -> Any:
+    # The hook lives in the autograd graph, which holds the unsharded parameters that the
+    # state holds too; a strong reference from the hook to the state makes a cycle through
+    # C++ that the garbage collector cannot see, so a model whose forward was never followed
+    # by a backward (or simply deleted) would never be freed.
+    state_ref = weakref.ref(state)
+
     def hook(_grad: torch.Tensor) -> None:
-        state._pre_backward()
+        live = state_ref()
+        if live is not None:
+            live._pre_backward()
 
     for t in _tensors_in(output):
         if t.requires_grad:

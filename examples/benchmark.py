@@ -99,6 +99,12 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tenso
 
 def time_run(run: str, args: argparse.Namespace, device: torch.device, profile: bool = False) -> dict:
     cfg = get_config(args.preset, max_seq_len=args.seq_len)
+    # Peaks are counted above what was allocated before this run's model existed, so that
+    # anything an earlier run left behind is not charged to this one.
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before_alloc, before_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     torch.manual_seed(0)
     model, autocast = build(run, cfg, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -121,7 +127,9 @@ def time_run(run: str, args: argparse.Namespace, device: torch.device, profile: 
     peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), 989.0)
     result = dict(
         run=run, step_s=step_s, tok_s_gpu=tok_s, mfu_per_tok_s=model_flops_per_token(cfg, args.seq_len) / (peak * 1e12),
-        peak_alloc_gib=torch.cuda.max_memory_allocated() / 2**30, peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
+        peak_alloc_gib=(torch.cuda.max_memory_allocated() - before_alloc) / 2**30,
+        peak_reserved_gib=(torch.cuda.max_memory_reserved() - before_reserved) / 2**30,
+        left_before_gib=before_alloc / 2**30,
         loss=float(loss),
     )
     del model, opt, loss
@@ -185,7 +193,7 @@ def gpu_main(args: argparse.Namespace) -> None:
             res["tok_s_gpu"] = args.batch_size * args.seq_len / res["step_s"]
             rounds[-1][run] = res
             if dist.get_rank() == 0:
-                print(f"[round {r}] [{run}] {res['step_s']:.4f} s/step  {res['tok_s_gpu'] / 1e3:.1f}k tok/s/GPU  peak {res['peak_alloc_gib']:.2f} GiB", flush=True)
+                print(f"[round {r}] [{run}] {res['step_s']:.4f} s/step  {res['tok_s_gpu'] / 1e3:.1f}k tok/s/GPU  peak {res['peak_alloc_gib']:.2f} GiB above the {res['left_before_gib']:.2f} GiB left by earlier runs", flush=True)
     if dist.get_rank() == 0:
         report(rounds, args, dist.get_world_size(), torch.cuda.get_device_name(device))
     dist.destroy_process_group()

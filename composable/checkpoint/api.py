@@ -10,6 +10,7 @@ happen again exactly as in the original forward — under the same RNG state.
 from __future__ import annotations
 
 import inspect
+import weakref
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -55,10 +56,17 @@ def checkpoint(module: nn.Module, *, preserve_rng_state: bool = True) -> nn.Modu
     if get_state(module, api) is not None:
         raise RuntimeError(f"checkpoint has already been applied to this {type(module).__name__}; apply each API at most once per module")
     state = CheckpointState(preserve_rng_state)
+    # The recompute function is kept by the autograd graph (in C++, invisible to the garbage
+    # collector) until backward; a strong reference to the module from there would keep a
+    # dropped model alive whenever a forward was not followed by a backward.
+    module_ref = weakref.ref(module)
 
     def recompute(*args: Any, **kwargs: Any) -> Any:
+        live = module_ref()
+        if live is None:
+            raise RuntimeError("checkpoint: the module was freed before its backward recomputed it")
         with state._disabled():
-            return module(*args, **kwargs)
+            return live(*args, **kwargs)
 
     def pre_hook(mod: nn.Module, args: tuple, kwargs: dict) -> None:
         if not state.enabled or not torch.is_grad_enabled():

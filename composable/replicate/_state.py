@@ -3,6 +3,8 @@ buckets, each launched from post-accumulate-grad hooks as soon as its gradients 
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .._module_state import ModuleState
@@ -24,11 +26,15 @@ class ReplicateState(ModuleState):
                 mp.extra["hooked"] = up
 
     def _make_grad_ready_hook(self, mp):  # type: ignore[no-untyped-def]
-        reducer = self.group.reducer  # type: ignore[union-attr]
+        # Weak references only: the hook lives on the unsharded parameter (in C++), which the
+        # state holds; strong ones would make a cycle the garbage collector cannot see and the
+        # model would never be freed.
+        state_ref, mp_ref = weakref.ref(self), weakref.ref(mp)
 
         def hook(_param: torch.Tensor) -> None:
-            if self.requires_gradient_sync:
-                reducer.on_grad_ready(mp)
+            state, managed = state_ref(), mp_ref()
+            if state is not None and managed is not None and state.requires_gradient_sync:
+                state.group.reducer.on_grad_ready(managed)
 
         return hook
 
