@@ -109,3 +109,41 @@ def test_check_detects_a_leak() -> None:
         del model
         gc.collect()
         assert ref() is not None
+
+
+def _activations_freed_without_gc(apply: Callable[[TinyTransformer], None]) -> list[str]:
+    """Names of the activations (model output, block inputs) still alive once the user has
+    dropped them, with the garbage collector off: only reference counting frees them."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    apply(model)
+    refs: dict[str, weakref.ref] = {}
+    for i, block in enumerate(model.layers):
+        block.register_forward_pre_hook(lambda m, args, i=i: refs.__setitem__(f"block {i} input", weakref.ref(args[0])))
+    tokens = batch_for(0, 2, 0)
+    lm_loss(model, tokens).backward()  # first step: lazy initialisation
+    gc.collect()
+    gc.disable()
+    try:
+        logits = model(tokens[:, :-1])
+        refs["output"] = weakref.ref(logits)
+        loss = logits.float().sum()
+        del logits
+        alive_before_backward = [name for name, ref in refs.items() if name == "output" and ref() is not None]
+        loss.backward()
+        del loss
+        alive_after_backward = [name for name, ref in refs.items() if ref() is not None]
+    finally:
+        gc.enable()
+    return alive_before_backward + alive_after_backward
+
+
+@pytest.mark.parametrize("api", list(APPLY))
+def test_activations_are_freed_by_reference_counting(api: str) -> None:
+    """The model's output is freed as soon as the loss no longer needs it, and every block
+    input once backward is done, without waiting for a garbage collection: a reference
+    cycle in the hooks once kept the logits alive past the loss (500 MiB of extra peak at
+    batch 4 of the 1B benchmark)."""
+    with fake_process_group(2):
+        alive = _activations_freed_without_gc(APPLY[api])
+    assert alive == [], f"{api}: still alive without gc: {alive}"

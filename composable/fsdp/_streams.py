@@ -50,6 +50,15 @@ class CommStreams:
         self._gather_done = self.current().record_event()
         self._gather_buffers = buffers
 
+    def release_gather_buffers(self) -> None:
+        """End of forward: free the last all-gather's buffers now rather than at the next
+        all-gather (in backward, after the loss and its large activations are allocated).
+        The all-gather stream first waits for their last use, the copy-out, so its next
+        allocation may reuse them safely."""
+        if self._gather_done is not None:
+            self.all_gather.wait_event(self._gather_done)
+        self._gather_done, self._gather_buffers = None, None
+
     def before_reduce(self) -> None:
         if self._reduce_done is not None:
             self.current().wait_event(self._reduce_done)
