@@ -89,6 +89,7 @@ class ManagedParam:
     unsharded_param: nn.Parameter | None = None  # plain parameter the module computes with
     unsharded_padded: torch.Tensor | None = None  # 1D padded storage behind unsharded_param
     extra: dict = field(default_factory=dict)
+    grad_standins: dict = field(default_factory=dict, repr=False)  # see `make_sharded_grad`
 
     @property
     def wants_grad(self) -> bool:
@@ -116,7 +117,15 @@ class ManagedParam:
         return param
 
     def make_sharded_grad(self, local: torch.Tensor) -> DTensor:
-        grad = self.spec.wrap(_offset_free(local))  # type: ignore[union-attr]
+        """`local` (a slice of a reduction output) as the sharded gradient DTensor. Runs once
+        per parameter per step, so the offset-free stand-in is made once and kept."""
+        standin = local
+        if local.storage_offset() != 0:
+            key = (local.dtype, local.device)
+            standin = self.grad_standins.get(key)  # type: ignore[assignment]
+            if standin is None or standin.shape != local.shape:
+                standin = self.grad_standins[key] = _offset_free(local)
+        grad = self.spec.wrap(standin)  # type: ignore[union-attr]
         grad._local_tensor = local
         return grad
 
