@@ -424,3 +424,44 @@ def _replicated_child_counts(rank: int, world_size: int) -> list[int]:
 
 def test_inner_replicate_sends_each_bucket_once_per_backward() -> None:
     assert run_on_ranks(_replicated_child_counts, 2) == [[3, 3, 3]] * 2
+
+
+def _replica_buffer(rank: int, world_size: int) -> dict:
+    """bf16 compute: the unsharded parameters are views of one buffer (one cast, no per-
+    parameter copies), the same objects every step, freed after backward; two forwards
+    before one backward still work, and match two separate steps' gradient sum."""
+    torch.manual_seed(0)
+    model = Chain()
+    ref = copy.deepcopy(model)
+    replicate(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    group = replicate.state(model).group
+    seen = []
+    for step in range(2):
+        model.zero_grad(set_to_none=True)
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank))
+        out1 = model(x)
+        ups = [mp.unsharded_param for mp in group.params]
+        seen.append([id(p) for p in ups])
+        storages = {p.untyped_storage().data_ptr() for p in ups}
+        assert len(storages) == 1, "unsharded parameters should share one replica buffer"
+        assert all(p.dtype == torch.bfloat16 for p in ups)
+        out2 = model(x.flip(0))  # a second forward refills the buffer before any backward
+        (out1.float().sum() + out2.float().sum()).backward()
+        assert group._replica_flat.untyped_storage().size() == 0, "the replica buffer is freed after backward"
+    assert seen[0] == seen[1], "the unsharded parameter objects (and their hooks) are kept across steps"
+    # The reference: the same two forwards in bf16 on a plain copy, gradients averaged over ranks.
+    ref_bf16 = copy.deepcopy(ref).to(torch.bfloat16)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 + rank)).to(torch.bfloat16)
+    (ref_bf16(x).float().sum() + ref_bf16(x.flip(0)).float().sum()).backward()
+    grads = {n: p.grad.float() for n, p in ref_bf16.named_parameters()}
+    for g in grads.values():
+        dist.all_reduce(g)
+        g.div_(world_size)
+    ours = {n: p.grad.to_local() for n, p in model.named_parameters()}
+    return {n: ((ours[n] - grads[n]).abs().max() / grads[n].abs().max().clamp_min(1e-6)).item() for n in grads}
+
+
+def test_replicate_casts_into_one_persistent_replica_buffer() -> None:
+    for relative_errors in run_on_ranks(_replica_buffer, 2):
+        # Both sides compute in bf16 (a few ulps apart: where the sums are rounded differs).
+        assert max(relative_errors.values()) < 2e-2, relative_errors

@@ -166,8 +166,8 @@ class ManagedParam:
         for name, value in vars(self).items():
             if freed and name in ("unsharded_param", "unsharded_padded"):
                 value = None
-            elif freed and name == "extra":
-                value = {k: v for k, v in value.items() if v is not self.unsharded_param}
+            elif freed and name == "extra":  # nothing that points at the freed storage
+                value = {k: v for k, v in value.items() if v is not self.unsharded_param and not _is_freed(v)}
             setattr(new, name, copy.deepcopy(value, memo))
         return new
 
@@ -203,6 +203,11 @@ class DTensorSpecLite:
             meta = TensorMeta(self.shape, _contiguous_stride(self.shape), local.dtype)
             spec = self._specs[local.dtype] = DTensorSpec(self.mesh, tuple(self.placements), tensor_meta=meta)
         return DTensor(local, spec, requires_grad=False)
+
+
+def _is_freed(value: object) -> bool:
+    """A tensor whose storage was resized to 0 (freed unsharded storage)."""
+    return isinstance(value, torch.Tensor) and value.numel() > 0 and value.untyped_storage().size() == 0
 
 
 def _offset_free(local: torch.Tensor) -> torch.Tensor:

@@ -82,6 +82,9 @@ class ParamGroup:
         self.state = GroupState.SHARDED
         self._unsharded_registered = False  # which parameters the modules show: sharded
         self._pending_gather: tuple | None = None  # (work or event, all-gather output, input)
+        # Replicated groups that cast (or copy back from the CPU): one persistent flat buffer
+        # in the unsharded dtype, refilled in place, the unsharded parameters views of it.
+        self._replica_flat: torch.Tensor | None = None
         self.reducer = GradReducer(self)
         self.streams = streams_for(config.device)
         self._build_flat_shard(originals, fresh=True)
@@ -94,6 +97,8 @@ class ParamGroup:
         new = ParamGroup.__new__(ParamGroup)
         memo[id(self)] = new
         for name, value in vars(self).items():
+            if name == "_replica_flat" and value is not None and value.untyped_storage().size() == 0:
+                value = None  # freed storage cannot be copied; the copy makes its own when needed
             setattr(new, name, value if name in self._SHARED_ON_COPY else copy.deepcopy(value, memo))
         return new
 
@@ -172,6 +177,7 @@ class ParamGroup:
             self._build_flat_shard([mp.sharded_param._local_tensor for mp in self.params], fresh=False)
             for mp in self.params:  # unsharded storage must follow a dtype change
                 mp.unsharded_padded = None
+            self._replica_flat = None
 
     # -- unshard / reshard ------------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:
@@ -207,16 +213,13 @@ class ParamGroup:
         if self._unsharded_aliases_shard:
             self._pending_gather = None
             return
+        if not cfg.sharded:
+            self._refill_replica()
+            return
         streams = self.streams
         if streams is not None:
             streams.before_all_gather()
         with stream_context(streams.all_gather if streams is not None else None):
-            if not cfg.sharded:
-                # No gather: only the cast (or the copy back from an offloaded shard).
-                gather_in = self.flat_shard.to(device=cfg.device, dtype=self.unsharded_dtype, non_blocking=True)
-                event = streams.all_gather.record_event() if streams is not None else None
-                self._pending_gather = (event, gather_in, gather_in)
-                return
             # In-place all-gather: the input is this rank's slot of the output, filled by one
             # fused copy (+cast, +host-to-device when offloading); no separate input buffer.
             n = self.flat_shard.numel()
@@ -230,14 +233,48 @@ class ParamGroup:
                 work = streams.all_gather.record_event()
         self._pending_gather = (work, gather_out, gather_in)
 
+    def _refill_replica(self) -> None:
+        """Replicated group, no gather: cast (or copy back from the CPU) the shard into the
+        persistent replica buffer that the unsharded parameters are views of. On the current
+        stream: the buffer is allocated and freed there too, so no cross-stream lifetime
+        arises, and nothing could overlap this copy anyway (the forward needs it next)."""
+        replica = self._grow_replica_flat()
+        version = replica._version
+        with torch.no_grad():
+            replica.copy_(self.flat_shard, non_blocking=True)
+        # Refilling with the same values is not a mutation autograd should see (a second
+        # forward before backward would otherwise invalidate the first one's graph).
+        torch._C._autograd._unsafe_set_version_counter((replica,), (version,))
+        self._pending_gather = None
+
+    def _grow_replica_flat(self) -> torch.Tensor:
+        """The replica buffer, created on first use (and after a dtype change), its storage
+        re-grown after `reshard` freed it."""
+        n, dtype, device = self.flat_shard.numel(), self.unsharded_dtype, self.config.device
+        replica = self._replica_flat
+        if replica is None or replica.dtype != dtype or replica.device != device:
+            replica = self._replica_flat = torch.empty(n, dtype=dtype, device=device)
+        elif replica.untyped_storage().size() != n * replica.element_size():
+            replica.untyped_storage().resize_(n * replica.element_size())
+        return replica
+
+    def _point_unsharded_at(self, flat: torch.Tensor) -> None:
+        """Make every unsharded parameter a view of `flat` (the shard itself, or the replica
+        buffer); the parameter objects are made once, so hooks on them stay."""
+        for mp in self.params:
+            if mp.unsharded_param is None or mp.extra.get("alias_of") is not flat:
+                view = mp.local_view(flat)
+                mp.unsharded_padded = view.view(-1)
+                mp.unsharded_param = nn.Parameter(view if mp.tp is None else mp.tp.wrap(view), requires_grad=mp.wants_grad)
+                mp.extra["alias_of"] = flat
+
     def wait_for_unshard(self) -> None:
         if self.state is not GroupState.UNSHARDING:
             return
         if self._unsharded_aliases_shard:
-            for mp in self.params:
-                if mp.unsharded_param is None or mp.extra.get("alias_of") is not mp.extra["local"]:
-                    mp.unsharded_param = nn.Parameter(mp.extra["local"], requires_grad=mp.wants_grad)
-                    mp.extra["alias_of"] = mp.extra["local"]
+            self._point_unsharded_at(self.flat_shard)
+        elif not self.config.sharded:
+            self._point_unsharded_at(self._replica_flat)  # type: ignore[arg-type]
         else:
             work, gathered, gather_in = self._pending_gather  # type: ignore[misc]
             if isinstance(work, torch.cuda.Event):
