@@ -23,38 +23,25 @@ from _models import TinyTransformer, batch_for, lm_loss
 from composable import checkpoint, fully_shard, replicate
 
 
-def _per_block_fully_shard(model: TinyTransformer) -> None:
-    for block in model.layers:
-        fully_shard(block)
-    fully_shard(model)
+def _apply(block_apis: tuple[Callable[[nn.Module], object], ...], root_api: Callable[[nn.Module], object]) -> Callable[[TinyTransformer], None]:
+    """Apply `block_apis` (in order) to every block, then `root_api` to the model."""
 
+    def apply(model: TinyTransformer) -> None:
+        for block in model.layers:
+            for api in block_apis:
+                api(block)
+        root_api(model)
 
-def _per_block_checkpoint_fully_shard(model: TinyTransformer) -> None:
-    for block in model.layers:
-        checkpoint(block)
-        fully_shard(block)
-    fully_shard(model)
-
-
-def _replicate_with_checkpoint(model: TinyTransformer) -> None:
-    for block in model.layers:
-        checkpoint(block)
-    replicate(model)
-
-
-def _fully_shard_blocks_replicate_root(model: TinyTransformer) -> None:
-    for block in model.layers:
-        fully_shard(block)
-    replicate(model)
+    return apply
 
 
 APPLY: dict[str, Callable[[TinyTransformer], None]] = {
-    "fully_shard root only": fully_shard,
-    "fully_shard per block": _per_block_fully_shard,
-    "checkpoint + fully_shard": _per_block_checkpoint_fully_shard,
-    "replicate": replicate,
-    "checkpoint + replicate": _replicate_with_checkpoint,
-    "fully_shard blocks, replicate root": _fully_shard_blocks_replicate_root,
+    "fully_shard root only": _apply((), fully_shard),
+    "fully_shard per block": _apply((fully_shard,), fully_shard),
+    "checkpoint + fully_shard": _apply((checkpoint, fully_shard), fully_shard),
+    "replicate": _apply((), replicate),
+    "checkpoint + replicate": _apply((checkpoint,), replicate),
+    "fully_shard blocks, replicate root": _apply((fully_shard,), replicate),
 }
 
 # What the user did with the model before dropping it.
