@@ -259,3 +259,23 @@ backward:
   all_reduce(g[0,4], float32, 17)
 optimizer:
 """)
+
+
+@pytest.mark.parametrize(
+    "backend, device, dtype, expected",
+    [
+        ("nccl", "cuda", torch.float32, True),  # NCCL averages fp32 itself: no division kernel
+        ("cpu:gloo,cuda:nccl", "cuda", torch.float32, True),  # offload's two-backend group
+        ("nccl", "cuda", torch.bfloat16, False),  # half precision: pre/post-factor division
+        ("nccl", "cuda", torch.float16, False),
+        ("gloo", "cpu", torch.float32, False),  # gloo has no AVG
+        ("fake", "cpu", torch.float32, False),
+    ],
+)
+def test_when_collectives_average(monkeypatch: pytest.MonkeyPatch, backend: str, device: str, dtype: torch.dtype, expected: bool) -> None:
+    """Which reductions use ReduceOp.AVG instead of SUM and a division (only the decision:
+    CI has no NCCL; the GPU suite checks the numbers against references)."""
+    from composable.fsdp import _collectives
+
+    monkeypatch.setattr(_collectives.dist, "get_backend", lambda group=None: backend)
+    assert _collectives.supports_average(object(), torch.device(device), dtype) is expected

@@ -81,17 +81,20 @@ class GradReducer:
         self._next_bucket = 0  # buckets launch strictly in order
         self._dp_world: int | None = None
         self._all_present: dict[tuple[int, torch.dtype], torch.Tensor] = {}
-        self._collectives_average: bool | None = None
+        self._collectives_average: dict[torch.dtype, bool] = {}
 
     @property
     def collectives_average(self) -> bool:
         """Whether every collective of a reduction averages (ReduceOp.AVG) instead of summing:
-        then no division is left to do. Decided once (the backend and dtype do not change)."""
-        if self._collectives_average is None:
-            g = self.group
+        then no division is left to do. Decided once per reduce dtype (`module.half()` after
+        sharding changes it; the backends do not change)."""
+        g = self.group
+        dtype = g.reduce_dtype
+        decided = self._collectives_average.get(dtype)
+        if decided is None:
             groups = ([g.shard_group] if g.config.sharded else []) + list(g.replicate_groups)
-            self._collectives_average = bool(groups) and all(comm.supports_average(pg, g.config.device, g.reduce_dtype) for pg in groups)
-        return self._collectives_average
+            decided = self._collectives_average[dtype] = bool(groups) and all(comm.supports_average(pg, g.config.device, dtype) for pg in groups)
+        return decided
 
     # -- sizes ----------------------------------------------------------------------------
     @property
