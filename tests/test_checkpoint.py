@@ -212,6 +212,20 @@ def test_bad_arguments_and_twice() -> None:
         checkpoint(m)
 
 
+def test_backward_after_the_module_was_freed_says_so() -> None:
+    """The graph holds the recompute function but not the module (a strong reference would
+    keep every dropped model alive): a backward after the user freed the module cannot
+    recompute it, and says why instead of failing somewhere inside autograd."""
+    import gc
+
+    block = checkpoint(nn.Sequential(nn.Linear(3, 3), nn.Tanh()))
+    loss = block(torch.ones(2, 3, requires_grad=True)).sum()
+    del block
+    gc.collect()
+    with pytest.raises(RuntimeError, match="checkpoint: the module was freed before its backward recomputed it"):
+        loss.backward()
+
+
 # ----------------------------------------------------------------------------- composed
 
 def _cfg_seq_policy(m: Net) -> None:
