@@ -35,6 +35,7 @@ import composable  # noqa: E402
 from model import Transformer, get_config, lm_loss, model_flops_per_token  # noqa: E402
 
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0}
+WRAPS = ("blocks", "separate-ends")  # how fully_shard/FSDP2 group the model: see `sharding_units`
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -46,6 +47,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3, help="every run once per round; ratios are medians of per-round ratios")
     p.add_argument("--runs", default="floor,fully_shard,fsdp2,replicate,ddp", help="comma list")
+    p.add_argument("--wrap", choices=WRAPS, default="blocks",
+                   help="fully_shard/FSDP2 groups: 'blocks' = each block + the root (embeddings, norm, head); "
+                        "'separate-ends' = also the embeddings and the head on their own, as torchtitan does, so "
+                        "the head's reduce-scatter overlaps the blocks' backward and the root's last one is smaller")
     p.add_argument("--out", default=None, help="write results JSON here")
     p.add_argument("--profile", default="", help="comma list of runs to profile (2 extra steps each, first round)")
     p.add_argument("--trace-dir", default=None, help="with --profile: write rank 0's Chrome trace of each profiled run here (gzipped)")
@@ -54,8 +59,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # -- GPU runs -------------------------------------------------------------------------------------
-def build(run: str, cfg, device: torch.device) -> tuple[nn.Module, Callable[[], object]]:
-    """The model for `run`, parallelised, materialised on `device`; and an autocast factory."""
+def sharding_units(model: Transformer, wrap: str) -> list[nn.Module]:
+    """The modules `fully_shard` (ours or FSDP2) is applied to, bottom-up, the root last."""
+    ends = [model.tok_embeddings, model.output] if wrap == "separate-ends" else []
+    return [*ends, *model.layers, model]
+
+
+def build(run: str, cfg, device: torch.device, wrap: str = "blocks") -> tuple[nn.Module, Callable[[], object]]:
+    """The model for `run`, parallelised (`wrap`: see `sharding_units`), materialised on
+    `device`; and an autocast factory."""
     from contextlib import nullcontext
 
     bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -69,16 +81,14 @@ def build(run: str, cfg, device: torch.device) -> tuple[nn.Module, Callable[[], 
         model = Transformer(cfg)
     if run == "fully_shard":
         mpp = composable.MixedPrecisionPolicy(**bf16)
-        for block in model.layers:
-            composable.fully_shard(block, mp_policy=mpp)
-        composable.fully_shard(model, mp_policy=mpp)
+        for module in sharding_units(model, wrap):
+            composable.fully_shard(module, mp_policy=mpp)
     elif run == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mpp = MixedPrecisionPolicy(**bf16)
-        for block in model.layers:
-            fully_shard(block, mp_policy=mpp)
-        fully_shard(model, mp_policy=mpp)
+        for module in sharding_units(model, wrap):
+            fully_shard(module, mp_policy=mpp)
     elif run == "replicate":
         composable.replicate(model, mp_policy=composable.MixedPrecisionPolicy(**bf16))
     else:
@@ -106,7 +116,7 @@ def time_run(run: str, args: argparse.Namespace, device: torch.device, profile: 
     torch.cuda.empty_cache()
     before_alloc, before_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     torch.manual_seed(0)
-    model, autocast = build(run, cfg, device)
+    model, autocast = build(run, cfg, device, args.wrap)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     g = torch.Generator(device=device).manual_seed(dist.get_rank())
     tokens = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), device=device, generator=g)
@@ -210,7 +220,7 @@ def report(rounds: list[dict[str, dict]], args: argparse.Namespace, world: int, 
     peak = {run: max(rd[run]["peak_alloc_gib"] for rd in rounds) for run in runs}
     reserved = {run: max(rd[run]["peak_reserved_gib"] for rd in rounds) for run in runs}
     print(f"\n{device_name} x{world}, preset {args.preset}, local batch {args.batch_size}, seq {args.seq_len}, "
-          f"{args.rounds} rounds x {args.steps} steps, torch {torch.__version__}")
+          f"wrap {args.wrap}, {args.rounds} rounds x {args.steps} steps, torch {torch.__version__}")
     print(f"{'run':<12} {'s/step':>8} {'tok/s/GPU':>10} {'MFU':>6} {'alloc GiB':>10} {'reserved GiB':>13}")
     for run in runs:
         tok = args.batch_size * args.seq_len / med[run]

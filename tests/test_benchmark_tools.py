@@ -70,3 +70,24 @@ def test_trace_overlap_splits_compute_exposed_and_idle(tmp_path: Path, capsys: p
     printed = capsys.readouterr().out
     assert "span 0.2 ms; compute 0.1 ms (60.0%), exposed communication 0.1 ms (20.0%), idle 0.1 ms (20.0%)" in printed
     assert "idle                     0.050 ms at +    0.1 ms  cpu: aten::_foreach_add_" in printed
+
+
+@pytest.mark.filterwarnings("ignore:DTensor random operators")  # init on a CPU mesh: expected
+@pytest.mark.parametrize("wrap", benchmark.WRAPS)
+def test_both_fsdp_implementations_get_the_same_groups(wrap: str) -> None:
+    """`--wrap` must shard ours and FSDP2 alike, or the comparison is not like for like."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+
+    from _harness import fake_process_group
+    from composable import fully_shard
+
+    cfg = benchmark.get_config("tiny")
+    with fake_process_group(2):
+        ours, _ = benchmark.build("fully_shard", cfg, torch.device("cpu"), wrap)
+        theirs, _ = benchmark.build("fsdp2", cfg, torch.device("cpu"), wrap)
+        ours_units = [name for name, m in ours.named_modules() if fully_shard.state(m) is not None]
+        theirs_units = [name for name, m in theirs.named_modules() if isinstance(m, FSDPModule)]
+    assert ours_units == theirs_units
+    ends = ["tok_embeddings", "output"] if wrap == "separate-ends" else []
+    assert sorted(ours_units) == sorted(["", *ends, *(f"layers.{i}" for i in range(cfg.n_layers))])
