@@ -26,6 +26,7 @@ from torch.distributed.utils import _apply_to_tensors
 
 from ._contract import param_states
 from .fsdp._param_group import ParamGroup
+from .fsdp._streams import CommStreams
 from .mixed_precision import MixedPrecisionPolicy
 
 
@@ -137,15 +138,13 @@ class ModuleState:
 
     def _root_pre_forward(self) -> None:
         self._forward_order.clear()
-        seen_streams = set()
         for state in self._tree_states:
             group = state.group
             if group is not None:
                 group.finish_reduce()  # in case a previous backward did not finish
                 group.refresh_sharded_params()
-                if group.streams is not None and id(group.streams) not in seen_streams:
-                    seen_streams.add(id(group.streams))
-                    group.streams.start_of_iteration()
+        for streams in self._tree_streams():
+            streams.start_of_iteration()
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if self._in_backward():
@@ -167,18 +166,21 @@ class ModuleState:
                 root._forward_order.append(self)
         self.training_state = TrainingState.IDLE
         if self.is_root:
-            self._release_gather_buffers()
+            for streams in self._tree_streams():
+                streams.release_gather_buffers()
         if self.mp_policy.output_dtype is not None:
             output = _cast_floating(output, self.mp_policy.output_dtype)
         return output
 
-    def _release_gather_buffers(self) -> None:
-        released = set()
+    def _tree_streams(self) -> list[CommStreams]:
+        """The distinct communication streams of the groups in the tree (root only; one set
+        per CUDA device, none on CPU)."""
+        found: dict[int, CommStreams] = {}
         for state in self._tree_states:
             streams = state.group.streams if state.group is not None else None
-            if streams is not None and id(streams) not in released:
-                released.add(id(streams))
-                streams.release_gather_buffers()
+            if streams is not None:
+                found.setdefault(id(streams), streams)
+        return list(found.values())
 
     def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         dtype = self.mp_policy.param_dtype
@@ -248,14 +250,11 @@ class ModuleState:
             state.training_state = TrainingState.IDLE
             state._forward_index = None
             state._ran_forward_with_grad = False
-        released = set()
         for state in self._tree_states:
-            group = state.group
-            if group is not None:
-                group.finish_reduce()
-                if group.streams is not None and id(group.streams) not in released:
-                    released.add(id(group.streams))
-                    group.streams.end_of_backward()
+            if state.group is not None:
+                state.group.finish_reduce()
+        for streams in self._tree_streams():
+            streams.end_of_backward()
         self._final_callback_queued = False
 
 
@@ -282,9 +281,7 @@ def _attach_post_backward(state: ModuleState, args: tuple, kwargs: dict) -> tupl
     if not tensors:
         return args, kwargs
     replaced = dict(zip(map(id, tensors), _PostBackward.apply(state, *tensors)))
-    result = _apply_to_tensors(lambda t: replaced.get(id(t), t), (args, kwargs))
-    replaced.clear()  # see `_tensors_in`
-    return result
+    return _map_tensors(lambda t: replaced.get(id(t), t), (args, kwargs))
 
 
 def _attach_pre_backward(state: ModuleState, output: Any) -> Any:
@@ -305,18 +302,25 @@ def _attach_pre_backward(state: ModuleState, output: Any) -> Any:
     return output
 
 
+def _map_tensors(fn: Any, tree: Any) -> Any:
+    """`fn` applied to every tensor in nested lists/tuples/dicts/namedtuples/dataclasses (what
+    PyTorch's own data-parallel wrappers look through), via `_apply_to_tensors`. That helper
+    recurses through a nested function, a reference cycle that keeps `fn`, and whatever `fn`
+    captured, alive until the garbage collector next runs: capturing tensors there kept every
+    module's inputs and the model's output (the logits: 500 MiB at batch 4 of the 1B
+    benchmark) alive past their last use, which raised the peak. So it is handed a trampoline
+    that is emptied afterwards."""
+    holder = [fn]
+    try:
+        return _apply_to_tensors(lambda t: holder[0](t), tree)
+    finally:
+        holder.clear()
+
+
 def _tensors_in(tree: Any) -> list[torch.Tensor]:
-    """Every tensor in nested lists/tuples/dicts/namedtuples/dataclasses (what PyTorch's own
-    data-parallel wrappers look through)."""
-    captured: list[torch.Tensor] = []
-    _apply_to_tensors(lambda t: captured.append(t) or t, tree)
-    # `_apply_to_tensors` recurses through a nested function, a reference cycle that keeps our
-    # lambda, and whatever it captured, alive until the garbage collector next runs: handing
-    # it a list that still held the tensors kept every module's inputs and the model's output
-    # (the logits: 500 MiB at batch 4 of the 1B benchmark) alive past their last use, which
-    # raised the peak. Hand back a copy and leave the captured list empty.
-    found = list(captured)
-    captured.clear()
+    """Every tensor in `tree` (see `_map_tensors`)."""
+    found: list[torch.Tensor] = []
+    _map_tensors(lambda t: found.append(t) or t, tree)
     return found
 
 
@@ -325,4 +329,4 @@ def _any_requires_grad(tree: Any) -> bool:
 
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
-    return _apply_to_tensors(lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, tree)
+    return _map_tensors(lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, tree)

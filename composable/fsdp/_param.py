@@ -167,7 +167,7 @@ class ManagedParam:
             if freed and name in ("unsharded_param", "unsharded_padded"):
                 value = None
             elif freed and name == "extra":  # nothing that points at the freed storage
-                value = {k: v for k, v in value.items() if v is not self.unsharded_param and not _is_freed(v)}
+                value = {k: v for k, v in value.items() if v is not self.unsharded_param and not is_freed(v)}
             setattr(new, name, copy.deepcopy(value, memo))
         return new
 
@@ -205,7 +205,7 @@ class DTensorSpecLite:
         return DTensor(local, spec, requires_grad=False)
 
 
-def _is_freed(value: object) -> bool:
+def is_freed(value: object) -> bool:
     """A tensor whose storage was resized to 0 (freed unsharded storage)."""
     return isinstance(value, torch.Tensor) and value.numel() > 0 and value.untyped_storage().size() == 0
 

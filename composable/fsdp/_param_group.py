@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from . import _collectives as comm
-from ._param import ManagedParam
+from ._param import ManagedParam, is_freed
 from ._reducer import GradReducer
 from ._streams import stream_context, streams_for
 
@@ -97,7 +97,7 @@ class ParamGroup:
         new = ParamGroup.__new__(ParamGroup)
         memo[id(self)] = new
         for name, value in vars(self).items():
-            if name == "_replica_flat" and value is not None and value.untyped_storage().size() == 0:
+            if name == "_replica_flat" and is_freed(value):
                 value = None  # freed storage cannot be copied; the copy makes its own when needed
             setattr(new, name, value if name in self._SHARED_ON_COPY else copy.deepcopy(value, memo))
         return new
