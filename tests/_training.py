@@ -126,6 +126,18 @@ def check_params(model: nn.Module, ref: nn.Module, tag: str, skip: tuple[str, ..
             assert_close_tensors(p, rp, **TOL, msg=f"{tag} param {name}")
 
 
+def step_and_compare(model: nn.Module, ref: nn.Module, opt: torch.optim.Optimizer, ref_opt: torch.optim.Optimizer, tag: str) -> None:
+    """Gradients match the reference's (looked up by name, default tolerance), then one
+    optimizer step and zero_grad on both, then the parameters match."""
+    for name, p in model.named_parameters():
+        assert_close_tensors(p.grad, ref.get_parameter(name).grad, msg=f"{tag} grad {name}")
+    for o in (opt, ref_opt):
+        o.step()
+        o.zero_grad()
+    for name, p in model.named_parameters():
+        assert_close_tensors(p, ref.get_parameter(name), msg=f"{tag} param {name}")
+
+
 def train_step(
     model: nn.Module, ref: nn.Module, opt: torch.optim.Optimizer, ref_opt: torch.optim.Optimizer,
     loss_fn: Callable[[nn.Module, Any], torch.Tensor], local: Any, full: Any, tag: str, skip: tuple[str, ...] = (),

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from _harness import assert_close_tensors, count_collectives, requires_gpus, run_on_ranks
 from _models import TinyTransformer, batch_for, lm_loss
+from _training import step_and_compare
 from composable import CPUOffloadPolicy, OffloadPolicy, ShardingStrategy, fully_shard, no_sync, set_requires_gradient_sync
 
 FULL, GRAD_OP, NO_SHARD, HYBRID = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP,
@@ -178,13 +179,7 @@ def _hsdp_defer_all_reduce(rank: int, world_size: int, offload: bool) -> None:
             # The all-reduce runs over the replica group only (ranks r and r + 2).
             groups = {r.group for r in comm.records if r.kind == "all_reduce"}
             assert groups <= {f"g[{rank % 2},{rank % 2 + 2}]"}, groups
-        for name, p in model.named_parameters():
-            assert_close_tensors(p.grad, ref.get_parameter(name).grad, msg=f"step {step} accumulated grad {name}")
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
-        for name, p in model.named_parameters():
-            assert_close_tensors(p, ref.get_parameter(name), msg=f"step {step} param {name}")
+        step_and_compare(model, ref, opt, ref_opt, f"step {step} accumulated")
     with pytest.raises(TypeError, match="set_requires_all_reduce.*'requires_all_reduce'"):
         state.set_requires_all_reduce("no")  # type: ignore[arg-type]
 

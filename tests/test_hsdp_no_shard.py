@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from _harness import assert_close_tensors, fake_process_group, run_on_ranks, trace_collectives
 from _models import TinyTransformer, batch_for, lm_loss
+from _training import step_and_compare
 from composable import MixedPrecisionPolicy, ShardingStrategy, fully_shard
 
 STEPS = 3
@@ -49,13 +50,7 @@ def _train_against_reference(model: nn.Module, rank: int, world_size: int, check
         mean_loss = loss.detach().clone()
         torch.distributed.all_reduce(mean_loss)
         assert_close_tensors(mean_loss / world_size, ref_loss.detach(), msg=f"step {step} loss")
-        for name, p in model.named_parameters():
-            assert_close_tensors(p.grad, ref.get_parameter(name).grad, msg=f"step {step} grad {name}")
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
-        for name, p in model.named_parameters():
-            assert_close_tensors(p, ref.get_parameter(name), msg=f"step {step} param {name}")
+        step_and_compare(model, ref, opt, ref_opt, f"step {step}")
 
 
 # ----------------------------------------------------------------------------- NO_SHARD
