@@ -28,7 +28,6 @@ import numbers
 import types
 import warnings
 from collections.abc import Iterable
-from typing import Union
 
 import torch
 import torch.distributed as dist
@@ -44,9 +43,9 @@ try:  # private; a subclass of Shard before torch 2.12, a separate placement aft
 except ImportError:  # pragma: no cover - very old torch
     _StridedShard = ()  # type: ignore[assignment,misc]
 
-__all__ = ["clip_grad_norm_", "get_total_norm", "clip_grads_with_norm_"]
+__all__ = ["clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm"]
 
-_TensorOrTensors = Union[torch.Tensor, Iterable[torch.Tensor]]
+_TensorOrTensors = torch.Tensor | Iterable[torch.Tensor]
 _API = "clip_grad_norm_"
 
 
@@ -82,7 +81,10 @@ def clip_grad_norm_(
         there are no gradients.
 
     Communication: at most one ``all_reduce`` per distinct process group of the mesh
-    dimensions over which some gradient is sharded (none for a size-1 dimension).
+    dimensions over which some parameter is sharded (none for a size-1 dimension). The
+    collectives are planned from the parameters, not from their gradients, so a rank whose
+    gradients are all ``None`` joins the same collectives as the others (and returns the same
+    total norm).
     A gradient with a ``Partial`` placement is first redistributed to ``Replicate`` on that
     dimension (one extra collective for each such gradient; autograd never produces them
     for parameters of ``fully_shard``/``replicate``).
@@ -105,8 +107,11 @@ def clip_grad_norm_(
                 "`parameters` is an empty generator, no gradient clipping will occur.",
                 stacklevel=2,
             )
+    # The collectives are planned from the parameters, not from their gradients: a rank whose
+    # gradients are missing (all None, say after a branch it did not take) must still join
+    # every all_reduce the other ranks issue, or they block for ever.
+    total = _total_norm([(q, q.grad) for q in params], p, error_if_nonfinite, foreach)
     grads = [q.grad for q in params if q.grad is not None]
-    total = get_total_norm(grads, p, error_if_nonfinite, foreach)
     clip_grads_with_norm_(grads, max_norm_f, total, foreach, _are_grads=True)
     return total
 
@@ -126,37 +131,60 @@ def get_total_norm(
     p = _check_norm_type(norm_type)
     _check_foreach(foreach)
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-    if not tensors:
+    return _total_norm([(t, t) for t in tensors], p, error_if_nonfinite, foreach)
+
+
+@torch.no_grad()
+def _total_norm(
+    entries: list[tuple[torch.Tensor, torch.Tensor | None]],
+    p: float,
+    error_if_nonfinite: bool,
+    foreach: bool | None,
+) -> torch.Tensor:
+    """The total p-norm of the values of ``entries``, pairs ``(layout, value)``.
+
+    ``layout`` (a parameter, or the value itself) decides the group, the accumulation dtype
+    and so the collectives; ``value`` (its gradient, or ``None``) only adds to a group's local
+    partial value. Every rank passes the same layouts in the same order, so every rank issues
+    the same collectives, whichever values it holds.
+    """
+    if not entries:
         return torch.tensor(0.0)
 
-    # 1. Group by (mesh, placements). Keyed by id(mesh): cheap, and two equal meshes that
-    # are different objects only cost a second group, never a second collective (step 3
-    # deduplicates by process group).
+    # 1. Group by the layout's (mesh, placements). Keyed by id(mesh): cheap, and two equal
+    # meshes that are different objects only cost a second group, never a second collective
+    # (step 3 deduplicates by process group).
     groups: dict[object, tuple[DTensor | None, list[torch.Tensor]]] = {}
     acc_dtype = torch.float32
     out_device: torch.device | None = None
-    for t in tensors:
-        if isinstance(t, DTensor):
-            if any(pl.is_partial() for pl in t.placements):
-                t = t.redistribute(t.device_mesh, [Replicate() if pl.is_partial() else pl for pl in t.placements])
-            key: object = (id(t.device_mesh), t.placements)
-            local = t._local_tensor  # not to_local(): no autograd bookkeeping per grad
+    for layout, t in entries:
+        if isinstance(layout, DTensor):
+            key: object = (id(layout.device_mesh), layout.placements)
+            layout_local = layout._local_tensor
         else:
-            key, local = None, t
+            key, layout_local = None, layout
+        # From the layout, not only the value: ranks must agree on the dtype of the collective.
+        if layout_local.dtype == torch.float64:
+            acc_dtype = torch.float64
+        entry = groups.get(key)
+        if entry is None:
+            entry = groups[key] = (layout if key is not None else None, [])
+        if t is None:
+            continue
+        local = _local_of(layout, t)
         if local.layout != torch.strided:  # sparse: duplicates must add up before the norm
             local = local.coalesce()._values()
         if out_device is None:
             out_device = local.device
         if local.dtype == torch.float64:
             acc_dtype = torch.float64
-        entry = groups.get(key)
-        if entry is None:
-            entry = groups[key] = (t if key is not None else None, [])
         # An empty shard (uneven sharding) adds nothing, and the infinity norm of an empty
         # tensor raises; its group still exists, so this rank joins the collective.
         if local.numel():
             entry[1].append(local)
-    assert out_device is not None
+    if out_device is None:  # no values on this rank: answer where the layouts live
+        first = entries[0][0]
+        out_device = (first._local_tensor if isinstance(first, DTensor) else first).device
 
     # 2. One local partial value (sum |x|^p, or max |x|) per group, and the process groups
     # over which it must still be reduced.
@@ -171,7 +199,7 @@ def get_total_norm(
                 continue  # this rank is not on the mesh: it holds nothing and joins no collective
             for dim, pl in enumerate(sample.placements):
                 if not _is_shard(pl):
-                    if pl.is_replicate():
+                    if pl.is_replicate() or pl.is_partial():  # a Partial value became Replicate
                         continue
                     raise NotImplementedError(f"{_API}: placement {pl!r} of a gradient is not supported")
                 if mesh.size(dim) == 1:
@@ -258,6 +286,26 @@ def clip_grads_with_norm_(
 
 
 # --- helpers ---------------------------------------------------------------------------
+
+
+def _local_of(layout: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """The local tensor of ``value`` laid out as ``layout`` (its parameter, or itself).
+
+    A DTensor value whose placements differ from its layout's (a ``Partial`` gradient of a
+    replicated parameter, say) is redistributed to them first: one collective for each such
+    value, the only one here that needs every rank to hold that value. A plain value of a
+    DTensor layout is taken as this rank's local piece.
+    """
+    if isinstance(value, DTensor):
+        spec = layout if isinstance(layout, DTensor) else value
+        mesh, placements = spec.device_mesh, spec.placements
+        if any(pl.is_partial() for pl in placements):
+            placements = tuple(Replicate() if pl.is_partial() else pl for pl in placements)
+        # `is` first: the common case (a gradient laid out as its parameter) costs no mesh compare.
+        if value.placements != placements or (value.device_mesh is not mesh and value.device_mesh != mesh):
+            value = value.redistribute(mesh, placements)
+        return value._local_tensor  # not to_local(): no autograd bookkeeping per grad
+    return value
 
 
 def _local_value(

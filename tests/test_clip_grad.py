@@ -13,11 +13,6 @@ import time
 
 import pytest
 import torch
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.debug import CommDebugMode
-from torch.distributed.tensor.placement_types import _StridedShard
-
 from _harness import (
     assert_close_tensors,
     count_collectives,
@@ -25,6 +20,11 @@ from _harness import (
     requires_gpus,
     run_on_ranks,
 )
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.placement_types import _StridedShard
+
 from composable.clip_grad import clip_grad_norm_
 
 NORM_TYPES = (1.0, 2.0, 3.0, math.inf)
@@ -166,6 +166,50 @@ def test_partial_gradient_is_reduced_before_the_norm() -> None:
     run_on_ranks(_partial_grad, 2)
 
 
+# Sharded layouts only: a rank without a gradient of a replicated or plain parameter cannot
+# know its value without communicating, so only sharded gradients make totals comparable.
+_SHARDED = [
+    ((7, 5), "world", (Shard(0),)),
+    ((1, 4), "world", (Shard(0),)),  # rank 1's shard is empty
+    ((4, 6), "world", (Shard(1),)),
+    ((4, 3, 2), "ep", (Shard(0),)),
+]
+
+
+def _missing_grads(rank: int, world_size: int, missing: str) -> tuple[float, float, dict]:
+    """Rank 1 holds no gradients (``missing="all"``) or none on the "ep" mesh (``"ep"``)."""
+    meshes = _meshes(world_size)
+    out = {}
+    for norm_type in (2.0, math.inf):
+        params = _build([torch.randn(shape) for shape, _, _ in _SHARDED], _SHARDED, meshes)
+        if rank == 1:
+            for p, (_, mesh_name, _) in zip(params, _SHARDED):
+                if missing == "all" or mesh_name == "ep":
+                    p.grad = None
+        held = [p.grad._local_tensor.flatten() for p in params if p.grad is not None]
+        local = torch.linalg.vector_norm(torch.cat(held), norm_type) if held else torch.tensor(0.0)
+        with count_collectives() as comms:
+            total = clip_grad_norm_(params, 0.1, norm_type)  # used to hang: rank 1 skipped the all_reduce
+        # The expected norm, from every rank's held pieces (outside the count).
+        part = local.clone() if norm_type == math.inf else local.pow(2)
+        torch.distributed.all_reduce(part, op=torch.distributed.ReduceOp.MAX if norm_type == math.inf else torch.distributed.ReduceOp.SUM)
+        expected = part if norm_type == math.inf else part.sqrt()
+        assert_close_tensors(total, expected, msg=f"rank {rank}, p={norm_type}")
+        clipped = [p.grad._local_tensor.flatten() for p in params if p.grad is not None]
+        if clipped:  # scaled to max_norm: this rank's share shrank by the common coefficient
+            assert_close_tensors(torch.linalg.vector_norm(torch.cat(clipped), norm_type), local * 0.1 / (expected + 1e-6))
+        out[norm_type] = (total.item(), dict(comms.counts))
+    return out
+
+
+@pytest.mark.parametrize("missing", ["all", "ep"])
+def test_rank_without_gradients_joins_the_same_collectives(missing: str) -> None:
+    """Issue 13 point 10: a rank whose gradients are None must not skip the all_reduce."""
+    results = run_on_ranks(_missing_grads, 2, missing=missing, timeout=30.0)
+    assert results[0] == results[1]  # the same total and the same collectives on both ranks
+    assert all(counts == {"all_reduce": 1} for _, counts in results[0].values()), results
+
+
 def _nonfinite(rank: int, world_size: int, bad: float, norm_type: float) -> None:
     mesh = init_device_mesh("cpu", (world_size,))
     p = torch.nn.Parameter(distribute_tensor(torch.zeros(6, 3), mesh, [Shard(0)], src_data_rank=None))
@@ -298,9 +342,9 @@ def _gpu_mesh_with_offloaded_grads(rank: int, world_size: int) -> None:
         local = full.chunk(world_size)[rank] if i < 2 else full
         local = local.cuda() if i == 0 else local.clone()  # grads 1 (DTensor) and 2 (plain) on CPU
         if i < 2:  # shape and stride given: the shards are uneven
-            as_dtensor = lambda t: DTensor.from_local(  # noqa: E731
-                t, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride()
-            )
+            def as_dtensor(t: torch.Tensor, full: torch.Tensor = full) -> DTensor:
+                return DTensor.from_local(t, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
+
             p = torch.nn.Parameter(as_dtensor(torch.zeros_like(local)))
             p.grad = as_dtensor(local)
         else:
