@@ -75,9 +75,9 @@ class ShardedGradScaler(GradScaler):
         if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval <= 0:
             raise ValueError(f"{_API}: growth_interval must be an int > 0, got {growth_interval!r}")
         if not isinstance(enabled, bool):
-            raise ValueError(f"{_API}: enabled must be a bool, got {enabled!r}")
+            raise TypeError(f"{_API}: enabled must be a bool, got {enabled!r}")
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-            raise ValueError(f"{_API}: process_group must be a ProcessGroup or None, got {process_group!r}")
+            raise TypeError(f"{_API}: process_group must be a ProcessGroup or None, got {process_group!r}")
         # device="cpu" only keeps the base class from probing CUDA; the real device is taken
         # from the first output given to scale() (see _lazy_init_scale_growth_tracker).
         super().__init__(
@@ -205,6 +205,35 @@ class ShardedGradScaler(GradScaler):
             )
         return self._scale, self._growth_tracker
 
+    def load_state_dict(self, state_dict: abc.Mapping[str, Any]) -> None:
+        """Load a state returned by :meth:`state_dict` (ours or ``torch.amp.GradScaler``'s).
+
+        Every entry is checked before anything is changed, so a bad state leaves the scaler as
+        it was: a missing key raises ``ValueError``, a value of the wrong type ``TypeError``,
+        a value out of range (the constructor's rules) ``ValueError``, each naming the key and
+        the value. Extra keys are ignored, as ``torch.amp.GradScaler`` does. A no-op when
+        disabled; an empty dict (saved from a disabled scaler) raises ``RuntimeError``.
+        """
+        where = f"{_API}.load_state_dict"
+        if not isinstance(state_dict, abc.Mapping):
+            raise TypeError(f"{where}: state_dict must be a dict as returned by state_dict(), got {_describe(state_dict)}")
+        if not self._enabled:
+            return
+        if len(state_dict) == 0:
+            raise RuntimeError(
+                f"{where}: state_dict is empty, possibly because it was saved from a disabled {_API}"
+            )
+        # The values present first: {"scale": "x"} is wrong in its scale before it is short of keys.
+        checked = {key: _check_state_value(where, key, state_dict[key], *rule)
+                   for key, rule in _STATE_RULES.items() if key in state_dict}
+        missing = [key for key in _STATE_RULES if key not in checked]
+        if missing:
+            raise ValueError(
+                f"{where}: state_dict is missing key(s) {', '.join(map(repr, missing))} "
+                f"(it has {sorted(map(str, state_dict))}); pass the dict returned by state_dict()"
+            )
+        super().load_state_dict(checked)
+
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["process_group"] = None  # process groups do not pickle; None is the world
@@ -214,3 +243,35 @@ class ShardedGradScaler(GradScaler):
 def _check_number(name: str, value: object, ok: Any, what: str) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not ok(float(value)):
         raise ValueError(f"{_API}: {name} must be {what}, got {value!r}")
+
+
+# key -> (integer?, condition on the value, what the condition says): the constructor's rules.
+_STATE_RULES: dict[str, tuple[bool, Any, str]] = {
+    "scale": (False, lambda v: 0 < v < math.inf, "a finite number > 0"),
+    "growth_factor": (False, lambda v: 1 < v < math.inf, "a finite number > 1"),
+    "backoff_factor": (False, lambda v: 0 < v < 1, "a number in (0, 1)"),
+    "growth_interval": (True, lambda v: v > 0, "an int > 0"),
+    "_growth_tracker": (True, lambda v: v >= 0, "an int >= 0"),
+}
+
+
+def _check_state_value(where: str, key: str, value: object, integer: bool, ok: Any, what: str) -> float | int:
+    """``value`` as a Python number if it fits the rule of ``key``; TypeError/ValueError otherwise."""
+    v = value
+    if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.numel() == 1:
+        v = v.item()  # a 1-element tensor (say, a scale saved from get_scale's tensor) is fine
+    kinds = (numbers.Integral,) if integer else (numbers.Real,)
+    if isinstance(v, bool) or not isinstance(v, kinds):
+        raise TypeError(f"{where}: state_dict[{key!r}] must be {what}, got {_describe(value)}")
+    v = int(v) if integer else float(v)
+    if not ok(v):
+        raise ValueError(f"{where}: state_dict[{key!r}] must be {what}, got {value!r}")
+    return v
+
+
+def _describe(value: object) -> str:
+    """``repr`` and type, shortened: enough to recognise a wrong value in one line."""
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{text} ({type(value).__name__})"

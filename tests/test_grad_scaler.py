@@ -9,10 +9,10 @@ import math
 
 import pytest
 import torch
+from _harness import assert_close_tensors, count_collectives, requires_gpus, run_on_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from _harness import assert_close_tensors, count_collectives, requires_gpus, run_on_ranks
 from composable.grad_scaler import ShardedGradScaler
 
 
@@ -47,7 +47,8 @@ def _skipped(scaler: ShardedGradScaler, opt: torch.optim.Optimizer) -> bool:
 )
 def test_bad_arguments(kwargs: dict, name: str) -> None:
     value = next(iter(kwargs.values()))
-    with pytest.raises(ValueError, match=rf"ShardedGradScaler: {name} .*{value!r}"):
+    exc = TypeError if name in ("enabled", "process_group") else ValueError
+    with pytest.raises(exc, match=rf"ShardedGradScaler: {name} .*{value!r}"):
         ShardedGradScaler(**kwargs)
 
 
@@ -180,6 +181,43 @@ def test_state_dict_round_trip_and_torch_compatibility() -> None:
     theirs = torch.amp.GradScaler("cpu")
     theirs.load_state_dict(state)
     assert theirs.state_dict() == state
+
+
+_GOOD_STATE = {"scale": 16.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 5, "_growth_tracker": 2}
+
+
+@pytest.mark.parametrize(
+    "state,exc,match",
+    [
+        # issue 13 point 12: this one raised KeyError 'growth_factor'
+        ({"scale": "x"}, TypeError, r"state_dict\['scale'\] must be a finite number > 0, got 'x' \(str\)"),
+        ({"scale": 8.0}, ValueError, (r"state_dict is missing key\(s\) 'growth_factor', 'backoff_factor', "
+                                      r"'growth_interval', '_growth_tracker' \(it has \['scale'\]\)")),
+        ({**_GOOD_STATE, "growth_interval": 2.5}, TypeError, r"state_dict\['growth_interval'\] must be an int > 0, got 2.5"),
+        ({**_GOOD_STATE, "_growth_tracker": None}, TypeError, r"state_dict\['_growth_tracker'\] .*got None"),
+        ({**_GOOD_STATE, "scale": True}, TypeError, r"state_dict\['scale'\] .*got True"),
+        ({**_GOOD_STATE, "scale": math.nan}, ValueError, r"state_dict\['scale'\] must be a finite number > 0, got nan"),
+        ({**_GOOD_STATE, "growth_factor": 0.5}, ValueError, r"state_dict\['growth_factor'\] must be a finite number > 1, got 0.5"),
+        ({**_GOOD_STATE, "backoff_factor": 2}, ValueError, r"state_dict\['backoff_factor'\] must be a number in \(0, 1\), got 2"),
+        ({**_GOOD_STATE, "_growth_tracker": -1}, ValueError, r"state_dict\['_growth_tracker'\] must be an int >= 0, got -1"),
+        ([("scale", 1.0)], TypeError, r"state_dict must be a dict .*got \[\('scale', 1.0\)\] \(list\)"),
+        ({}, RuntimeError, r"state_dict is empty"),
+    ],
+)
+def test_load_state_dict_names_the_bad_key_and_value(state: object, exc: type, match: str) -> None:
+    scaler = ShardedGradScaler(init_scale=4.0)
+    scaler.scale(torch.tensor(1.0))  # the scale tensor exists: a failed load must not touch it
+    before = scaler.state_dict()
+    with pytest.raises(exc, match=rf"^ShardedGradScaler\.load_state_dict: {match}"):
+        scaler.load_state_dict(state)  # type: ignore[arg-type]
+    assert scaler.state_dict() == before
+
+
+def test_load_state_dict_takes_numbers_of_any_kind_and_ignores_extra_keys() -> None:
+    scaler = ShardedGradScaler()
+    scaler.load_state_dict({**_GOOD_STATE, "scale": torch.tensor(16), "growth_factor": 2, "note": "extra"})
+    assert scaler.state_dict() == _GOOD_STATE
+    assert all(type(v) is type(_GOOD_STATE[k]) for k, v in scaler.state_dict().items())
 
 
 # --- several ranks --------------------------------------------------------------------------
