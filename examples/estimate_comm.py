@@ -236,9 +236,12 @@ def estimate_comm(setup: Setup, exact_layers: int = 4) -> CommEstimate:
 
 def extrapolate(one: CommEstimate, two: CommEstimate, n_layers: int) -> CommEstimate:
     """Blocks are identical: the 2-layer probe's collectives with those of its second block
-    (what the 2-layer probe issues beyond the 1-layer one, per phase and kind) repeated."""
+    (what the 2-layer probe issues beyond the 1-layer one, per phase and kind) repeated.
+    Counts follow CommDebugMode's own counts extrapolated the same way."""
+    n_extra = n_layers - 2
     phases: list[Collective] = []
     for phase in ("forward", "backward"):
+        own = [c for c in two.collectives if c.phase == phase]
         extra: list[Collective] = []
         for kind in KINDS:
             a = [c for c in one.collectives if c.phase == phase and c.kind == kind]
@@ -249,25 +252,30 @@ def extrapolate(one: CommEstimate, two: CommEstimate, n_layers: int) -> CommEsti
                     if (d.group_size, d.payload_bytes) == (c.group_size, c.payload_bytes):
                         del pool[i]
                         break
-                else:  # replicate's buckets: sizes shift with the model; keep the byte difference
-                    pool = _byte_difference(a, b)
+                else:  # replicate's buckets: boundaries shift with the model size
+                    pool = []
+                    extra += _bucket_growth(a, b, n_extra, own)
                     break
-            extra += pool * (n_layers - 2)
+            extra += pool * n_extra
         # Keep the root's first forward and last backward collective at the ends: the timing
         # model treats those two as never hidden behind compute.
-        own = [c for c in two.collectives if c.phase == phase]
         cut = 1 if phase == "forward" else max(len(own) - 1, 0)
         phases += own[:cut] + extra + own[cut:]
     counts = {
         k: two.debug_mode_counts.get(k, 0)
-        + (n_layers - 2) * (two.debug_mode_counts.get(k, 0) - one.debug_mode_counts.get(k, 0))
+        + n_extra * (two.debug_mode_counts.get(k, 0) - one.debug_mode_counts.get(k, 0))
         for k in two.debug_mode_counts
     }
     return CommEstimate(phases, True, counts)
 
 
-def _byte_difference(a: list[Collective], b: list[Collective]) -> list[Collective]:
-    """One collective per extra block carrying the payload difference (count approximate)."""
-    diff = sum(c.payload_bytes for c in b) - sum(c.payload_bytes for c in a)
-    ref = b[-1]
-    return [replace(ref, payload_bytes=diff)] if diff > 0 else []
+def _bucket_growth(a: list[Collective], b: list[Collective], n_extra: int, own: list[Collective]) -> list[Collective]:
+    """Buckets whose boundaries moved: the extra blocks add (len(b) - len(a)) buckets each and
+    exactly their bytes; with no extra bucket per block, the last bucket of `own` (in place)
+    grows instead. Bytes are exact, the bucket count approximate."""
+    per_block, added = len(b) - len(a), sum(c.payload_bytes for c in b) - sum(c.payload_bytes for c in a)
+    if per_block > 0:
+        return [replace(b[-1], payload_bytes=added // per_block)] * (per_block * n_extra)
+    i = max(j for j, c in enumerate(own) if c.kind == b[-1].kind)
+    own[i] = replace(own[i], payload_bytes=own[i].payload_bytes + added * n_extra)
+    return []

@@ -1,0 +1,171 @@
+"""examples/estimate.py: the memory arithmetic, the activation formula, and that the
+communication it estimates on the fake process group is what a real 2-rank gloo run issues."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+
+import estimate
+from _harness import fake_process_group, run_on_ranks, trace_collectives
+from estimate_comm import build_layout, estimate_comm
+from estimate_memory import activation_bytes_per_token, estimate_memory, n_params, sizes
+from estimate_setup import Setup
+from model import ModelConfig, Transformer, get_config, lm_loss
+
+SMALL = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, ffn_dim=48, max_seq_len=16)
+
+
+# ----------------------------------------------------------------------------- arithmetic
+
+
+def test_1b_bytes_per_layout() -> None:
+    cfg = get_config("1b")
+    assert n_params(cfg) == 953_223_168  # README: 953M
+    fsdp = estimate_memory(Setup(cfg, 2, "fsdp"))
+    assert fsdp.held_parameters == fsdp.held_gradients == 953_223_168 * 4 / 2  # fp32 shards, even split
+    assert fsdp.held_optimizer == 2 * fsdp.held_parameters  # AdamW: exp_avg, exp_avg_sq
+    rep = estimate_memory(Setup(cfg, 64, "replicate"))
+    assert rep.held_parameters == 953_223_168 * 4
+    hsdp = estimate_memory(Setup(cfg, 64, "hsdp", hsdp_shard_size=8))
+    assert hsdp.held_parameters == estimate_memory(Setup(cfg, 8, "fsdp")).held_parameters
+    sgd = estimate_memory(Setup(cfg, 2, "fsdp", optimizer="sgd", offload=True))
+    assert sgd.held_optimizer == 0 and sgd.parameters == sgd.optimizer == 0 and sgd.host == 2 * sgd.held_parameters
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [{"parallel": "fsdp"}, {"parallel": "hsdp", "hsdp_shard_size": 4}, {"parallel": "tp", "tp_size": 2}],
+    ids=["fsdp", "hsdp", "tp"],
+)
+def test_local_shard_sizes_match_the_engine(layout: dict) -> None:
+    # World 8 with dims that do not divide (vocab 61, dim 36): rank 0 holds the rounded-up rows.
+    cfg = replace(SMALL, vocab_size=61, dim=36, n_heads=2, ffn_dim=50)
+    setup = Setup(cfg, 8, **layout)
+    with fake_process_group(8):
+        model = build_layout(setup)
+        local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
+    assert sizes(setup).local == local
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+def _saved_bytes(module: torch.nn.Module, run) -> int:  # type: ignore[no-untyped-def]
+    """Bytes of the distinct non-parameter storages autograd saves while `run()` executes."""
+    skip = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in skip:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_formula_matches_saved_tensors(dtype: torch.dtype) -> None:
+    cfg = replace(SMALL, dim=64, n_heads=4, ffn_dim=96, vocab_size=100)
+    model = Transformer(cfg).to(dtype)
+    B, T = 2, 16
+    x = torch.randn(B, T, cfg.dim, dtype=dtype, requires_grad=True)
+    rope = model.rope
+    per_token = activation_bytes_per_token(cfg, dtype.itemsize)
+    block = model.layers[0]
+    measured = _saved_bytes(block, lambda: block(x, rope))
+    # The formula leaves out the rotary tables' slices (constants, not per token).
+    assert measured == pytest.approx(per_token["block"] * B * T, rel=0.02)
+    h = torch.randn(B, T, cfg.dim, dtype=dtype, requires_grad=True)
+    tokens = torch.randint(0, cfg.vocab_size, (B, T))
+    measured_root = _saved_bytes(model, lambda: lm_loss(model.output(model.norm(h)), tokens))
+    assert measured_root == pytest.approx(per_token["root"] * B * T, rel=0.02)
+
+
+# ----------------------------------------------------------------------------- communication
+
+SETUPS = {
+    "fsdp_ckpt_bf16": {"parallel": "fsdp", "activation_checkpointing": True, "mp": "bf16"},
+    "fsdp_no_reshard_fp32_separate_ends": {
+        "parallel": "fsdp",
+        "reshard_after_forward": False,
+        "mp": "fp32",
+        "wrap": "separate-ends",
+    },
+    "hsdp": {"parallel": "hsdp", "hsdp_shard_size": 1},
+    "tp": {"parallel": "tp", "tp_size": 2},
+    "replicate": {"parallel": "replicate"},
+}
+
+
+def _measure_on_gloo(rank: int, world: int, setup: Setup) -> dict:
+    """One real forward + backward of `setup` on gloo: CommDebugMode's counts, and per kind
+    the count and payload bytes the harness's tracer records."""
+    model = build_layout(setup)
+    model.to_empty(device="cpu")
+    model.init_weights(buffer_device="cpu")
+    tokens = torch.randint(0, setup.cfg.vocab_size, (setup.batch_size, setup.seq_len + 1))
+    with CommDebugMode() as cm, trace_collectives() as tracer:
+        lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+    per_kind: dict[str, list[int]] = {}
+    for r in tracer.records:
+        row = per_kind.setdefault(r.kind, [0, 0])
+        row[0] += 1
+        row[1] += r.numel * r.dtype.itemsize
+    return {"counts": {str(k).split(".")[-1]: v for k, v in cm.get_comm_counts().items()}, "per_kind": per_kind}
+
+
+@pytest.mark.parametrize("name", list(SETUPS))
+def test_estimated_collectives_equal_a_real_gloo_run(name: str) -> None:
+    setup = Setup(replace(SMALL, n_layers=3), 2, batch_size=2, seq_len=8, **SETUPS[name])
+    # exact_layers=2: the 3-layer estimate is extrapolated from 1- and 2-layer probes.
+    est = estimate_comm(setup, exact_layers=2)
+    assert est.extrapolated
+    real = run_on_ranks(_measure_on_gloo, 2, setup)[0]
+    assert est.debug_mode_counts == real["counts"]
+    assert {k: [int(v["count"]), int(v["payload_bytes"])] for k, v in est.by_kind().items()} == real["per_kind"]
+
+
+def test_ring_volumes() -> None:
+    setup = Setup(SMALL, 4, "fsdp", mp="fp32")
+    est = estimate_comm(setup)
+    for row in est.by_kind().values():
+        assert row["sent_bytes"] == pytest.approx(row["payload_bytes"] * 3 / 4)
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def test_json_at_world_1024(capsys: pytest.CaptureFixture[str]) -> None:
+    assert estimate.main(["--preset", "tiny", "--world-size", "1024", "--parallel", "hsdp", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["setup"]["world_size"] == 1024 and data["memory_bytes"]["peak"] > 0
+    assert data["communication"]["per_kind"]["all_reduce"]["count"] == 5  # one per group: 4 blocks + root
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--parallel", "zero3"], "--parallel must be one of fsdp, hsdp, tp, replicate, got 'zero3'"),
+        (["--parallel", "tp", "--tp-size", "3", "--world-size", "6"], "--tp-size 3 must divide --n-heads 16"),
+        (["--world-size", "0"], "--world-size must be >= 1, got 0"),
+        (["--reshard-after-forward", "maybe"], "--reshard-after-forward must be default, true or false"),
+        (["--bandwidth", "nvlink=fast"], "--bandwidth 'nvlink=fast'"),
+    ],
+)
+def test_bad_flags_exit_2_with_one_line(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert estimate.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
