@@ -52,6 +52,15 @@ PRESETS: dict[str, ModelConfig] = {
     "1b": ModelConfig(vocab_size=32000, dim=2048, n_layers=16, n_heads=16, ffn_dim=5632, max_seq_len=2048),
 }
 
+# Peak AdamW learning rate per preset. With Adam every weight moves by about `lr` per step
+# whatever its gradient's size, so the change of a layer's output grows with its width: the
+# rate has to fall as 1/width for the same relative update (muP's rule for hidden matrices).
+# tiny's 3e-3 at dim 128 scaled this way gives 1.5e-3 at 256 and 1.9e-4 at 2048; GPT-3's
+# published rates (6e-4 at d=768 ... 2e-4 for the 1.3B model at d=2048) follow the same line.
+# 1b uses 3e-4 (between that and Llama/TinyLlama's 3e-4..4e-4 at this size): tiny's 3e-3 on
+# the 953M model drove the loss from 10.7 up to 16.3 in its first steps on 2 x H200.
+PRESET_LR: dict[str, float] = {"tiny": 3e-3, "small": 1.5e-3, "1b": 3e-4}
+
 
 def get_config(preset: str, **overrides: object) -> ModelConfig:
     """The named preset with `overrides` (fields whose value is None are left alone)."""

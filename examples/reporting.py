@@ -35,15 +35,36 @@ def _rss_bytes() -> int:
         return rss if sys.platform == "darwin" else rss * 1024
 
 
-def write_outputs(out: str, history: list[dict[str, Any]], summary: dict[str, Any], title: str, say: Callable[[str], Any]) -> None:
-    """metrics.json, metrics.csv and loss.png under `out` (rank 0)."""
-    os.makedirs(out, exist_ok=True)
-    write_json(os.path.join(out, "metrics.json"), {"summary": summary, "history": history})
-    fields = ["step", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "mem_gib", "time_s"]
-    with open(os.path.join(out, "metrics.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(history)
+FIELDS = ["step", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "mem_gib", "time_s"]
+
+
+class MetricsLog:
+    """metrics.csv written as the run goes (a line per step, flushed: a crash keeps every step
+    done so far) and metrics.json rewritten atomically at every evaluation and checkpoint and
+    at the end (then with the summary). Rank 0 only; a resumed run starts from the history in
+    its checkpoint, dropping the lines of steps it is about to redo."""
+
+    def __init__(self, run_dir: str, history: list[dict[str, Any]]) -> None:
+        self.run_dir = run_dir
+        self._csv = open(os.path.join(run_dir, "metrics.csv"), "w", newline="")  # noqa: SIM115 - open for the run
+        self._writer = csv.DictWriter(self._csv, fieldnames=FIELDS, extrasaction="ignore")
+        self._writer.writeheader()
+        self._writer.writerows(history)
+        self._csv.flush()
+
+    def append(self, record: dict[str, Any]) -> None:
+        self._writer.writerow(record)
+        self._csv.flush()
+
+    def write_json(self, history: list[dict[str, Any]], summary: dict[str, Any] | None = None) -> None:
+        write_json(os.path.join(self.run_dir, "metrics.json"), {"summary": summary, "history": history})
+
+    def close(self) -> None:
+        self._csv.close()
+
+
+def write_plot(out: str, history: list[dict[str, Any]], title: str, say: Callable[[str], Any]) -> None:
+    """loss.png under `out` (rank 0): train and validation curves."""
     try:
         import matplotlib
 

@@ -6,18 +6,20 @@
 
 The corpus is the Python standard library's own source (see data.py); a held-out split gives
 the validation loss. Without a launcher (no RANK/WORLD_SIZE in the environment) this script
-spawns `--nproc` local ranks itself (gloo on CPU, NCCL when there are enough GPUs); under
-`torchrun` every rank uses the GPU `LOCAL_RANK` (NCCL) or the CPU (gloo).
+spawns `--nproc` local ranks itself and supervises them (launch.py); under `torchrun` every
+rank uses the GPU `LOCAL_RANK` (NCCL) or the CPU (gloo).
 
-Outputs under `--out`: `metrics.json` / `metrics.csv` (per-step train loss, lr, grad norm,
-tokens/s, memory; validation losses), `loss.png` (train/val curves), `checkpoints/step_N/`
-(DCP checkpoints, written atomically: saved to `step_N.tmp/`, renamed after every rank is
-done). `--resume` continues from the newest complete checkpoint with exactly the losses an
-uninterrupted run would have had (on CPU).
+Every run writes into its own `<out>/<run id>/` (runs.py): `metrics.csv` (a line per step, as
+it goes), `metrics.json` (per-step train loss, lr, grad norm, tokens/s, memory; validation
+losses; the summary), `loss.png`, and `checkpoints/step_N/` (checkpointing.py: DCP, atomic,
+checksummed; the newest `--keep-ckpts` of this run are kept). `--resume` continues from the
+newest intact checkpoint with exactly the losses an uninterrupted run would have had (on CPU),
+and refuses a checkpoint of another model or seed. `--timeout` bounds every wait for another
+rank: a rank that dies or stalls ends the job with a line naming it (watchdog.py).
 
-Parallelism (`--parallel`):
-  fsdp       fully_shard per transformer block + root (1D mesh over all ranks)
-  hsdp       fully_shard on a 2D (replicate, shard) mesh
+Parallelism (`--parallel`; parallel.py):
+  fsdp       fully_shard on the embeddings, the head, every transformer block, then the root
+  hsdp       the same on a 2D (replicate, shard) mesh
   replicate  replicate (DDP semantics) on the whole model
   tp         tensor parallelism (ColwiseParallel/RowwiseParallel on mesh["tp"]) x fully_shard on mesh["dp"]
 """
@@ -26,11 +28,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import math
 import os
-import socket
+import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -42,78 +44,22 @@ if os.path.dirname(HERE) not in sys.path:  # a checkout that was not pip-install
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 from composable import ShardedGradScaler, clip_grad_norm_, fully_shard, no_sync  # noqa: E402
 
 # The example's own modules (found through HERE above, under torchrun and mp.spawn alike):
-from checkpointing import CKPT_DIR, checkpoint_dirs, load_checkpoint, save_checkpoint  # noqa: E402
-from data import VOCAB_SIZE, ByteCorpus, get_batch  # noqa: E402
-from model import PRESETS, ModelConfig, Transformer, count_parameters, get_config, lm_loss  # noqa: E402
+from checkpointing import checkpoint_dirs, load_newest_intact, rank0_then_broadcast, save_checkpoint  # noqa: E402
+from data import ByteCorpus, get_batch  # noqa: E402
+from launch import run_rank, spawn_local  # noqa: E402
+from model import Transformer, count_parameters, lm_loss  # noqa: E402
+from options import FAULT, check_memory, host_memory_bytes, model_config, parse_args  # noqa: E402
 from parallel import UsageError, build_mesh, parallelize  # noqa: E402
-from reporting import memory_string, print_summary, write_outputs  # noqa: E402
+from reporting import MetricsLog, memory_string, print_summary, write_plot  # noqa: E402
+from runs import Run, identity, identity_differences, mismatch_message, open_run  # noqa: E402
+from watchdog import Watchdog  # noqa: E402
 
-
-# ----------------------------------------------------------------------------- arguments
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--parallel", choices=["fsdp", "hsdp", "replicate", "tp"], default="fsdp")
-    p.add_argument("--mp", choices=["fp32", "bf16", "fp16"], default=None,
-                   help="compute dtype: bf16 = bf16 params / fp32 reduce; fp16 adds ShardedGradScaler (default: bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--activation-checkpointing", action="store_true", help="checkpoint() every transformer block")
-    p.add_argument("--cpu-offload", action="store_true", help="CPUOffloadPolicy: sharded params, grads and the optimizer step on the CPU")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (no_sync on all but the last)")
-    p.add_argument("--max-norm", type=float, default=1.0, help="gradient clipping norm (composable.clip_grad_norm_); 0 disables")
-    p.add_argument("--steps", type=int, default=250, help="optimizer steps in total")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch per data-parallel rank")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's max_seq_len)")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (linear warmup, cosine decay to 10%%)")
-    p.add_argument("--warmup-steps", type=int, default=None, help="default: 10%% of --steps, at most 100")
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--eval-every", type=int, default=50, help="validation loss every N steps (and at the end); 0: only at the end")
-    p.add_argument("--eval-batches", type=int, default=4, help="held-out batches per rank per evaluation")
-    p.add_argument("--ckpt-every", type=int, default=100, help="DCP checkpoint every N steps (and at the end); 0 disables")
-    p.add_argument("--keep-ckpts", type=int, default=2, help="complete checkpoints to keep")
-    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
-    p.add_argument("--out", default="runs/train", help="output directory")
-    p.add_argument("--nproc", type=int, default=2, help="local ranks to spawn when not started by a launcher")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tp-size", type=int, default=2, help="--parallel tp: tensor-parallel degree")
-    p.add_argument("--hsdp-shard-size", type=int, default=None, help="--parallel hsdp: ranks per shard group (default: world/2, at least 1)")
-    m = p.add_argument_group("model size overrides (default: the preset's)")
-    m.add_argument("--dim", type=int)
-    m.add_argument("--n-layers", type=int)
-    m.add_argument("--n-heads", type=int)
-    m.add_argument("--ffn-dim", type=int)
-    m.add_argument("--vocab-size", type=int, help=f"at least {VOCAB_SIZE} (bytes)")
-    m.add_argument("--tie-embeddings", action="store_true", default=None)
-    p.add_argument("--quiet", action="store_true", help="no progress bar or messages")
-    p.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)  # tests: stop as if killed after step N
-    args = p.parse_args(argv)
-    for name in ("grad_accum", "steps", "batch_size", "nproc", "tp_size", "eval_batches", "keep_ckpts"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.cpu_offload and args.parallel == "replicate":
-        p.error("--cpu-offload needs --parallel fsdp, hsdp or tp (replicate has no offload policy)")
-    if args.vocab_size is not None and args.vocab_size < VOCAB_SIZE:
-        p.error(f"--vocab-size must be >= {VOCAB_SIZE} for byte-level data")
-    try:
-        model_config(args)
-    except ValueError as e:
-        p.error(str(e))
-    return args
-
-
-def model_config(args: argparse.Namespace) -> ModelConfig:
-    """The preset with the size flags applied; max_seq_len grows to --seq-len if needed."""
-    cfg = get_config(args.preset, dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, ffn_dim=args.ffn_dim,
-                     vocab_size=args.vocab_size, tie_embeddings=args.tie_embeddings)
-    if args.seq_len is not None and args.seq_len > cfg.max_seq_len:
-        cfg = dataclasses.replace(cfg, max_seq_len=args.seq_len)
-    return cfg
+__all__ = ["main", "parse_args", "train", "checkpoint_dirs"]
 
 
 # ----------------------------------------------------------------------------- launching
@@ -122,53 +68,18 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point: run under a launcher's environment, or spawn `--nproc` local ranks."""
     args = parse_args(argv)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return _run_rank(args)
-    port = _free_port()
+        return run_rank(args, train)
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: no hostname resolution
-    try:
-        mp.spawn(_spawned_rank, args=(args, port), nprocs=args.nproc, join=True)
-    except mp.ProcessExitedException as e:  # the rank already printed why
-        return e.exit_code or 1
-    except mp.ProcessRaisedException as e:
-        print(f"train.py: a rank failed:\n{e}", file=sys.stderr)
-        return 1
-    return 0
+    return spawn_local(_spawned_rank, args)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawned_rank(local_rank: int, args: argparse.Namespace, port: int) -> None:
+def _spawned_rank(local_rank: int, store_port: int, args: argparse.Namespace) -> None:
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(args.nproc),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      LOCAL_WORLD_SIZE=str(args.nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store_port))
     # Share the cores between the ranks: oversubscribed threads make every rank slower.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.nproc))
-    code = _run_rank(args)
-    if code:
-        sys.exit(code)
-
-
-def _run_rank(args: argparse.Namespace) -> int:
-    """Initialise the default process group from the environment, train, tear down."""
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    world = int(os.environ["WORLD_SIZE"])
-    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= min(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl" if use_cuda else "gloo", device_id=torch.device("cuda", local_rank) if use_cuda else None)
-    try:
-        train(args)
-    except (NotImplementedError, UsageError) as e:  # a combination that is not supported: say so plainly
-        if dist.get_rank() == 0:
-            print(f"train.py: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
-    finally:
-        dist.destroy_process_group()
-    return 0
+    sys.exit(run_rank(args, train, external_store_port=store_port))
 
 
 # ----------------------------------------------------------------------------- optimizer
@@ -190,8 +101,6 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
     return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-# ----------------------------------------------------------------------------- training
-
 @torch.no_grad()
 def evaluate(model: nn.Module, corpus: ByteCorpus, args: argparse.Namespace, seq_len: int, dp_rank: int, device: torch.device) -> float:
     """Mean loss over `--eval-batches` fixed held-out batches per data-parallel rank."""
@@ -211,19 +120,27 @@ def _world_mean(value: torch.Tensor) -> float:
     return value.item() / dist.get_world_size()
 
 
-def train(args: argparse.Namespace) -> dict[str, Any]:
+def train(args: argparse.Namespace, watchdog: Watchdog | None = None) -> dict[str, Any]:
     """Train on the initialised default process group; returns the summary (with the
     per-step history under "history") on every rank."""
     t_start = time.perf_counter()
     rank, world = dist.get_rank(), dist.get_world_size()
+    watchdog = watchdog or Watchdog(None, rank, world, args.timeout)
     backend = dist.get_backend()
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     if args.mp is None:
         args.mp = "bf16" if device.type == "cuda" else "fp32"
+    if args.compile is None:  # the fast path on GPUs; on a CPU compiling costs more than it saves
+        args.compile = device.type == "cuda"
     verbose = rank == 0 and not args.quiet
     from tqdm.auto import tqdm
 
+    # tqdm's default lock is a multiprocessing one: a semaphore that a rank ended by os._exit
+    # (after a failed collective) leaves behind, for the resource tracker to warn about.
+    tqdm.set_lock(threading.RLock())
     say = tqdm.write if verbose else (lambda *_: None)
+    # Warnings (a damaged checkpoint, a skipped run) are shown even with --quiet.
+    warn = (lambda m: print(f"train.py: {m}", file=sys.stderr, flush=True)) if rank == 0 else (lambda *_: None)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -231,7 +148,35 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     mesh, dp_mesh, dp_rank, dp_size = build_mesh(args, device.type)
     cfg = model_config(args)
     seq_len = args.seq_len or cfg.max_seq_len
+    if device.type == "cuda":
+        available, where = torch.cuda.get_device_properties(device).total_memory, f"GPU {device.index} has"
+    else:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        available, where = host_memory_bytes() // local, f"this host has per rank ({local} ranks)"
+    if available:
+        rank0_then_broadcast(lambda: check_memory(args, cfg, seq_len, dp_size, available, where))
+    ident = identity(args, cfg)
+    locks: list[Any] = []
 
+    def choose_run() -> Run:
+        run, lock = open_run(args, ident)
+        locks.append(lock)  # rank 0 holds the run's lock until this function returns
+        return run
+
+    run = rank0_then_broadcast(choose_run)
+    with contextlib.ExitStack() as stack:
+        stack.callback(lambda: [lock.release() for lock in locks])
+        for note in run.notes:
+            warn(note)
+        return _train(args, run, cfg, seq_len, device, mesh, dp_mesh, dp_rank, dp_size, ident, watchdog, say, warn, verbose, stack, t_start)
+
+
+def _train(args: argparse.Namespace, run: Run, cfg: Any, seq_len: int, device: torch.device, mesh: Any, dp_mesh: Any,
+           dp_rank: int, dp_size: int, ident: dict[str, Any], watchdog: Watchdog, say: Any, warn: Any, verbose: bool,
+           stack: contextlib.ExitStack, t_start: float) -> dict[str, Any]:
+    from tqdm.auto import tqdm
+
+    rank, world = dist.get_rank(), dist.get_world_size()
     # Same seed on every rank: identical initial weights before sharding. On a GPU the model
     # is built on the meta device and materialised shard by shard after parallelize (a 1B
     # model never exists unsharded); on the CPU it is built whole, so the initial weights do
@@ -254,24 +199,36 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     tokens_per_step = args.batch_size * seq_len * args.grad_accum * dp_size
     history: list[dict[str, Any]] = []
     start_step = 0
-    if args.resume:
-        found = checkpoint_dirs(args.out)
-        if found:
-            step, path = found[-1]
-            state = load_checkpoint(path, model, optimizer)
+    if run.resume:
+        def accept(state: dict[str, Any], path: str) -> None:
+            diffs = identity_differences(state.get("identity", {}), ident)
+            if diffs:
+                raise UsageError(mismatch_message(f"checkpoint {path}", diffs))
+            if state["step"] > args.steps:
+                raise UsageError(f"--steps {args.steps} is below the step of checkpoint {path} ({state['step']}); "
+                                 f"pass --steps {state['step']} or more to continue this run")
+
+        watchdog.progress(0, "checkpoint load")
+        loaded = load_newest_intact(run.path, model, optimizer, accept, warn)
+        if loaded is not None:
+            state, path = loaded
             start_step, history = state["step"], state["history"]
             if state.get("scaler"):
                 scaler.load_state_dict(state["scaler"])
             say(f"resumed from {path} (step {start_step})")
-        else:
-            say(f"--resume: no checkpoint under {os.path.join(args.out, CKPT_DIR)}; starting from scratch")
+            if start_step == args.steps:
+                warn(f"run {run.run_id} is already at step {start_step} = --steps: nothing to train (a larger --steps continues it)")
+    metrics = MetricsLog(run.path, history) if rank == 0 else None
+    if metrics is not None:
+        stack.callback(metrics.close)
 
     title = (f"{args.preset} ({n_params / 1e6:.2f}M params), --parallel {args.parallel}, {world} ranks ({device.type}), "
              f"--mp {args.mp}, {tokens_per_step} tokens/step")
     say(f"train.py: {title}")
     say(f"  mesh {tuple(mesh.shape)} {mesh.mesh_dim_names}, data: {corpus.n_files} stdlib files, "
-        f"{corpus.train.numel() / 1e6:.1f}M train / {corpus.val.numel() / 1e6:.1f}M val bytes, out: {args.out}")
+        f"{corpus.train.numel() / 1e6:.1f}M train / {corpus.val.numel() / 1e6:.1f}M val bytes, run: {run.path}")
 
+    fault = FAULT.fullmatch(args.fault) if args.fault else None
     hsdp_accum = args.parallel == "hsdp" and args.grad_accum > 1
     bar = tqdm(total=args.steps, initial=start_step, disable=not verbose, unit="step", dynamic_ncols=True, leave=True)
     train_time, train_tokens = 0.0, 0
@@ -280,6 +237,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats(device)
     model.train()
     for step in range(start_step + 1, args.steps + 1):
+        watchdog.progress(step, "forward/backward")
+        if fault and int(fault[1]) == rank and int(fault[3]) == step:  # tests: die or stall here, for real
+            time.sleep(0.2)  # let the heartbeat of this step land first, as it would in a real stall
+            os.kill(os.getpid(), getattr(signal, "SIG" + fault[2]))
         t0 = time.perf_counter()
         lr = lr_at(step, args)
         for group in optimizer.param_groups:
@@ -318,40 +279,51 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         mem_gib, mem = memory_string(device)
         record: dict[str, Any] = {"step": step, "loss": train_loss, "lr": lr, "grad_norm": grad_norm,
                                   "tokens_per_s": tokens_per_step / dt, "mem_gib": mem_gib, "time_s": dt, "val_loss": None}
-        if step == args.steps or (args.eval_every and step % args.eval_every == 0):
+        evaluating = step == args.steps or (args.eval_every and step % args.eval_every == 0)
+        if evaluating:
+            watchdog.progress(step, "evaluation")
             record["val_loss"] = last_val = evaluate(model, corpus, args, seq_len, dp_rank, device)
             say(f"step {step:>5}: train loss {train_loss:.4f}  val loss {last_val:.4f}")
         history.append(record)
+        saving = args.ckpt_every and (step % args.ckpt_every == 0 or step == args.steps)
+        if metrics is not None:
+            metrics.append(record)
+            if evaluating or saving:
+                metrics.write_json(history)
         bar.set_postfix_str(f"loss {train_loss:.3f}" + (f" val {last_val:.3f}" if last_val is not None else "")
                             + f" | {tokens_per_step / dt:,.0f} tok/s | {mem}", refresh=False)
         bar.update(1)
-        if args.ckpt_every and (step % args.ckpt_every == 0 or step == args.steps):
+        if saving:
+            watchdog.progress(step, "checkpoint save")
             trainer_state = {"step": step, "history": history, "scaler": scaler.state_dict() if scaler.is_enabled() else None,
-                             "args": vars(args), "data_position": {"seed": args.seed, "next_step": step + 1}}
-            path = save_checkpoint(args.out, step, model, optimizer, trainer_state, args.keep_ckpts)
+                             "args": vars(args), "identity": ident, "data_position": {"seed": args.seed, "next_step": step + 1}}
+            path = save_checkpoint(run.path, step, model, optimizer, trainer_state, args.keep_ckpts)
             say(f"step {step:>5}: checkpoint {path}")
         if args.stop_after is not None and step >= args.stop_after:
             bar.close()
-            return {"history": history, "stopped_at": step}
+            return {"history": history, "stopped_at": step, "run_dir": run.path, "run_id": run.run_id}
     bar.close()
+    watchdog.progress(args.steps, "done")
 
     wall = time.perf_counter() - t_start
     final = history[-1] if history else {}
     summary = {
         "params": n_params, "preset": args.preset, "parallel": args.parallel, "mp": args.mp, "world_size": world,
-        "device": device.type, "steps": args.steps, "resumed_from": start_step or None,
+        "device": device.type, "compile": args.compile, "steps": args.steps, "resumed_from": start_step or None,
         "final_train_loss": final.get("loss"), "final_val_loss": final.get("val_loss"),
         "first_train_loss": history[0]["loss"] if history else None,
         "tokens_per_s": train_tokens / train_time if train_time else None,
         "tokens_per_s_per_rank": train_tokens / train_time / world if train_time else None,
         "train_time_s": train_time, "wall_time_s": wall, "peak_mem_gib": max((h["mem_gib"] for h in history), default=None),
-        "checkpoints": [path for _, path in checkpoint_dirs(args.out)],
+        "run_id": run.run_id, "run_dir": run.path, "checkpoints": [path for _, path in checkpoint_dirs(run.path)],
     }
-    if rank == 0:
-        write_outputs(args.out, history, summary, title, say)
+    if metrics is not None:
+        metrics.write_json(history, summary)
+        write_plot(run.path, history, title, say)
         if verbose:
-            print_summary(summary, args.out)
+            print_summary(summary, run.path)
     return {**summary, "history": history}
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -36,8 +36,9 @@ SMALL = ["--preset", "tiny", "--dim", "32", "--n-layers", "2", "--n-heads", "2",
          "--eval-batches", "1", "--quiet"]
 
 
-class SimulatedCrash(Exception):
-    """Raised inside a checkpoint save to stand for the process dying there."""
+class SimulatedCrash(BaseException):
+    """Raised inside a checkpoint save to stand for the process dying there (a BaseException,
+    like a kill: the save's own error handling must not turn it into a CheckpointError)."""
 
 
 def _train(rank: int, world_size: int, argv: list[str], crash_save_at: int | None = None) -> dict:
@@ -98,11 +99,13 @@ def test_loss_falls_and_outputs_are_written(tmp_path: Path) -> None:
     assert result["params"] == count_parameters(Transformer(get_config("tiny", dim=32, n_layers=2, n_heads=2, ffn_dim=64)))
     assert result["tokens_per_s"] > 0 and result["final_val_loss"] == vals[-1]
 
-    saved = json.loads((out / "metrics.json").read_text())
-    assert [h["loss"] for h in saved["history"]] == losses
-    assert (out / "metrics.csv").read_text().count("\n") == 17
+    run_dir = Path(result["run_dir"])
+    assert run_dir.parent == out  # every run writes into its own <out>/<run id>/
+    saved = json.loads((run_dir / "metrics.json").read_text())
+    assert [h["loss"] for h in saved["history"]] == losses and saved["summary"]["final_val_loss"] == vals[-1]
+    assert (run_dir / "metrics.csv").read_text().count("\n") == 17
     pytest.importorskip("matplotlib")
-    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize("flags", [
@@ -172,12 +175,12 @@ def test_resume_continues_the_loss_curve_exactly(tmp_path: Path, flags: list[str
 
 
 def test_crash_during_save_leaves_previous_checkpoint_loadable(tmp_path: Path) -> None:
-    argv = SMALL + ["--steps", "6", "--eval-every", "0", "--ckpt-every", "3", "--out", str(tmp_path)]
+    argv = SMALL + ["--steps", "6", "--eval-every", "0", "--ckpt-every", "3", "--out", str(tmp_path), "--run-id", "r"]
     crashed = _run(argv, crash_save_at=6)
     assert "crashed" in crashed
-    ckpts = tmp_path / "checkpoints"
+    ckpts = tmp_path / "r" / "checkpoints"
     assert sorted(os.listdir(ckpts)) == ["step_0000003", "step_0000006.tmp"]
-    assert [s for s, _ in train_script.checkpoint_dirs(str(tmp_path))] == [3]
+    assert [s for s, _ in train_script.checkpoint_dirs(str(tmp_path / "r"))] == [3]
 
     resumed = _run(argv + ["--resume"])  # loads step 3, redoes 4..6, saves 6 properly
     assert resumed["resumed_from"] == 3
@@ -194,8 +197,9 @@ def test_command_line_spawns_ranks_and_reports(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "summary" in proc.stdout and "train loss" in proc.stdout and "tokens/s" in proc.stdout, proc.stdout
-    assert json.loads((tmp_path / "metrics.json").read_text())["summary"]["world_size"] == 2
-    assert (tmp_path / "checkpoints" / "step_0000003" / ".metadata").is_file()
+    (run_dir,) = tmp_path.iterdir()
+    assert json.loads((run_dir / "metrics.json").read_text())["summary"]["world_size"] == 2
+    assert (run_dir / "checkpoints" / "step_0000003" / ".metadata").is_file()
 
 
 # ----------------------------------------------------------------------------- the model
