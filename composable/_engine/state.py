@@ -16,18 +16,17 @@ During backward a re-run forward (activation checkpointing) neither reshards nor
 
 from __future__ import annotations
 
-import weakref
 from enum import Enum, auto
 from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.utils import _apply_to_tensors
 
-from ._contract import param_states
-from .fsdp._param_group import ParamGroup
-from .fsdp._streams import CommStreams
-from .mixed_precision import MixedPrecisionPolicy
+from ..mixed_precision import MixedPrecisionPolicy
+from .autograd import any_requires_grad, attach_post_backward, attach_pre_backward, cast_floating
+from .contract import param_states
+from .group import ParamGroup
+from .streams import CommStreams
 
 
 class TrainingState(Enum):
@@ -133,7 +132,7 @@ class ModuleState:
                     other.group.unshard(async_op=True)
         args, kwargs = self._cast_inputs(args, kwargs)
         if torch.is_grad_enabled():
-            args, kwargs = _attach_post_backward(self, args, kwargs)
+            args, kwargs = attach_post_backward(self, args, kwargs)
         return args, kwargs
 
     def _root_pre_forward(self) -> None:
@@ -149,7 +148,7 @@ class ModuleState:
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if self._in_backward():
             return output
-        backward_follows = torch.is_grad_enabled() and _any_requires_grad(output)
+        backward_follows = torch.is_grad_enabled() and any_requires_grad(output)
         # In eval mode a backward rarely follows (a validation forward without no_grad): reshard
         # so the sharded parameters are registered again (state_dict, checkpointing); a
         # backward that does follow gathers them again in pre_backward.
@@ -159,7 +158,7 @@ class ModuleState:
             else:  # keep the storage for backward, but show the sharded parameters meanwhile
                 self.group.register_sharded()
         if backward_follows:
-            output = _attach_pre_backward(self, output)
+            output = attach_pre_backward(self, output)
             root = self._root()
             if root is not None:  # backward runs in reverse: remember who to prefetch
                 self._forward_index = len(root._forward_order)
@@ -169,7 +168,7 @@ class ModuleState:
             for streams in self._tree_streams():
                 streams.release_gather_buffers()
         if self.mp_policy.output_dtype is not None:
-            output = _cast_floating(output, self.mp_policy.output_dtype)
+            output = cast_floating(output, self.mp_policy.output_dtype)
         return output
 
     def _tree_streams(self) -> list[CommStreams]:
@@ -186,7 +185,7 @@ class ModuleState:
         dtype = self.mp_policy.param_dtype
         if dtype is None or not self.mp_policy.cast_forward_inputs:
             return args, kwargs
-        return _cast_floating(args, dtype), _cast_floating(kwargs, dtype)
+        return cast_floating(args, dtype), cast_floating(kwargs, dtype)
 
     # -- backward -----------------------------------------------------------------------------
     def _pre_backward(self) -> None:
@@ -256,77 +255,3 @@ class ModuleState:
         for streams in self._tree_streams():
             streams.end_of_backward()
         self._final_callback_queued = False
-
-
-# -- autograd plumbing --------------------------------------------------------------------------
-class _PostBackward(torch.autograd.Function):
-    """Identity on the module's inputs; its backward runs once all input gradients (and so,
-    since AccumulateGrad runs first, the module's parameter gradients) are computed."""
-
-    @staticmethod
-    def forward(ctx: Any, state: ModuleState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.state_ref = weakref.ref(state)  # weak: see `_attach_pre_backward`
-        return tuple(t.view_as(t) for t in inputs)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        state = ctx.state_ref()
-        if state is not None:
-            state._post_backward()
-        return (None, *grads)
-
-
-def _attach_post_backward(state: ModuleState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    tensors = [t for t in _tensors_in((args, kwargs)) if t.requires_grad]
-    if not tensors:
-        return args, kwargs
-    replaced = dict(zip(map(id, tensors), _PostBackward.apply(state, *tensors)))
-    return _map_tensors(lambda t: replaced.get(id(t), t), (args, kwargs))
-
-
-def _attach_pre_backward(state: ModuleState, output: Any) -> Any:
-    # The hook lives in the autograd graph, which holds the unsharded parameters that the
-    # state holds too; a strong reference from the hook to the state makes a cycle through
-    # C++ that the garbage collector cannot see, so a model whose forward was never followed
-    # by a backward (or simply deleted) would never be freed.
-    state_ref = weakref.ref(state)
-
-    def hook(_grad: torch.Tensor) -> None:
-        live = state_ref()
-        if live is not None:
-            live._pre_backward()
-
-    for t in _tensors_in(output):
-        if t.requires_grad:
-            t.register_hook(hook)
-    return output
-
-
-def _map_tensors(fn: Any, tree: Any) -> Any:
-    """`fn` applied to every tensor in nested lists/tuples/dicts/namedtuples/dataclasses (what
-    PyTorch's own data-parallel wrappers look through), via `_apply_to_tensors`. That helper
-    recurses through a nested function, a reference cycle that keeps `fn`, and whatever `fn`
-    captured, alive until the garbage collector next runs: capturing tensors there kept every
-    module's inputs and the model's output (the logits: 500 MiB at batch 4 of the 1B
-    benchmark) alive past their last use, which raised the peak. So it is handed a trampoline
-    that is emptied afterwards."""
-    holder = [fn]
-    try:
-        return _apply_to_tensors(lambda t: holder[0](t), tree)
-    finally:
-        holder.clear()
-
-
-def _tensors_in(tree: Any) -> list[torch.Tensor]:
-    """Every tensor in `tree` (see `_map_tensors`)."""
-    found: list[torch.Tensor] = []
-    _map_tensors(lambda t: found.append(t) or t, tree)
-    return found
-
-
-def _any_requires_grad(tree: Any) -> bool:
-    return any(t.requires_grad for t in _tensors_in(tree))
-
-
-def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
-    return _map_tensors(lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, tree)
