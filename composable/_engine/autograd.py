@@ -5,13 +5,16 @@ tensors a forward takes and returns."""
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, ParamSpec, TypeVar
 
 import torch
 from torch.distributed.utils import _apply_to_tensors
 
 if TYPE_CHECKING:
     from .state import ModuleState
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 class PostBackward(torch.autograd.Function):
@@ -29,6 +32,11 @@ class PostBackward(torch.autograd.Function):
         if state is not None:
             state._post_backward()
         return (None, *grads)
+
+
+def run_eagerly(fn: Callable[P, R]) -> Callable[P, R]:
+    """`fn` kept out of torch.compile's graphs: dynamo runs it as Python instead of tracing it."""
+    return torch._dynamo.disable(fn, recursive=True)
 
 
 def attach_post_backward(state: "ModuleState", args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -16,6 +16,7 @@ During backward a re-run forward (activation checkpointing) neither reshards nor
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any
 
@@ -23,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from ..mixed_precision import MixedPrecisionPolicy
-from .autograd import any_requires_grad, attach_post_backward, attach_pre_backward, cast_floating
+from .autograd import run_eagerly, any_requires_grad, attach_post_backward, attach_pre_backward, cast_floating
 from .contract import param_states
 from .group import ParamGroup
 from .streams import CommStreams
@@ -34,6 +35,18 @@ class TrainingState(Enum):
     FORWARD = auto()
     PRE_BACKWARD = auto()
     POST_BACKWARD = auto()
+
+
+@dataclass(eq=False)
+class RootContext:
+    """What only the root of a tree keeps, shared by every state of the tree: the states
+    themselves, the order their forwards finished in this iteration (backward prefetches in
+    reverse) and whether the end-of-backward callback is queued."""
+
+    root: "ModuleState"
+    states: list["ModuleState"]
+    forward_order: list["ModuleState"] = field(default_factory=list)
+    final_callback_queued: bool = False
 
 
 class ModuleState:
@@ -50,13 +63,12 @@ class ModuleState:
         self.training_state = TrainingState.IDLE
         self.requires_gradient_sync = True
         self.is_root: bool | None = None  # decided at lazy init
-        self._tree_states: list[ModuleState] = []  # root only: every state under it
-        self._final_callback_queued = False
+        self.root_context: RootContext | None = None  # shared by the states of one root's tree
         self.forward_prefetch: list[ModuleState] = []
         self.backward_prefetch: list[ModuleState] = []
-        self._forward_order: list[ModuleState] = []  # root only: post-forward order this iteration
         self._forward_index: int | None = None  # position in the root's forward order
         self._ran_forward_with_grad = False  # since the last end of backward
+        # Bound methods (not closures), so `copy.deepcopy(model)` rebinds them to the copy's state.
         self._hook_handles = [
             module.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
             module.register_forward_hook(self._post_forward, always_call=False),
@@ -98,11 +110,11 @@ class ModuleState:
         if self.is_root is not None:
             return
         self.is_root = True
-        self._tree_states = param_states(self.module)
-        for state in self._tree_states:
+        context = RootContext(self, param_states(self.module))
+        for state in context.states:
+            state.root_context = context
             if state is not self:
                 state.is_root = False
-                state._root_state = self
         # The root's parameters are needed again right at the start of backward.
         if self._reshard_is_default:
             self.reshard_after_forward = False
@@ -112,6 +124,11 @@ class ModuleState:
     def _in_backward() -> bool:
         return torch._C._current_graph_task_id() != -1
 
+    # The hooks run eagerly even when the module is compiled (`module.compile()` traces
+    # `_call_impl`, hooks included): they swap registered parameters and launch collectives,
+    # nothing to trace; the compiled forward between them sees the unsharded parameters as
+    # graph inputs, the same objects every step, so nothing recompiles.
+    @run_eagerly
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self._in_backward():
             # Activation checkpointing re-runs the forward inside backward: gather if needed
@@ -136,8 +153,10 @@ class ModuleState:
         return args, kwargs
 
     def _root_pre_forward(self) -> None:
-        self._forward_order.clear()
-        for state in self._tree_states:
+        context = self.root_context
+        assert context is not None
+        context.forward_order.clear()
+        for state in context.states:
             group = state.group
             if group is not None:
                 group.finish_reduce()  # in case a previous backward did not finish
@@ -145,6 +164,7 @@ class ModuleState:
         for streams in self._tree_streams():
             streams.start_of_iteration()
 
+    @run_eagerly
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if self._in_backward():
             return output
@@ -159,10 +179,10 @@ class ModuleState:
                 self.group.register_sharded()
         if backward_follows:
             output = attach_pre_backward(self, output)
-            root = self._root()
-            if root is not None:  # backward runs in reverse: remember who to prefetch
-                self._forward_index = len(root._forward_order)
-                root._forward_order.append(self)
+            context = self.root_context
+            if context is not None:  # backward runs in reverse: remember who to prefetch
+                self._forward_index = len(context.forward_order)
+                context.forward_order.append(self)
         self.training_state = TrainingState.IDLE
         if self.is_root:
             for streams in self._tree_streams():
@@ -175,7 +195,7 @@ class ModuleState:
         """The distinct communication streams of the groups in the tree (root only; one set
         per CUDA device, none on CPU)."""
         found: dict[int, CommStreams] = {}
-        for state in self._tree_states:
+        for state in self.root_context.states if self.root_context is not None else []:
             streams = state.group.streams if state.group is not None else None
             if streams is not None:
                 found.setdefault(id(streams), streams)
@@ -191,10 +211,10 @@ class ModuleState:
     def _pre_backward(self) -> None:
         if self.training_state is TrainingState.PRE_BACKWARD:
             return
-        root = self._root()
-        if root is not None and not root._final_callback_queued:
-            root._final_callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(root._final_callback)
+        context = self.root_context
+        if context is not None and not context.final_callback_queued:
+            context.final_callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(context.root._final_callback)
         self.training_state = TrainingState.PRE_BACKWARD
         if self.group is not None:
             self.group.unshard()
@@ -204,11 +224,11 @@ class ModuleState:
 
     def _implicit_backward_prefetch(self) -> list["ModuleState"]:
         """The state whose forward finished just before this one's: its backward comes next."""
-        root = self._root()
+        context = self.root_context
         index = self._forward_index
-        if root is None or index is None or index == 0 or index > len(root._forward_order) - 1:
+        if context is None or index is None or index == 0 or index > len(context.forward_order) - 1:
             return []
-        previous = root._forward_order[index - 1]
+        previous = context.forward_order[index - 1]
         return [previous] if previous is not self and previous.group is not None else []
 
     def _post_backward(self) -> None:
@@ -231,14 +251,11 @@ class ModuleState:
     def _launch_reduction(self) -> None:
         self.group.reduce_grads()  # type: ignore[union-attr]
 
-    def _root(self) -> "ModuleState | None":
-        if self.is_root:
-            return self
-        return getattr(self, "_root_state", None)
-
     def _final_callback(self) -> None:
         """End of backward (root only): finish every group in the tree."""
-        for state in self._tree_states:
+        context = self.root_context
+        assert context is not None
+        for state in context.states:
             group = state.group
             if group is not None:
                 if state.requires_gradient_sync and state._final_reduction_needed():
@@ -249,9 +266,9 @@ class ModuleState:
             state.training_state = TrainingState.IDLE
             state._forward_index = None
             state._ran_forward_with_grad = False
-        for state in self._tree_states:
+        for state in context.states:
             if state.group is not None:
                 state.group.finish_reduce()
         for streams in self._tree_streams():
             streams.end_of_backward()
-        self._final_callback_queued = False
+        context.final_callback_queued = False

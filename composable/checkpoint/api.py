@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import _checkpoint_without_reentrant_generator, noop_context_fn
 
+from .._engine.autograd import run_eagerly
 from .._engine.contract import check_module, check_not_applied, install_state, state_of
 
 # torch 2.11-2.13 share this private generator; its keyword-only tail grew over time.
@@ -87,8 +88,9 @@ def checkpoint(module: nn.Module, *, preserve_rng_state: bool = True) -> nn.Modu
             return
         raise RuntimeError("checkpoint: the checkpoint context was entered twice")
 
-    module.register_forward_pre_hook(pre_hook, prepend=True, with_kwargs=True)
-    module.register_forward_hook(post_hook, prepend=True, always_call=True)
+    # Eager even when the module is compiled: the checkpoint context wraps the compiled forward.
+    module.register_forward_pre_hook(run_eagerly(pre_hook), prepend=True, with_kwargs=True)
+    module.register_forward_hook(run_eagerly(post_hook), prepend=True, always_call=True)
     install_state(module, api, state)
     return module
 
