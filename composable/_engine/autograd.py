@@ -5,13 +5,19 @@ tensors a forward takes and returns."""
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, ParamSpec, TypeVar
+from typing import Any, Callable, ParamSpec, Protocol, TypeVar
 
 import torch
 from torch.distributed.utils import _apply_to_tensors
 
-if TYPE_CHECKING:
-    from .state import ModuleState
+
+
+class BackwardHooks(Protocol):
+    """What the autograd plumbing calls back (a module's state)."""
+
+    def _pre_backward(self) -> None: ...
+
+    def _post_backward(self) -> None: ...
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -22,7 +28,7 @@ class PostBackward(torch.autograd.Function):
     since AccumulateGrad runs first, the module's parameter gradients) are computed."""
 
     @staticmethod
-    def forward(ctx: Any, state: "ModuleState", *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, state: BackwardHooks, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.state_ref = weakref.ref(state)  # weak: see `attach_pre_backward`
         return tuple(t.view_as(t) for t in inputs)
 
@@ -39,7 +45,7 @@ def run_eagerly(fn: Callable[P, R]) -> Callable[P, R]:
     return torch._dynamo.disable(fn, recursive=True)
 
 
-def attach_post_backward(state: "ModuleState", args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def attach_post_backward(state: BackwardHooks, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     tensors = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
     if not tensors:
         return args, kwargs
@@ -47,7 +53,7 @@ def attach_post_backward(state: "ModuleState", args: tuple, kwargs: dict) -> tup
     return map_tensors(lambda t: replaced.get(id(t), t), (args, kwargs))
 
 
-def attach_pre_backward(state: "ModuleState", output: Any) -> Any:
+def attach_pre_backward(state: BackwardHooks, output: Any) -> Any:
     # The hook lives in the autograd graph, which holds the unsharded parameters that the
     # state holds too; a strong reference from the hook to the state makes a cycle through
     # C++ that the garbage collector cannot see, so a model whose forward was never followed

@@ -12,6 +12,7 @@ import math
 from typing import TYPE_CHECKING
 
 from .reduce import GradReducer, ReduceSpec
+from .profiling import labelled
 from .streams import CommStreams
 
 if TYPE_CHECKING:
@@ -70,6 +71,7 @@ class BucketedReducer(GradReducer):
                 self._launch_bucket(self._next_bucket)
                 self._next_bucket += 1
 
+    @labelled("composable::reduce_bucket")
     def _launch_bucket(self, index: int) -> None:
         bucket = self.buckets()[index]
         self._launched.add(index)
@@ -78,6 +80,7 @@ class BucketedReducer(GradReducer):
         # each rank's parameter usage differs.
         self._launch_all_reduce(bucket, grads, present, with_presence=True)
 
+    @labelled("composable::flush_buckets")
     def flush_buckets(self) -> None:
         """End of backward: launch, in order, every bucket not launched yet — on every rank,
         zero-filled where this rank has no gradient, with a presence flag per parameter so a

@@ -25,6 +25,7 @@ from . import collectives as comm
 from .buckets import BucketedReducer
 from .layout import DataParallelLayout
 from .param import ManagedParam, is_freed
+from .profiling import labelled
 from .reduce import GradReducer, GroupDtypes, ReduceSpec
 from .streams import stream_context, streams_for
 
@@ -160,6 +161,7 @@ class ParamGroup:
             self._replica_flat = None
 
     # -- unshard / reshard ------------------------------------------------------------------
+    @labelled("composable::unshard")
     def unshard(self, async_op: bool = False) -> None:
         """Gather the unsharded parameters and register them on their modules."""
         if self.state is GroupState.SHARDED:
@@ -248,6 +250,7 @@ class ParamGroup:
                 mp.unsharded_param = nn.Parameter(view if mp.tp is None else mp.tp.wrap(view), requires_grad=mp.wants_grad)
                 mp.unsharded_alias_of = flat
 
+    @labelled("composable::wait_for_unshard")
     def wait_for_unshard(self) -> None:
         if self.state is not GroupState.UNSHARDING:
             return
@@ -271,6 +274,7 @@ class ParamGroup:
         self.state = GroupState.UNSHARDED
         self._register_unsharded()
 
+    @labelled("composable::reshard")
     def reshard(self) -> None:
         """Register the sharded parameters again and free the unsharded storage."""
         if self.state is GroupState.UNSHARDING:
@@ -293,10 +297,12 @@ class ParamGroup:
         `GradReducer.stash`)."""
         self.reducer.stash()
 
+    @labelled("composable::reduce_grads")
     def reduce_grads(self) -> None:
         """Launch the reduction of the accumulated unsharded gradients (asynchronously)."""
         self.reducer.launch()
 
+    @labelled("composable::finish_reduce")
     def finish_reduce(self) -> None:
         """Wait for launched reductions and accumulate them into the sharded gradients."""
         self.reducer.finish()

@@ -27,6 +27,7 @@ from ..mixed_precision import MixedPrecisionPolicy
 from .autograd import run_eagerly, any_requires_grad, attach_post_backward, attach_pre_backward, cast_floating
 from .contract import param_states
 from .group import ParamGroup
+from .profiling import labelled
 from .streams import CommStreams
 
 
@@ -129,6 +130,7 @@ class ModuleState:
     # nothing to trace; the compiled forward between them sees the unsharded parameters as
     # graph inputs, the same objects every step, so nothing recompiles.
     @run_eagerly
+    @labelled("composable::pre_forward")
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self._in_backward():
             # Activation checkpointing re-runs the forward inside backward: gather if needed
@@ -165,6 +167,7 @@ class ModuleState:
             streams.start_of_iteration()
 
     @run_eagerly
+    @labelled("composable::post_forward")
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if self._in_backward():
             return output
@@ -208,6 +211,7 @@ class ModuleState:
         return cast_floating(args, dtype), cast_floating(kwargs, dtype)
 
     # -- backward -----------------------------------------------------------------------------
+    @labelled("composable::pre_backward")
     def _pre_backward(self) -> None:
         if self.training_state is TrainingState.PRE_BACKWARD:
             return
@@ -231,6 +235,7 @@ class ModuleState:
         previous = context.forward_order[index - 1]
         return [previous] if previous is not self and previous.group is not None else []
 
+    @labelled("composable::post_backward")
     def _post_backward(self) -> None:
         self.training_state = TrainingState.POST_BACKWARD
         if self.group is None:
@@ -251,6 +256,7 @@ class ModuleState:
     def _launch_reduction(self) -> None:
         self.group.reduce_grads()  # type: ignore[union-attr]
 
+    @labelled("composable::final_callback")
     def _final_callback(self) -> None:
         """End of backward (root only): finish every group in the tree."""
         context = self.root_context
