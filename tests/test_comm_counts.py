@@ -275,7 +275,7 @@ optimizer:
 def test_when_collectives_average(monkeypatch: pytest.MonkeyPatch, backend: str, device: str, dtype: torch.dtype, expected: bool) -> None:
     """Which reductions use ReduceOp.AVG instead of SUM and a division (only the decision:
     CI has no NCCL; the GPU suite checks the numbers against references)."""
-    from composable.fsdp import _collectives
+    from composable._engine import collectives as _collectives
 
     monkeypatch.setattr(_collectives.dist, "get_backend", lambda group=None: backend)
     assert _collectives.supports_average(object(), torch.device(device), dtype) is expected

@@ -18,7 +18,8 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import _checkpoint_without_reentrant_generator, noop_context_fn
 
-from .._contract import attach_state_accessor, check_module, get_state, install_state
+from .._engine.autograd import run_eagerly
+from .._engine.contract import check_module, check_not_applied, install_state, state_of
 
 # torch 2.11-2.13 share this private generator; its keyword-only tail grew over time.
 _GENERATOR_PARAMS = list(inspect.signature(_checkpoint_without_reentrant_generator).parameters)
@@ -53,8 +54,7 @@ def checkpoint(module: nn.Module, *, preserve_rng_state: bool = True) -> nn.Modu
     check_module(api, module)
     if not isinstance(preserve_rng_state, bool):
         raise TypeError(f"checkpoint: 'preserve_rng_state' must be a bool, got {preserve_rng_state!r}")
-    if get_state(module, api) is not None:
-        raise RuntimeError(f"checkpoint has already been applied to this {type(module).__name__}; apply each API at most once per module")
+    check_not_applied(api, module)
     state = CheckpointState(preserve_rng_state)
     # The recompute function is kept by the autograd graph (in C++, invisible to the garbage
     # collector) until backward; a strong reference to the module from there would keep a
@@ -88,10 +88,16 @@ def checkpoint(module: nn.Module, *, preserve_rng_state: bool = True) -> nn.Modu
             return
         raise RuntimeError("checkpoint: the checkpoint context was entered twice")
 
-    module.register_forward_pre_hook(pre_hook, prepend=True, with_kwargs=True)
-    module.register_forward_hook(post_hook, prepend=True, always_call=True)
+    # Eager even when the module is compiled: the checkpoint context wraps the compiled forward.
+    module.register_forward_pre_hook(run_eagerly(pre_hook), prepend=True, with_kwargs=True)
+    module.register_forward_hook(run_eagerly(post_hook), prepend=True, always_call=True)
     install_state(module, api, state)
     return module
 
 
-attach_state_accessor(checkpoint, "checkpoint")
+def _state(module: nn.Module) -> CheckpointState | None:
+    """The state `checkpoint` installed on exactly `module`, or None (`TypeError` for a non-module)."""
+    return state_of("checkpoint", module)
+
+
+checkpoint.state = _state  # type: ignore[attr-defined]

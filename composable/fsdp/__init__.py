@@ -1,4 +1,4 @@
-"""fully_shard and its engine (parameter groups, collectives)."""
+"""fully_shard: FSDP-style sharding, a thin front end on the shared engine (composable._engine)."""
 
 from .api import fully_shard
 from .strategy import ShardingStrategy

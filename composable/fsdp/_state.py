@@ -7,10 +7,10 @@ from typing import Iterable
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._contract import get_state
-from .._module_state import ModuleState
+from .._engine.contract import get_state
+from .._engine.group import ParamGroup
+from .._engine.state import ModuleState
 from ..mixed_precision import MixedPrecisionPolicy, OffloadPolicy
-from ._param_group import ParamGroup
 from .strategy import ShardingStrategy
 
 

@@ -7,15 +7,11 @@ from typing import Callable
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
-from .._claim import check_same_device, claim_parameters, mark_replaced
-from .._contract import attach_state_accessor, check_composable, check_module, install_state, owning_api
-from .._mesh import check_mesh, compute_device, default_mesh
+from .._engine.build import GroupOptions, build_group
+from .._engine.contract import check_composable, check_module, install_state, owning_api, state_of
+from .._engine.mesh import check_mesh, default_mesh
 from ..mixed_precision import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, check_policies
-from ._param import DTensorSpecLite, ManagedParam, ParamLayout, shard_placements
-from ._param_group import GroupConfig, ParamGroup
 from ._state import FSDPState
 from .strategy import ShardingStrategy, resolve_strategy
 
@@ -60,80 +56,15 @@ def fully_shard(
         _auto_wrap(module, _check_policy(policy), mesh=mesh, reshard_after_forward=reshard_after_forward, strategy=strategy,
                    mp_policy=mp_policy, offload_policy=offload_policy, ignored_params=ignored)
 
-    claimed = claim_parameters(module, ignored, api)
-    originals = [p for _, _, p in claimed]
-    check_same_device(api, originals)
-    device = compute_device(mesh)
-    _move_buffers(module, device)
-    sharded = strategy is not ShardingStrategy.NO_SHARD
-    config = GroupConfig(
-        mesh=mesh, device=device, sharded=sharded, hsdp=sharded and mesh.ndim == 2,
-        param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
-        offload=isinstance(offload_policy, CPUOffloadPolicy),
-        pin_memory=getattr(offload_policy, "pin_memory", False),
+    options = GroupOptions(
+        sharded=strategy is not ShardingStrategy.NO_SHARD, param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
+        offload=isinstance(offload_policy, CPUOffloadPolicy), pin_memory=getattr(offload_policy, "pin_memory", False),
     )
-    group = None
-    if claimed:
-        shard_world, shard_rank = (mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)) if sharded else (1, 0)
-        params = [make_managed_param(fqn, slots, p, mesh, sharded, shard_world, shard_rank) for fqn, slots, p in claimed]
-        group = ParamGroup(params, [_on_device(p, device) for p in originals], config)
-        for mp in params:
-            mp.register(mp.sharded_param)
-        mark_replaced(originals, "fully_shard")
+    group = build_group(api, module, mesh, ignored, options)
     state = FSDPState(module, group, mesh=mesh, strategy=strategy, mp_policy=mp_policy, offload_policy=offload_policy,
                       reshard_after_forward=reshard, reshard_is_default=reshard_is_default)
     install_state(module, api, state)
     return module
-
-
-def make_managed_param(fqn: str, slots: list, param: torch.Tensor, mesh: DeviceMesh, sharded: bool, shard_world: int, shard_rank: int) -> ManagedParam:
-    """Layout and DTensor specs of one parameter. A tensor-parallel DTensor parameter on a
-    mesh `tp` is sharded (its TP-local tensor, on dim 0) over `mesh`; the sharded parameter
-    lives on the 2D parent mesh of the two, the unsharded one stays a TP DTensor."""
-    if not isinstance(param, DTensor):
-        layout = ParamLayout.make(param.shape, shard_world, shard_rank, replicated=not sharded)
-        placements = shard_placements(mesh.ndim, layout.replicated, hsdp=sharded and mesh.ndim == 2)
-        return ManagedParam(fqn, slots, layout, param.requires_grad, spec=DTensorSpecLite(mesh, placements, param.shape))
-    spmd_mesh, placements = tp_parent_placements(fqn, param, mesh, sharded)
-    layout = ParamLayout.make(param._local_tensor.shape, shard_world, shard_rank, replicated=param.dim() == 0)
-    tp = DTensorSpecLite(param.device_mesh, tuple(param.placements), param.shape)
-    return ManagedParam(fqn, slots, layout, param.requires_grad, spec=DTensorSpecLite(spmd_mesh, placements, param.shape), tp=tp)
-
-
-def tp_parent_placements(fqn: str, param: DTensor, dp_mesh: DeviceMesh, sharded: bool) -> tuple[DeviceMesh, tuple]:
-    """The 2D (dp, tp) parent mesh and the sharded parameter's placements on it."""
-    tp_mesh = param.device_mesh
-    if dp_mesh.ndim != 1 or tp_mesh.ndim != 1 or not sharded:
-        raise NotImplementedError(
-            f"fully_shard: tensor-parallel parameter '{fqn}' needs a 1D sharded data-parallel mesh and a 1D TP mesh "
-            f"(got dp {dp_mesh.ndim}D, tp {tp_mesh.ndim}D, sharded={sharded})"
-        )
-    root = dp_mesh._get_root_mesh()
-    if tp_mesh._get_root_mesh() != root or root.ndim != 2 or root.mesh_dim_names is None:
-        raise ValueError(f"fully_shard: 'mesh' and the tensor-parallel mesh of '{fqn}' must be the two dims of one named 2D mesh, e.g. mesh['dp'] and mesh['tp']")
-    names = list(root.mesh_dim_names)
-    dp_dim, tp_dim = names.index(dp_mesh.mesh_dim_names[0]), names.index(tp_mesh.mesh_dim_names[0])
-    tp_placement = param.placements[0]
-    # Shard(0) over tp nests inside the dp shards: a strided shard keeps the global order.
-    dp_placement = _StridedShard(0, split_factor=tp_mesh.size()) if tp_placement == Shard(0) else Shard(0)
-    if param.dim() == 0:
-        dp_placement = Replicate()
-    placements = [None, None]
-    placements[dp_dim], placements[tp_dim] = dp_placement, tp_placement
-    return root, tuple(placements)
-
-
-def _on_device(param: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if isinstance(param, DTensor):
-        param = param._local_tensor
-    return param if param.device.type == "meta" else param.detach().to(device)
-
-
-def _move_buffers(module: nn.Module, device: torch.device) -> None:
-    for sub in module.modules():
-        for name, buf in sub._buffers.items():
-            if buf is not None and buf.device.type != "meta" and buf.device != device:
-                sub._buffers[name] = buf.to(device)
 
 
 def _check_ignored(ignored_params: object) -> set[nn.Parameter]:
@@ -167,4 +98,9 @@ def _auto_wrap(root: nn.Module, matches: Callable[[nn.Module], bool], **options:
             fully_shard(sub, **options)  # type: ignore[arg-type]
 
 
-attach_state_accessor(fully_shard, "fully_shard")
+def _state(module: nn.Module) -> FSDPState | None:
+    """The state `fully_shard` installed on exactly `module`, or None (`TypeError` for a non-module)."""
+    return state_of("fully_shard", module)
+
+
+fully_shard.state = _state  # type: ignore[attr-defined]

@@ -1,4 +1,4 @@
-"""replicate: DDP-style data parallelism on the fully_shard engine."""
+"""replicate: DDP-style data parallelism, a thin front end on the shared engine (composable._engine)."""
 
 from .api import replicate
 

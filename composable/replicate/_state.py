@@ -7,7 +7,7 @@ import weakref
 
 import torch
 
-from .._module_state import ModuleState
+from .._engine.state import ModuleState
 
 
 class ReplicateState(ModuleState):
@@ -21,9 +21,9 @@ class ReplicateState(ModuleState):
         # gradient-ready hooks are attached to whichever object is current.
         for mp in self.group.params:  # type: ignore[union-attr]
             up = mp.unsharded_param
-            if mp.wants_grad and up is not None and mp.extra.get("hooked") is not up:
+            if mp.wants_grad and up is not None and mp.hooked_param is not up:
                 up.register_post_accumulate_grad_hook(self._make_grad_ready_hook(mp))
-                mp.extra["hooked"] = up
+                mp.hooked_param = up
 
     def _make_grad_ready_hook(self, mp):  # type: ignore[no-untyped-def]
         # Weak references only: the hook lives on the unsharded parameter (in C++), which the

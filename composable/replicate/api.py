@@ -5,13 +5,10 @@ from __future__ import annotations
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
-from .._claim import check_same_device, claim_parameters, mark_replaced
-from .._contract import attach_state_accessor, check_composable, check_module, install_state
-from .._mesh import check_mesh, compute_device, default_mesh, infer_device_type, mesh_from_process_group
-from ..fsdp._param_group import GroupConfig, ParamGroup
-from ..fsdp.api import _move_buffers, _on_device, make_managed_param
+from .._engine.build import GroupOptions, build_group
+from .._engine.contract import check_composable, check_module, install_state, state_of
+from .._engine.mesh import check_mesh, default_mesh, infer_device_type, mesh_from_process_group
 from ..mixed_precision import MixedPrecisionPolicy, check_policies
 from ._state import ReplicateState
 
@@ -48,25 +45,11 @@ def replicate(
         mesh = default_mesh(api, module)
     check_mesh(api, mesh, (1,))
 
-    claimed = claim_parameters(module, set(), api)
-    originals = [p for _, _, p in claimed]
-    check_same_device(api, originals)
-    if any(isinstance(p, DTensor) for p in originals):
-        raise NotImplementedError("replicate: parameters that are already DTensors are not supported")
-    device = compute_device(mesh)
-    _move_buffers(module, device)
-    config = GroupConfig(
-        mesh=mesh, device=device, sharded=False, hsdp=False,
-        param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
-        offload=False, pin_memory=False, bucket_cap_bytes=int(bucket_cap_mb * 1024 * 1024),
+    options = GroupOptions(
+        sharded=False, param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
+        bucket_cap_bytes=int(bucket_cap_mb * 1024 * 1024), accepts_dtensors=False,
     )
-    group = None
-    if claimed:
-        params = [make_managed_param(fqn, slots, p, mesh, False, 1, 0) for fqn, slots, p in claimed]
-        group = ParamGroup(params, [_on_device(p, device) for p in originals], config)
-        for mp in params:
-            mp.register(mp.sharded_param)
-        mark_replaced(originals, "replicate")
+    group = build_group(api, module, mesh, set(), options)
     state = ReplicateState(module, group, mp_policy, reshard_after_forward=False, reshard_is_default=False)
     state.mesh = mesh
     state.bucket_cap_mb = float(bucket_cap_mb)
@@ -74,4 +57,9 @@ def replicate(
     return module
 
 
-attach_state_accessor(replicate, "replicate")
+def _state(module: nn.Module) -> ReplicateState | None:
+    """The state `replicate` installed on exactly `module`, or None (`TypeError` for a non-module)."""
+    return state_of("replicate", module)
+
+
+replicate.state = _state  # type: ignore[attr-defined]

@@ -16,18 +16,19 @@ During backward a re-run forward (activation checkpointing) neither reshards nor
 
 from __future__ import annotations
 
-import weakref
+from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.utils import _apply_to_tensors
 
-from ._contract import param_states
-from .fsdp._param_group import ParamGroup
-from .fsdp._streams import CommStreams
-from .mixed_precision import MixedPrecisionPolicy
+from ..mixed_precision import MixedPrecisionPolicy
+from .autograd import run_eagerly, any_requires_grad, attach_post_backward, attach_pre_backward, cast_floating
+from .contract import param_states
+from .group import ParamGroup
+from .profiling import labelled
+from .streams import CommStreams
 
 
 class TrainingState(Enum):
@@ -35,6 +36,18 @@ class TrainingState(Enum):
     FORWARD = auto()
     PRE_BACKWARD = auto()
     POST_BACKWARD = auto()
+
+
+@dataclass(eq=False)
+class RootContext:
+    """What only the root of a tree keeps, shared by every state of the tree: the states
+    themselves, the order their forwards finished in this iteration (backward prefetches in
+    reverse) and whether the end-of-backward callback is queued."""
+
+    root: "ModuleState"
+    states: list["ModuleState"]
+    forward_order: list["ModuleState"] = field(default_factory=list)
+    final_callback_queued: bool = False
 
 
 class ModuleState:
@@ -51,13 +64,12 @@ class ModuleState:
         self.training_state = TrainingState.IDLE
         self.requires_gradient_sync = True
         self.is_root: bool | None = None  # decided at lazy init
-        self._tree_states: list[ModuleState] = []  # root only: every state under it
-        self._final_callback_queued = False
+        self.root_context: RootContext | None = None  # shared by the states of one root's tree
         self.forward_prefetch: list[ModuleState] = []
         self.backward_prefetch: list[ModuleState] = []
-        self._forward_order: list[ModuleState] = []  # root only: post-forward order this iteration
         self._forward_index: int | None = None  # position in the root's forward order
         self._ran_forward_with_grad = False  # since the last end of backward
+        # Bound methods (not closures), so `copy.deepcopy(model)` rebinds them to the copy's state.
         self._hook_handles = [
             module.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
             module.register_forward_hook(self._post_forward, always_call=False),
@@ -99,11 +111,11 @@ class ModuleState:
         if self.is_root is not None:
             return
         self.is_root = True
-        self._tree_states = param_states(self.module)
-        for state in self._tree_states:
+        context = RootContext(self, param_states(self.module))
+        for state in context.states:
+            state.root_context = context
             if state is not self:
                 state.is_root = False
-                state._root_state = self
         # The root's parameters are needed again right at the start of backward.
         if self._reshard_is_default:
             self.reshard_after_forward = False
@@ -113,6 +125,12 @@ class ModuleState:
     def _in_backward() -> bool:
         return torch._C._current_graph_task_id() != -1
 
+    # The hooks run eagerly even when the module is compiled (`module.compile()` traces
+    # `_call_impl`, hooks included): they swap registered parameters and launch collectives,
+    # nothing to trace; the compiled forward between them sees the unsharded parameters as
+    # graph inputs, the same objects every step, so nothing recompiles.
+    @run_eagerly
+    @labelled("composable::pre_forward")
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self._in_backward():
             # Activation checkpointing re-runs the forward inside backward: gather if needed
@@ -133,12 +151,14 @@ class ModuleState:
                     other.group.unshard(async_op=True)
         args, kwargs = self._cast_inputs(args, kwargs)
         if torch.is_grad_enabled():
-            args, kwargs = _attach_post_backward(self, args, kwargs)
+            args, kwargs = attach_post_backward(self, args, kwargs)
         return args, kwargs
 
     def _root_pre_forward(self) -> None:
-        self._forward_order.clear()
-        for state in self._tree_states:
+        context = self.root_context
+        assert context is not None
+        context.forward_order.clear()
+        for state in context.states:
             group = state.group
             if group is not None:
                 group.finish_reduce()  # in case a previous backward did not finish
@@ -146,10 +166,12 @@ class ModuleState:
         for streams in self._tree_streams():
             streams.start_of_iteration()
 
+    @run_eagerly
+    @labelled("composable::post_forward")
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if self._in_backward():
             return output
-        backward_follows = torch.is_grad_enabled() and _any_requires_grad(output)
+        backward_follows = torch.is_grad_enabled() and any_requires_grad(output)
         # In eval mode a backward rarely follows (a validation forward without no_grad): reshard
         # so the sharded parameters are registered again (state_dict, checkpointing); a
         # backward that does follow gathers them again in pre_backward.
@@ -159,24 +181,24 @@ class ModuleState:
             else:  # keep the storage for backward, but show the sharded parameters meanwhile
                 self.group.register_sharded()
         if backward_follows:
-            output = _attach_pre_backward(self, output)
-            root = self._root()
-            if root is not None:  # backward runs in reverse: remember who to prefetch
-                self._forward_index = len(root._forward_order)
-                root._forward_order.append(self)
+            output = attach_pre_backward(self, output)
+            context = self.root_context
+            if context is not None:  # backward runs in reverse: remember who to prefetch
+                self._forward_index = len(context.forward_order)
+                context.forward_order.append(self)
         self.training_state = TrainingState.IDLE
         if self.is_root:
             for streams in self._tree_streams():
                 streams.release_gather_buffers()
         if self.mp_policy.output_dtype is not None:
-            output = _cast_floating(output, self.mp_policy.output_dtype)
+            output = cast_floating(output, self.mp_policy.output_dtype)
         return output
 
     def _tree_streams(self) -> list[CommStreams]:
         """The distinct communication streams of the groups in the tree (root only; one set
         per CUDA device, none on CPU)."""
         found: dict[int, CommStreams] = {}
-        for state in self._tree_states:
+        for state in self.root_context.states if self.root_context is not None else []:
             streams = state.group.streams if state.group is not None else None
             if streams is not None:
                 found.setdefault(id(streams), streams)
@@ -186,16 +208,17 @@ class ModuleState:
         dtype = self.mp_policy.param_dtype
         if dtype is None or not self.mp_policy.cast_forward_inputs:
             return args, kwargs
-        return _cast_floating(args, dtype), _cast_floating(kwargs, dtype)
+        return cast_floating(args, dtype), cast_floating(kwargs, dtype)
 
     # -- backward -----------------------------------------------------------------------------
+    @labelled("composable::pre_backward")
     def _pre_backward(self) -> None:
         if self.training_state is TrainingState.PRE_BACKWARD:
             return
-        root = self._root()
-        if root is not None and not root._final_callback_queued:
-            root._final_callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(root._final_callback)
+        context = self.root_context
+        if context is not None and not context.final_callback_queued:
+            context.final_callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(context.root._final_callback)
         self.training_state = TrainingState.PRE_BACKWARD
         if self.group is not None:
             self.group.unshard()
@@ -205,13 +228,14 @@ class ModuleState:
 
     def _implicit_backward_prefetch(self) -> list["ModuleState"]:
         """The state whose forward finished just before this one's: its backward comes next."""
-        root = self._root()
+        context = self.root_context
         index = self._forward_index
-        if root is None or index is None or index == 0 or index > len(root._forward_order) - 1:
+        if context is None or index is None or index == 0 or index > len(context.forward_order) - 1:
             return []
-        previous = root._forward_order[index - 1]
+        previous = context.forward_order[index - 1]
         return [previous] if previous is not self and previous.group is not None else []
 
+    @labelled("composable::post_backward")
     def _post_backward(self) -> None:
         self.training_state = TrainingState.POST_BACKWARD
         if self.group is None:
@@ -232,14 +256,12 @@ class ModuleState:
     def _launch_reduction(self) -> None:
         self.group.reduce_grads()  # type: ignore[union-attr]
 
-    def _root(self) -> "ModuleState | None":
-        if self.is_root:
-            return self
-        return getattr(self, "_root_state", None)
-
+    @labelled("composable::final_callback")
     def _final_callback(self) -> None:
         """End of backward (root only): finish every group in the tree."""
-        for state in self._tree_states:
+        context = self.root_context
+        assert context is not None
+        for state in context.states:
             group = state.group
             if group is not None:
                 if state.requires_gradient_sync and state._final_reduction_needed():
@@ -250,83 +272,9 @@ class ModuleState:
             state.training_state = TrainingState.IDLE
             state._forward_index = None
             state._ran_forward_with_grad = False
-        for state in self._tree_states:
+        for state in context.states:
             if state.group is not None:
                 state.group.finish_reduce()
         for streams in self._tree_streams():
             streams.end_of_backward()
-        self._final_callback_queued = False
-
-
-# -- autograd plumbing --------------------------------------------------------------------------
-class _PostBackward(torch.autograd.Function):
-    """Identity on the module's inputs; its backward runs once all input gradients (and so,
-    since AccumulateGrad runs first, the module's parameter gradients) are computed."""
-
-    @staticmethod
-    def forward(ctx: Any, state: ModuleState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.state_ref = weakref.ref(state)  # weak: see `_attach_pre_backward`
-        return tuple(t.view_as(t) for t in inputs)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        state = ctx.state_ref()
-        if state is not None:
-            state._post_backward()
-        return (None, *grads)
-
-
-def _attach_post_backward(state: ModuleState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    tensors = [t for t in _tensors_in((args, kwargs)) if t.requires_grad]
-    if not tensors:
-        return args, kwargs
-    replaced = dict(zip(map(id, tensors), _PostBackward.apply(state, *tensors)))
-    return _map_tensors(lambda t: replaced.get(id(t), t), (args, kwargs))
-
-
-def _attach_pre_backward(state: ModuleState, output: Any) -> Any:
-    # The hook lives in the autograd graph, which holds the unsharded parameters that the
-    # state holds too; a strong reference from the hook to the state makes a cycle through
-    # C++ that the garbage collector cannot see, so a model whose forward was never followed
-    # by a backward (or simply deleted) would never be freed.
-    state_ref = weakref.ref(state)
-
-    def hook(_grad: torch.Tensor) -> None:
-        live = state_ref()
-        if live is not None:
-            live._pre_backward()
-
-    for t in _tensors_in(output):
-        if t.requires_grad:
-            t.register_hook(hook)
-    return output
-
-
-def _map_tensors(fn: Any, tree: Any) -> Any:
-    """`fn` applied to every tensor in nested lists/tuples/dicts/namedtuples/dataclasses (what
-    PyTorch's own data-parallel wrappers look through), via `_apply_to_tensors`. That helper
-    recurses through a nested function, a reference cycle that keeps `fn`, and whatever `fn`
-    captured, alive until the garbage collector next runs: capturing tensors there kept every
-    module's inputs and the model's output (the logits: 500 MiB at batch 4 of the 1B
-    benchmark) alive past their last use, which raised the peak. So it is handed a trampoline
-    that is emptied afterwards."""
-    holder = [fn]
-    try:
-        return _apply_to_tensors(lambda t: holder[0](t), tree)
-    finally:
-        holder.clear()
-
-
-def _tensors_in(tree: Any) -> list[torch.Tensor]:
-    """Every tensor in `tree` (see `_map_tensors`)."""
-    found: list[torch.Tensor] = []
-    _map_tensors(lambda t: found.append(t) or t, tree)
-    return found
-
-
-def _any_requires_grad(tree: Any) -> bool:
-    return any(t.requires_grad for t in _tensors_in(tree))
-
-
-def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
-    return _map_tensors(lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, tree)
+        context.final_callback_queued = False

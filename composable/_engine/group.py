@@ -18,15 +18,16 @@ from dataclasses import dataclass
 from enum import Enum, auto
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from . import _collectives as comm
-from ._param import ManagedParam, is_freed
-from ._reducer import GradReducer
-from ._streams import stream_context, streams_for
+from . import collectives as comm
+from .buckets import BucketedReducer
+from .layout import DataParallelLayout
+from .param import ManagedParam, is_freed
+from .profiling import labelled
+from .reduce import GradReducer, GroupDtypes, ReduceSpec
+from .streams import stream_context, streams_for
 
 
 class GroupState(Enum):
@@ -39,34 +40,13 @@ class GroupState(Enum):
 class GroupConfig:
     """How a group lays out and communicates; decided by the API at the call."""
 
-    mesh: DeviceMesh
+    layout: DataParallelLayout
     device: torch.device  # compute device
-    sharded: bool  # True: Shard(0) over `shard_dim`; False: replicated everywhere
-    hsdp: bool  # 2D mesh: replicate over dim 0, shard over dim 1
     param_dtype: torch.dtype | None
     reduce_dtype: torch.dtype | None
     offload: bool
     pin_memory: bool
     bucket_cap_bytes: int | None = None  # replicate: bucketed all-reduce as gradients become ready
-
-    @property
-    def shard_group(self) -> dist.ProcessGroup | None:
-        if not self.sharded:
-            return None
-        return self.mesh.get_group(self.mesh.ndim - 1)
-
-    @property
-    def replicate_groups(self) -> list[dist.ProcessGroup]:
-        """Groups gradients are all-reduced over (after the reduce-scatter, if sharded)."""
-        if self.sharded:
-            return [self.mesh.get_group(0)] if self.hsdp else []
-        return [self.mesh.get_group(d) for d in range(self.mesh.ndim)]
-
-
-def _world_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    if group is None:
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
 
 
 class ParamGroup:
@@ -75,23 +55,23 @@ class ParamGroup:
     def __init__(self, params: list[ManagedParam], originals: list[torch.Tensor], config: GroupConfig) -> None:
         self.params = params
         self.config = config
-        # DeviceMesh.get_group costs microseconds per call: look the groups up once.
-        self.shard_group = config.shard_group
-        self.replicate_groups = config.replicate_groups
-        self.shard_world, self.shard_rank = _world_and_rank(self.shard_group)
+        self.layout = config.layout
+        self.dtypes = GroupDtypes(config.param_dtype, config.reduce_dtype)
         self.state = GroupState.SHARDED
         self._unsharded_registered = False  # which parameters the modules show: sharded
         self._pending_gather: tuple | None = None  # (work or event, all-gather output, input)
         # Replicated groups that cast (or copy back from the CPU): one persistent flat buffer
         # in the unsharded dtype, refilled in place, the unsharded parameters views of it.
         self._replica_flat: torch.Tensor | None = None
-        self.reducer = GradReducer(self)
         self.streams = streams_for(config.device)
+        spec = ReduceSpec(self.layout, config.device, config.offload, self.dtypes)
+        self.reducer = GradReducer(params, spec, self.streams) if config.bucket_cap_bytes is None else \
+            BucketedReducer(params, spec, self.streams, config.bucket_cap_bytes)
         self._build_flat_shard(originals, fresh=True)
 
     # Process groups and CUDA streams are handles to shared runtime objects: a deep copy of
     # the model (`copy.deepcopy`) shares them instead of trying to copy them.
-    _SHARED_ON_COPY = ("shard_group", "replicate_groups", "streams")
+    _SHARED_ON_COPY = ("streams",)
 
     def __deepcopy__(self, memo: dict) -> "ParamGroup":
         new = ParamGroup.__new__(ParamGroup)
@@ -105,15 +85,15 @@ class ParamGroup:
     # -- sharded storage ----------------------------------------------------------------
     @property
     def orig_dtype(self) -> torch.dtype:
-        return self.flat_shard.dtype
+        return self.dtypes.orig
 
     @property
     def unsharded_dtype(self) -> torch.dtype:
-        return self.config.param_dtype or self.orig_dtype
+        return self.dtypes.unsharded
 
     @property
     def reduce_dtype(self) -> torch.dtype:
-        return self.config.reduce_dtype or self.config.param_dtype or self.orig_dtype
+        return self.dtypes.reduce
 
     def _storage_device(self, like: torch.Tensor) -> torch.device:
         if like.device.type == "meta":
@@ -139,6 +119,7 @@ class ParamGroup:
         if self.config.offload and self.config.pin_memory and device.type == "cpu" and torch.cuda.is_available():
             flat = flat.pin_memory()
         self.flat_shard = flat  # 1D, this rank's region
+        self.dtypes.orig = dtype
         with torch.no_grad():
             for mp, src in zip(self.params, sources):
                 local = mp.local_view(flat)
@@ -148,15 +129,15 @@ class ParamGroup:
                     mp.sharded_param = mp.make_sharded_param(local)
                 else:
                     mp.point_local_shard_at(local)
-                mp.extra["local"] = mp.sharded_param._local_tensor
+                mp.local_registered = mp.sharded_param._local_tensor
         self._unsharded_aliases_shard = (
-            not self.config.sharded and not self.config.offload and self.unsharded_dtype == dtype and device.type != "meta"
+            not self.layout.sharded and not self.config.offload and self.unsharded_dtype == dtype and device.type != "meta"
         )
 
     def _local_rows(self, mp: ManagedParam, full: torch.Tensor) -> torch.Tensor:
         if mp.layout.replicated or full.dim() == 0:
             return full.detach()
-        start = self.shard_rank * mp.layout.chunk_rows
+        start = self.layout.shard_rank * mp.layout.chunk_rows
         return full.detach()[start : start + mp.layout.local_rows]
 
     def refresh_sharded_params(self) -> None:
@@ -171,7 +152,7 @@ class ParamGroup:
                     raise RuntimeError(f"fully_shard: parameter '{mp.fqn}' was replaced by a {type(registered).__name__} of shape {tuple(registered.shape)}; expected a DTensor of shape {tuple(mp.spec.shape)}")
                 mp.sharded_param = registered
                 mp.register(registered)
-            if mp.sharded_param._local_tensor is not mp.extra.get("local"):
+            if mp.sharded_param._local_tensor is not mp.local_registered:
                 stale = True
         if stale:
             self._build_flat_shard([mp.sharded_param._local_tensor for mp in self.params], fresh=False)
@@ -180,6 +161,7 @@ class ParamGroup:
             self._replica_flat = None
 
     # -- unshard / reshard ------------------------------------------------------------------
+    @labelled("composable::unshard")
     def unshard(self, async_op: bool = False) -> None:
         """Gather the unsharded parameters and register them on their modules."""
         if self.state is GroupState.SHARDED:
@@ -213,7 +195,7 @@ class ParamGroup:
         if self._unsharded_aliases_shard:
             self._pending_gather = None
             return
-        if not cfg.sharded:
+        if not self.layout.sharded:
             self._refill_replica()
             return
         streams = self.streams
@@ -222,14 +204,14 @@ class ParamGroup:
         with stream_context(streams.all_gather if streams is not None else None):
             # In-place all-gather: the input is this rank's slot of the output, filled by one
             # fused copy (+cast, +host-to-device when offloading); no separate input buffer.
-            n = self.flat_shard.numel()
-            gather_out = torch.empty(self.shard_world * n, dtype=self.unsharded_dtype, device=cfg.device)
-            gather_in = gather_out.narrow(0, self.shard_rank * n, n)
+            n, lay = self.flat_shard.numel(), self.layout
+            gather_out = torch.empty(lay.shard_world * n, dtype=self.unsharded_dtype, device=cfg.device)
+            gather_in = gather_out.narrow(0, lay.shard_rank * n, n)
             gather_in.copy_(self.flat_shard, non_blocking=True)
             if streams is None:
-                work = comm.all_gather(gather_out, gather_in, self.shard_group, async_op=True)
+                work = comm.all_gather(gather_out, gather_in, lay.shard_group, async_op=True)
             else:
-                comm.all_gather(gather_out, gather_in, self.shard_group, async_op=False)
+                comm.all_gather(gather_out, gather_in, lay.shard_group, async_op=False)
                 work = streams.all_gather.record_event()
         self._pending_gather = (work, gather_out, gather_in)
 
@@ -262,18 +244,19 @@ class ParamGroup:
         """Make every unsharded parameter a view of `flat` (the shard itself, or the replica
         buffer); the parameter objects are made once, so hooks on them stay."""
         for mp in self.params:
-            if mp.unsharded_param is None or mp.extra.get("alias_of") is not flat:
+            if mp.unsharded_param is None or mp.unsharded_alias_of is not flat:
                 view = mp.local_view(flat)
                 mp.unsharded_padded = view.view(-1)
                 mp.unsharded_param = nn.Parameter(view if mp.tp is None else mp.tp.wrap(view), requires_grad=mp.wants_grad)
-                mp.extra["alias_of"] = flat
+                mp.unsharded_alias_of = flat
 
+    @labelled("composable::wait_for_unshard")
     def wait_for_unshard(self) -> None:
         if self.state is not GroupState.UNSHARDING:
             return
         if self._unsharded_aliases_shard:
             self._point_unsharded_at(self.flat_shard)
-        elif not self.config.sharded:
+        elif not self.layout.sharded:
             self._point_unsharded_at(self._replica_flat)  # type: ignore[arg-type]
         else:
             work, gathered, gather_in = self._pending_gather  # type: ignore[misc]
@@ -281,7 +264,7 @@ class ParamGroup:
                 torch.cuda.current_stream().wait_event(work)
             elif work is not None:
                 work.wait()
-            world = self.shard_world
+            world = self.layout.shard_world
             for mp in self.params:
                 mp.alloc_unsharded(world, gathered.dtype, self.config.device)
             comm.copy_out(gathered, world, [mp.layout.region_numel for mp in self.params], [mp.unsharded_padded for mp in self.params])
@@ -291,6 +274,7 @@ class ParamGroup:
         self.state = GroupState.UNSHARDED
         self._register_unsharded()
 
+    @labelled("composable::reshard")
     def reshard(self) -> None:
         """Register the sharded parameters again and free the unsharded storage."""
         if self.state is GroupState.UNSHARDING:
@@ -313,10 +297,12 @@ class ParamGroup:
         `GradReducer.stash`)."""
         self.reducer.stash()
 
+    @labelled("composable::reduce_grads")
     def reduce_grads(self) -> None:
         """Launch the reduction of the accumulated unsharded gradients (asynchronously)."""
         self.reducer.launch()
 
+    @labelled("composable::finish_reduce")
     def finish_reduce(self) -> None:
         """Wait for launched reductions and accumulate them into the sharded gradients."""
         self.reducer.finish()

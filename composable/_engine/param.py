@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 
@@ -88,7 +88,13 @@ class ManagedParam:
     sharded_param: nn.Parameter | None = None  # DTensor parameter the optimizer sees
     unsharded_param: nn.Parameter | None = None  # plain parameter the module computes with
     unsharded_padded: torch.Tensor | None = None  # 1D padded storage behind unsharded_param
-    extra: dict = field(default_factory=dict)
+    # Bookkeeping the engine keeps per parameter (each owned by one step of the cycle):
+    local_registered: torch.Tensor | None = None  # the local shard we installed (a swap is noticed)
+    unsharded_alias_of: torch.Tensor | None = None  # flat buffer `unsharded_param` is a view of
+    stashed_grad: torch.Tensor | None = None  # no-sync sum in the reduce dtype (sharded groups)
+    grad_is_unreduced: bool = False  # replicated no-sync: the visible `.grad` holds local sums
+    bucket_index: int | None = None  # replicate: which all-reduce bucket the gradient goes in
+    hooked_param: nn.Parameter | None = None  # replicate: the unsharded parameter with our grad hook
     grad_standins: dict = field(default_factory=dict, repr=False)  # see `make_sharded_grad`
 
     @property
@@ -96,6 +102,16 @@ class ManagedParam:
         """Whether the parameter trains now: the sharded parameter's live `requires_grad`, so
         freezing or unfreezing after `fully_shard` takes effect (as in PyTorch FSDP2)."""
         return self.requires_grad if self.sharded_param is None else self.sharded_param.requires_grad
+
+    def take_stashed_grad(self) -> torch.Tensor | None:
+        """The no-sync sum kept by `stash`, handed over once to the next reduction."""
+        grad, self.stashed_grad = self.stashed_grad, None
+        return grad
+
+    def take_grad_is_unreduced(self) -> bool:
+        """Whether the visible `.grad` holds unreduced no-sync sums; cleared by asking."""
+        flag, self.grad_is_unreduced = self.grad_is_unreduced, False
+        return flag
 
     def sync_requires_grad(self) -> None:
         """Make the unsharded parameter follow the sharded one's `requires_grad`."""
@@ -166,8 +182,8 @@ class ManagedParam:
         for name, value in vars(self).items():
             if freed and name in ("unsharded_param", "unsharded_padded"):
                 value = None
-            elif freed and name == "extra":  # nothing that points at the freed storage
-                value = {k: v for k, v in value.items() if v is not self.unsharded_param and not is_freed(v)}
+            elif freed and (value is self.unsharded_param or is_freed(value)):  # nothing that points at freed storage
+                value = None
             setattr(new, name, copy.deepcopy(value, memo))
         return new
 
@@ -225,11 +241,3 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
         stride.append(acc)
         acc *= max(size, 1)
     return tuple(reversed(stride))
-
-
-def shard_placements(mesh_ndim: int, replicated: bool, hsdp: bool) -> tuple[Placement, ...]:
-    """DTensor placements of a sharded parameter."""
-    inner: Placement = Replicate() if replicated else Shard(0)
-    if mesh_ndim == 1:
-        return (inner,)
-    return (Replicate(), inner) if hsdp else (Replicate(), Replicate())

@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ._contract import iter_param_states
+from .contract import iter_param_states
 
 
-# Set on every sharded parameter a parameter-owning API registers (see `install_state`): a
+# Set on every sharded parameter a parameter-owning API registers (`mark_managed`): a
 # parameter that carries it and is not claimed by a descendant is managed by an ancestor.
 MANAGED_BY_ATTR = "_composable_managed_by"
 REPLACED_BY_ATTR = "_composable_replaced_by"
@@ -51,6 +51,13 @@ def claim_parameters(module: nn.Module, ignored: set[nn.Parameter], api: str = "
     return list(found.values())
 
 
+def mark_managed(params: list[nn.Parameter], api: str) -> None:
+    """Mark the sharded parameters `api` registered, so an API applied to a descendant later
+    refuses them."""
+    for param in params:
+        setattr(param, MANAGED_BY_ATTR, api)
+
+
 def mark_replaced(params: list[nn.Parameter], api: str) -> None:
     """Mark original parameters an API replaced by sharded ones in its subtree's slots: a slot
     outside that subtree still holding one (a tied weight) must not be claimed again."""
@@ -59,6 +66,7 @@ def mark_replaced(params: list[nn.Parameter], api: str) -> None:
 
 
 def check_same_device(api: str, params: list[torch.Tensor]) -> None:
+    """Raise `ValueError` naming `api` unless every parameter is on one device."""
     devices = {p.device for p in params}
     if len(devices) > 1:
         raise ValueError(f"{api}: all managed parameters must be on one device, got {sorted(map(str, devices))}")

@@ -32,14 +32,8 @@ def get_state(module: nn.Module, api: str) -> Any | None:
 
 def install_state(module: nn.Module, api: str, state: Any) -> None:
     """Record `state` as `api`'s state on `module`; applying an API twice is a `RuntimeError`."""
-    states = module.__dict__.setdefault(_STATES_KEY, {})
-    if api in states:
-        raise RuntimeError(f"{api} has already been applied to this {type(module).__name__}; apply each API at most once per module")
-    states[api] = state
-    group = getattr(state, "group", None)
-    if group is not None:  # mark its parameters so an API applied to a descendant later refuses them
-        for mp in group.params:
-            setattr(mp.sharded_param, "_composable_managed_by", api)  # == _claim.MANAGED_BY_ATTR
+    check_not_applied(api, module)
+    module.__dict__.setdefault(_STATES_KEY, {})[api] = state
 
 
 def owning_api(module: nn.Module) -> str | None:
@@ -75,16 +69,16 @@ def check_composable(api: str, module: nn.Module) -> None:
             f"Cannot apply {api} to {type(module).__name__}: it is already managed by {other}; "
             f"apply {api} to a different module of the tree (they nest freely)"
         )
+    check_not_applied(api, module)
+
+
+def check_not_applied(api: str, module: nn.Module) -> None:
+    """Applying one API twice to a module is a `RuntimeError`."""
     if get_state(module, api) is not None:
         raise RuntimeError(f"{api} has already been applied to this {type(module).__name__}; apply each API at most once per module")
 
 
-def attach_state_accessor(api_fn: Any, api: str) -> Any:
-    """Give `api_fn` a `.state(module)` function returning the state `api` installed there."""
-
-    def state(module: nn.Module) -> Any | None:
-        return get_state(module, api)
-
-    state.__doc__ = f"The state `{api}` installed on exactly `module`, or None."
-    api_fn.state = state
-    return api_fn
+def state_of(api: str, module: object) -> Any | None:
+    """What `api.state(module)` returns: the state `api` installed on exactly `module`, or
+    None; `TypeError` naming `api` when `module` is not an `nn.Module`."""
+    return get_state(check_module(f"{api}.state", module), api)

@@ -1,0 +1,13 @@
+"""The engine `fully_shard` and `replicate` share (front ends -> engine -> collectives).
+
+build        claim -> layout -> managed params -> group (the one construction path)
+state        per-module state: forward/backward hooks, root context, final callback
+autograd     the autograd functions and hooks the state attaches to inputs and outputs
+group        a parameter group: sharded storage, unshard / reshard / reduce_grads
+param        one parameter's layouts (sharded DTensor, unsharded twin) and bookkeeping
+layout       the data-parallel layout (mesh, placements, shard/replicate groups, ranks)
+reduce       gradient reduction (reduce-scatter, all-reduce); buckets: replicate's buckets
+collectives  flat collectives that know nothing of modules; streams: CUDA streams/events
+contract     how an API installs and finds its state; claim: which parameters a call manages
+mesh         mesh validation, the default mesh, the compute device
+"""

@@ -1,0 +1,116 @@
+"""The one construction path both data-parallel front ends call: claim the parameters, move
+the module to the compute device, lay the parameters out over the mesh and make the group
+that owns them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from .claim import check_same_device, claim_parameters, mark_managed, mark_replaced
+from .group import GroupConfig, ParamGroup
+from .layout import DataParallelLayout
+from .mesh import compute_device
+from .param import DTensorSpecLite, ManagedParam, ParamLayout
+
+
+@dataclass(frozen=True)
+class GroupOptions:
+    """What a front end decides for its group at the call."""
+
+    sharded: bool  # Shard(0) over the mesh's last dim; False: Replicate() everywhere
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    offload: bool = False
+    pin_memory: bool = False
+    bucket_cap_bytes: int | None = None  # bucketed all-reduce during backward (replicate)
+    accepts_dtensors: bool = True  # tensor-parallel parameters (fully_shard only)
+
+
+def build_group(api: str, module: nn.Module, mesh: DeviceMesh, ignored: set[nn.Parameter], options: GroupOptions) -> ParamGroup | None:
+    """Manage the parameters of `module`'s subtree that no API applied to a descendant manages
+    (minus `ignored`): register their sharded DTensors in every slot and return the group, or
+    None when there is nothing to manage. Buffers move to the compute device. Raises
+    `RuntimeError` for forbidden compositions and `ValueError` for parameters on several devices."""
+    claimed = claim_parameters(module, ignored, api)
+    originals = [p for _, _, p in claimed]
+    check_same_device(api, originals)
+    if not options.accepts_dtensors and any(isinstance(p, DTensor) for p in originals):
+        raise NotImplementedError(f"{api}: parameters that are already DTensors are not supported")
+    device = compute_device(mesh)
+    move_buffers(module, device)
+    if not claimed:
+        return None
+    layout = DataParallelLayout.make(mesh, options.sharded)
+    config = GroupConfig(
+        layout=layout, device=device, param_dtype=options.param_dtype, reduce_dtype=options.reduce_dtype,
+        offload=options.offload, pin_memory=options.pin_memory, bucket_cap_bytes=options.bucket_cap_bytes,
+    )
+    params = [make_managed_param(fqn, slots, p, layout) for fqn, slots, p in claimed]
+    group = ParamGroup(params, [_local_on_device(p, device) for p in originals], config)
+    for mp in params:
+        mp.register(mp.sharded_param)
+    mark_replaced(originals, api)
+    mark_managed([mp.sharded_param for mp in params], api)
+    return group
+
+
+def make_managed_param(fqn: str, slots: list[tuple[nn.Module, str]], param: torch.Tensor, layout: DataParallelLayout) -> ManagedParam:
+    """Layout and DTensor specs of one parameter. A tensor-parallel DTensor parameter on a
+    mesh `tp` is sharded (its TP-local tensor, on dim 0) over the data-parallel mesh; the
+    sharded parameter lives on the 2D parent mesh of the two, the unsharded one stays a TP
+    DTensor."""
+    world, rank = layout.shard_world, layout.shard_rank
+    if not isinstance(param, DTensor):
+        param_layout = ParamLayout.make(param.shape, world, rank, replicated=not layout.sharded)
+        spec = DTensorSpecLite(layout.mesh, layout.placements(param_layout.replicated), param.shape)
+        return ManagedParam(fqn, slots, param_layout, param.requires_grad, spec=spec)
+    spmd_mesh, placements = tp_parent_placements(fqn, param, layout)
+    param_layout = ParamLayout.make(param._local_tensor.shape, world, rank, replicated=param.dim() == 0)
+    tp = DTensorSpecLite(param.device_mesh, tuple(param.placements), param.shape)
+    return ManagedParam(fqn, slots, param_layout, param.requires_grad, spec=DTensorSpecLite(spmd_mesh, placements, param.shape), tp=tp)
+
+
+def tp_parent_placements(fqn: str, param: DTensor, layout: DataParallelLayout) -> tuple[DeviceMesh, tuple]:
+    """The 2D (dp, tp) parent mesh and the sharded parameter's placements on it."""
+    dp_mesh, tp_mesh = layout.mesh, param.device_mesh
+    if dp_mesh.ndim != 1 or tp_mesh.ndim != 1 or not layout.sharded:
+        raise NotImplementedError(
+            f"fully_shard: tensor-parallel parameter '{fqn}' needs a 1D sharded data-parallel mesh and a 1D TP mesh "
+            f"(got dp {dp_mesh.ndim}D, tp {tp_mesh.ndim}D, sharded={layout.sharded})"
+        )
+    root = dp_mesh._get_root_mesh()
+    if tp_mesh._get_root_mesh() != root or root.ndim != 2 or root.mesh_dim_names is None:
+        raise ValueError(
+            f"fully_shard: 'mesh' and the tensor-parallel mesh of '{fqn}' must be the two dims of one named 2D mesh, "
+            "e.g. mesh['dp'] and mesh['tp']"
+        )
+    names = list(root.mesh_dim_names)
+    dp_dim, tp_dim = names.index(dp_mesh.mesh_dim_names[0]), names.index(tp_mesh.mesh_dim_names[0])
+    tp_placement = param.placements[0]
+    # Shard(0) over tp nests inside the dp shards: a strided shard keeps the global order.
+    dp_placement = _StridedShard(0, split_factor=tp_mesh.size()) if tp_placement == Shard(0) else Shard(0)
+    if param.dim() == 0:
+        dp_placement = Replicate()
+    placements: list = [None, None]
+    placements[dp_dim], placements[tp_dim] = dp_placement, tp_placement
+    return root, tuple(placements)
+
+
+def _local_on_device(param: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if isinstance(param, DTensor):
+        param = param._local_tensor
+    return param if param.device.type == "meta" else param.detach().to(device)
+
+
+def move_buffers(module: nn.Module, device: torch.device) -> None:
+    """Buffers are never sharded: they just move to the compute device (meta ones stay)."""
+    for sub in module.modules():
+        for name, buf in sub._buffers.items():
+            if buf is not None and buf.device.type != "meta" and buf.device != device:
+                sub._buffers[name] = buf.to(device)

@@ -1,0 +1,70 @@
+"""The data-parallel layout of one parameter group: which mesh dims shard and which replicate.
+
+One object decides it once, at the API call, instead of booleans spread over the engine:
+- SHARD   1D mesh, placements `Shard(0)`: all-gather to unshard, reduce-scatter gradients;
+- HSDP    2D mesh, `(Replicate(), Shard(0))`: as SHARD over dim 1, then all-reduce over dim 0;
+- REPLICATE any mesh, `Replicate()` on every dim (NO_SHARD, `replicate`): no all-gather,
+          gradients all-reduced over every dim.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+
+class LayoutKind(Enum):
+    SHARD = "shard"
+    HSDP = "hsdp"
+    REPLICATE = "replicate"
+
+
+@dataclass(frozen=True)
+class DataParallelLayout:
+    """Mesh, process groups, worlds and ranks of one group's data parallelism."""
+
+    mesh: DeviceMesh
+    kind: LayoutKind
+    shard_group: dist.ProcessGroup | None  # None: nothing is sharded
+    replicate_groups: tuple[dist.ProcessGroup, ...]  # all-reduced over (after any reduce-scatter)
+    shard_world: int  # ranks one parameter is split over (1: replicated)
+    shard_rank: int
+    dp_world: int  # ranks gradients are averaged over
+
+    @staticmethod
+    def make(mesh: DeviceMesh, sharded: bool) -> "DataParallelLayout":
+        """The layout of a group on `mesh`: sharded over its last dim (and replicated over the
+        first of a 2D mesh) when `sharded`, replicated over every dim otherwise.
+        `DeviceMesh.get_group` costs microseconds per call, so the groups are looked up here once."""
+        if sharded:
+            shard_group = mesh.get_group(mesh.ndim - 1)
+            replicate_groups = (mesh.get_group(0),) if mesh.ndim == 2 else ()
+            kind = LayoutKind.HSDP if mesh.ndim == 2 else LayoutKind.SHARD
+            shard_world, shard_rank = dist.get_world_size(shard_group), dist.get_rank(shard_group)
+        else:
+            shard_group, kind, shard_world, shard_rank = None, LayoutKind.REPLICATE, 1, 0
+            replicate_groups = tuple(mesh.get_group(d) for d in range(mesh.ndim))
+        dp_world = shard_world * math.prod(dist.get_world_size(pg) for pg in replicate_groups)
+        return DataParallelLayout(mesh, kind, shard_group, replicate_groups, shard_world, shard_rank, dp_world)
+
+    @property
+    def sharded(self) -> bool:
+        return self.kind is not LayoutKind.REPLICATE
+
+    def placements(self, replicated: bool) -> tuple[Placement, ...]:
+        """DTensor placements of a sharded parameter; `replicated` for one that cannot be split
+        (0-d) even in a sharded layout."""
+        inner: Placement = Replicate() if replicated or not self.sharded else Shard(0)
+        if self.mesh.ndim == 1:
+            return (inner,)
+        return (Replicate(), inner)
+
+    # Process groups and meshes are handles to shared runtime objects: a deep copy of the
+    # model (`copy.deepcopy`) shares the layout instead of copying them.
+    def __deepcopy__(self, memo: dict) -> "DataParallelLayout":
+        return self

@@ -1,0 +1,177 @@
+"""torch.compile composes with fully_shard, replicate and checkpoint.
+
+Blocks compiled with `fullgraph=True` (so no graph break of ours can hide inside a block),
+before or after the APIs are applied, train exactly like the same APIs in eager: every rank
+runs an eager copy and a compiled copy of one model side by side on the same data and
+compares losses and parameters after every step. Steady state has zero recompiles across
+toggles of train/eval, no_grad, no_sync and reshard settings. One case uses inductor; the
+rest the cheap `aot_eager` backend (CPU CI time).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from _harness import assert_close_tensors, requires_gpus, run_on_ranks
+from _models import TinyTransformer, batch_for, lm_loss
+from composable import (
+    CPUOffloadPolicy, MixedPrecisionPolicy, ShardingStrategy, checkpoint, fully_shard, no_sync, replicate,
+)
+
+STEPS = 3
+# aot_eager runs the same aten ops as eager; inductor fuses them (different rounding).
+TOL = {"aot_eager": dict(rtol=1e-5, atol=1e-6), "inductor": dict(rtol=1e-4, atol=1e-5)}
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _apply(variant: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    if variant == "replicate":
+        replicate(module, mesh=mesh)
+        return
+    if variant == "checkpoint" and module.__class__.__name__ == "Block":
+        checkpoint(module)
+    options: dict[str, Any] = {
+        "full_shard": {}, "checkpoint": {},
+        "shard_grad_op": {"strategy": ShardingStrategy.SHARD_GRAD_OP},
+        "no_shard": {"strategy": ShardingStrategy.NO_SHARD},
+        "bf16": {"mp_policy": BF16},
+        "offload": {"offload_policy": CPUOffloadPolicy()},
+        "hsdp": {},
+    }[variant]
+    fully_shard(module, mesh=mesh, **options)
+
+
+def _build(variant: str, order: str | None, backend: str, mesh: DeviceMesh, device: torch.device) -> TinyTransformer:
+    """TinyTransformer with `variant` on every block and the root; blocks compiled
+    (`fullgraph=True`) before or after the APIs when `order` is given."""
+    torch.manual_seed(0)
+    model = TinyTransformer(layers=2).to(device)
+    for block in model.layers:
+        if order == "before":
+            block.compile(backend=backend, fullgraph=True)
+        _apply(variant, block, mesh)
+        if order == "after":
+            block.compile(backend=backend, fullgraph=True)
+    _apply(variant, model, mesh)
+    return model
+
+
+def _mesh(variant: str, world: int, device: torch.device) -> DeviceMesh:
+    if variant == "hsdp":
+        return init_device_mesh(device.type, (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device.type, (world,))
+
+
+def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().cpu() for n, p in model.named_parameters()}
+
+
+def _compiled_matches_eager(rank: int, world: int, variant: str, order: str, backend: str = "aot_eager", device: str = "cpu") -> None:
+    dev = torch.device(device, rank) if device == "cuda" else torch.device("cpu")
+    if device == "cuda":
+        torch.cuda.set_device(dev)
+    torch._dynamo.reset()
+    mesh = _mesh(variant, world, dev)
+    eager, compiled = _build(variant, None, backend, mesh, dev), _build(variant, order, backend, mesh, dev)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, compiled)]  # Adam would amplify rounding in ~0 grads
+    tol = TOL[backend]
+    for step in range(STEPS):
+        tokens = batch_for(step, world, rank).to(dev)
+        losses = []
+        for model, opt in zip((eager, compiled), opts):
+            loss = lm_loss(model, tokens)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach().float())
+        assert_close_tensors(losses[1], losses[0], **tol, msg=f"{variant}/{order} step {step} loss")
+        assert_close_tensors(_full_params(compiled), _full_params(eager), **tol, msg=f"{variant}/{order} step {step} params")
+    counters = torch._dynamo.utils.counters
+    assert counters["stats"]["unique_graphs"] >= 1, "nothing was compiled"
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+@pytest.mark.parametrize("variant", ["full_shard", "bf16", "checkpoint", "replicate"])
+def test_compiled_blocks_train_like_eager(variant: str, order: str) -> None:
+    run_on_ranks(_compiled_matches_eager, 2, variant, order)
+
+
+@pytest.mark.parametrize("variant", ["shard_grad_op", "no_shard", "offload", "hsdp"])
+def test_compiled_blocks_train_like_eager_other_layouts(variant: str) -> None:
+    run_on_ranks(_compiled_matches_eager, 4 if variant == "hsdp" else 2, variant, "after")
+
+
+def test_inductor_compiled_blocks_train_like_eager() -> None:
+    run_on_ranks(_compiled_matches_eager, 2, "full_shard", "after", "inductor", timeout=300)
+
+
+def _whole_model_compiled(rank: int, world: int) -> None:
+    torch._dynamo.reset()
+    mesh = init_device_mesh("cpu", (world,))
+    eager, inner = _build("full_shard", None, "aot_eager", mesh, torch.device("cpu")), _build("full_shard", None, "aot_eager", mesh, torch.device("cpu"))
+    compiled = torch.compile(inner, backend="aot_eager")  # graph breaks at our hooks are allowed here
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, inner)]
+    for step in range(STEPS):
+        tokens = batch_for(step, world, rank)
+        losses = []
+        for model, opt in zip((eager, compiled), opts):
+            loss = lm_loss(model, tokens)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        assert_close_tensors(losses[1], losses[0], **TOL["aot_eager"], msg=f"step {step} loss")
+    assert_close_tensors(_full_params(inner), _full_params(eager), **TOL["aot_eager"], msg="params")
+
+
+def test_whole_model_compile_trains_like_eager() -> None:
+    run_on_ranks(_whole_model_compiled, 2)
+
+
+def _cycle(model: TinyTransformer, opt: torch.optim.Optimizer, rank: int, world: int, step: int) -> None:
+    """One of everything a training loop does: a no_sync micro-step, a synced step, an eval
+    forward, a no_grad forward and a toggle of every block's reshard setting."""
+    tokens = batch_for(step, world, rank)
+    with no_sync(model):
+        lm_loss(model, tokens).backward()
+    lm_loss(model, tokens).backward()
+    opt.step()
+    opt.zero_grad()
+    model.eval()
+    lm_loss(model, tokens)
+    model.train()
+    with torch.no_grad():
+        lm_loss(model, tokens)
+    for block in model.layers:
+        state = fully_shard.state(block)
+        state.reshard_after_forward = not state.reshard_after_forward
+
+
+def _no_recompiles(rank: int, world: int) -> None:
+    torch._dynamo.reset()
+    model = _build("full_shard", "after", "aot_eager", init_device_mesh("cpu", (world,)), torch.device("cpu"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(2):  # warm-up: every mode and both reshard settings once
+        _cycle(model, opt, rank, world, step)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for step in range(2, 6):
+            _cycle(model, opt, rank, world, step)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+def test_steady_state_has_no_recompiles() -> None:
+    run_on_ranks(_no_recompiles, 2)
+
+
+@requires_gpus(2)
+@pytest.mark.parametrize("variant", ["full_shard", "bf16", "replicate"])
+def test_gpu_inductor_compiled_blocks_train_like_eager(variant: str) -> None:
+    run_on_ranks(_compiled_matches_eager, 2, variant, "after", "inductor", "cuda", backend="nccl", timeout=600)

@@ -1,0 +1,130 @@
+"""The package's shape: dependencies point one way (front ends -> engine -> collectives), no
+import cycle between files, and the engine's steps show by name in profiles.
+
+The import graph is read from the source with `ast` (every `import`/`from ... import`,
+including those under `if TYPE_CHECKING:`), so this runs without importing anything.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import composable
+from composable import fully_shard, replicate
+
+ROOT = Path(composable.__file__).parent
+FRONT_ENDS = ("composable.fsdp", "composable.replicate", "composable.checkpoint")
+# Leaf modules of policy types the engine may use (they import only torch).
+LEAVES = ("composable.mixed_precision",)
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """The composable modules `path` imports (a package import counts as its __init__)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("composable"))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not target.startswith("composable"):
+                continue
+            for alias in node.names:  # `from . import collectives` imports a module
+                candidate = f"{target}.{alias.name}"
+                found.add(candidate if _exists(candidate) else target)
+    return found - {name}
+
+
+def _exists(module: str) -> bool:
+    rel = Path(*module.split(".")[1:])
+    return (ROOT / rel).with_suffix(".py").exists() or (ROOT / rel / "__init__.py").exists()
+
+
+def _graph() -> dict[str, set[str]]:
+    return {_module_name(p): _imports(p) for p in ROOT.rglob("*.py")}
+
+
+def test_import_graph_has_no_cycles() -> None:
+    graph = _graph()
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                cycle = stack[stack.index(dep):] + [dep] if dep in stack else [node, dep]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if dep not in state:
+                visit(dep, stack + [dep])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+
+
+def test_engine_imports_nothing_above_it() -> None:
+    bad = {
+        (mod, dep)
+        for mod, deps in _graph().items() if mod.startswith("composable._engine")
+        for dep in deps if not dep.startswith("composable._engine") and dep not in LEAVES
+    }
+    assert not bad, f"the engine imports upward: {sorted(bad)}"
+
+
+def test_front_ends_do_not_import_each_other() -> None:
+    bad = set()
+    for mod, deps in _graph().items():
+        mine = next((f for f in FRONT_ENDS if mod == f or mod.startswith(f + ".")), None)
+        if mine is None:
+            continue
+        for dep in deps:
+            other = next((f for f in FRONT_ENDS if dep == f or dep.startswith(f + ".")), None)
+            if other is not None and other != mine:
+                bad.add((mod, dep))
+    assert not bad, f"front ends import each other: {sorted(bad)}"
+
+
+def test_collectives_know_nothing_of_modules() -> None:
+    deps = _graph()["composable._engine.collectives"]
+    assert not deps, f"collectives import {sorted(deps)}"
+
+
+def test_no_file_over_400_lines() -> None:
+    long = {str(p.relative_to(ROOT)): n for p in ROOT.rglob("*.py") if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, long
+
+
+def test_steps_show_by_name_in_profiles() -> None:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4)))
+        fully_shard(model[0])
+        replicate(model[2])
+        fully_shard(model)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+        names = {e.name for e in prof.events() if e.name.startswith("composable::")}
+    finally:
+        dist.destroy_process_group()
+    expected = {"pre_forward", "post_forward", "pre_backward", "post_backward", "final_callback", "unshard",
+                "reshard", "reduce_grads", "finish_reduce", "flush_buckets"}
+    assert {f"composable::{n}" for n in expected} <= names, sorted(names)
