@@ -21,7 +21,8 @@ import hashlib
 import json
 import os
 import shutil
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from watchdog import is_comm_failure
 
 CKPT_DIR = "checkpoints"
 STATE_FILE = "trainer_state.json"
@@ -96,7 +98,9 @@ def save_checkpoint(run_dir: str, step: int, model: nn.Module, optimizer: torch.
     state = {"model": model_sd, "optim": optim_sd, "rng": {f"rank{rank}": torch.get_rng_state()}}
     try:
         _dcp_save(state, tmp)  # DCP gathers every rank's write result: all ranks raise alike
-    except (Exception, CheckpointException) as e:
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - a failed write, said in one line
+        if is_comm_failure(e):
+            raise  # a rank died or stalled mid-save: the rank's post-mortem names it
         message = describe_write_failure(e, tmp, step)
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # a full disk gets its space back
@@ -236,7 +240,9 @@ def load_newest_intact(run_dir: str, model: nn.Module, optimizer: torch.optim.Op
             accept(state, path)
             try:
                 load_checkpoint(path, model, optimizer)
-            except (Exception, CheckpointException) as e:  # DCP raises on every rank alike
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises on every rank alike
+                if is_comm_failure(e):
+                    raise
                 problem = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
             else:
                 if damaged:

@@ -23,21 +23,20 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import wait
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from checkpointing import CheckpointError
 from parallel import UsageError
-from watchdog import Watchdog, process_state
+from watchdog import Watchdog, is_comm_failure, process_state
 
 STARTUP_TIMEOUT_S = 600.0  # spawning and importing torch on a loaded machine; the store's own timeout
 GRACE_S = 3.0  # after one rank fails, how long the others get to say why before they are stopped
-COMM_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
-               "timed out", "Socket Timeout", "NCCL error", "ProcessGroupNCCL", "Connection refused")
+
 
 
 # ----------------------------------------------------------------------------- parent side
@@ -114,8 +113,8 @@ def _stop(procs: list[Any]) -> None:
 def init_rank(args: argparse.Namespace, external_store_port: int | None = None) -> tuple[torch.device, Watchdog]:
     """Join the job: store, arrival barrier, process group with `--timeout`, watchdog."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= min(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= min(world, int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
     if use_cuda:
         torch.cuda.set_device(local_rank)
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
@@ -141,13 +140,6 @@ def init_rank(args: argparse.Namespace, external_store_port: int | None = None) 
                                   dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10)))
     watchdog = Watchdog(beat_store, rank, world, args.timeout).start()
     return torch.device("cuda", local_rank) if use_cuda else torch.device("cpu"), watchdog
-
-
-def is_comm_failure(exc: BaseException) -> bool:
-    if isinstance(exc, (dist.DistBackendError, dist.DistNetworkError, dist.DistStoreError)):
-        return True
-    text = str(exc)
-    return any(s in text for s in COMM_ERRORS)
 
 
 def run_rank(args: argparse.Namespace, train: Callable[[argparse.Namespace, Watchdog], Any],

@@ -9,10 +9,10 @@ import argparse
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from model import Transformer
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from composable import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, checkpoint, fully_shard, replicate
-from model import Transformer
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 import csv
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
-
 from checkpointing import CKPT_DIR, write_json
 
 

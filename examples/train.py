@@ -59,7 +59,7 @@ from reporting import MetricsLog, memory_string, print_summary, write_plot  # no
 from runs import Run, identity, identity_differences, mismatch_message, open_run  # noqa: E402
 from watchdog import Watchdog  # noqa: E402
 
-__all__ = ["main", "parse_args", "train", "checkpoint_dirs"]
+__all__ = ["checkpoint_dirs", "main", "parse_args", "train"]
 
 
 # ----------------------------------------------------------------------------- launching

@@ -27,6 +27,16 @@ from typing import Any
 import torch.distributed as dist
 
 INTERVAL_S = 1.0
+COMM_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
+               "timed out", "Socket Timeout", "NCCL error", "ProcessGroupNCCL", "Connection refused")
+
+
+def is_comm_failure(exc: BaseException) -> bool:
+    """Whether `exc` comes from the process group (a peer died, stalled, or the network broke)
+    rather than from this rank's own work: such errors are reported with `diagnose()`."""
+    if isinstance(exc, (dist.DistBackendError, dist.DistNetworkError, dist.DistStoreError)):
+        return True
+    return any(s in str(exc) for s in COMM_ERRORS)
 
 
 def process_state(pid: int) -> str:
