@@ -313,3 +313,38 @@ def test_no_sync_raises_at_the_call(world2: DeviceMesh) -> None:
     """A wrong call raises at the call (API.md "Errors"), not later when entering `with`."""
     with pytest.raises(TypeError, match=r"no_sync: argument 'module' must be an nn\.Module"):
         no_sync("model")
+
+
+# ----------------------------------------------------------------------------- issue 13 point 12
+
+@pytest.mark.parametrize("api", [fully_shard, replicate, checkpoint], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("bad", [123, None, "model", [nn.Linear(2, 2)]], ids=repr)
+def test_state_of_a_non_module_is_a_type_error(api: Any, bad: Any) -> None:
+    with pytest.raises(TypeError, match=rf"{api.__name__}\.state: argument 'module' must be an nn\.Module"):
+        api.state(bad)
+
+
+@pytest.mark.parametrize("api", [fully_shard, replicate], ids=lambda f: f.__name__)
+def test_meta_parameters_at_forward_name_what_to_materialise(world2: DeviceMesh, api: Any) -> None:
+    """Left on the meta device (or moved there after the call): a clear RuntimeError at the
+    unshard naming the parameters, not "Cannot copy out of meta tensor"."""
+    with torch.device("meta"):
+        m = _model()
+    api(m, mesh=world2)
+    with pytest.raises(RuntimeError, match=rf"{api.__name__}: parameters '0\.weight', '0\.bias', '2\.weight', '2\.bias' are still on the meta device .*to_empty"):
+        m(torch.randn(2, 4))
+    m = api(_model(), mesh=world2)
+    m(torch.randn(2, 4))  # forward kept the root's parameters unsharded for a backward
+    m.to("meta")
+    with pytest.raises(RuntimeError, match=rf"{api.__name__}: parameters .* are still on the meta device"):
+        m(torch.randn(2, 4))
+
+
+@pytest.mark.parametrize("api", [fully_shard, replicate], ids=lambda f: f.__name__)
+def test_rank_not_in_mesh(api: Any) -> None:
+    with fake_process_group(2, rank=1):
+        mesh = DeviceMesh("cpu", torch.tensor([0]))  # rank 1 is not in it
+        m = _model()
+        _raises(ValueError, rf"{api.__name__}: 'mesh' does not contain this rank \(global rank 1\); mesh ranks \[0\]", m, api, m, mesh=mesh)
+        group = dist.new_group([0])
+        _raises(ValueError, r"replicate: 'process_group' does not contain this rank \(global rank 1\)", m, replicate, m, process_group=group)

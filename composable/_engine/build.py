@@ -49,7 +49,7 @@ def build_group(api: str, module: nn.Module, mesh: DeviceMesh, ignored: set[nn.P
     layout = DataParallelLayout.make(mesh, options.sharded)
     config = GroupConfig(
         layout=layout, device=device, param_dtype=options.param_dtype, reduce_dtype=options.reduce_dtype,
-        offload=options.offload, pin_memory=options.pin_memory, bucket_cap_bytes=options.bucket_cap_bytes,
+        offload=options.offload, pin_memory=options.pin_memory, bucket_cap_bytes=options.bucket_cap_bytes, api=api,
     )
     params = [make_managed_param(fqn, slots, p, layout) for fqn, slots, p in claimed]
     group = ParamGroup(params, [_local_on_device(p, device) for p in originals], config)

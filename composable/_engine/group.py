@@ -47,6 +47,7 @@ class GroupConfig:
     offload: bool
     pin_memory: bool
     bucket_cap_bytes: int | None = None  # replicate: bucketed all-reduce as gradients become ready
+    api: str = "fully_shard"  # the front end that made the group, for error messages
 
 
 class ParamGroup:
@@ -155,6 +156,7 @@ class ParamGroup:
             if mp.sharded_param._local_tensor is not mp.local_registered:
                 stale = True
         if stale:
+            self.reshard()  # unsharded storage kept from an earlier forward belongs to the old shards
             self._build_flat_shard([mp.sharded_param._local_tensor for mp in self.params], fresh=False)
             for mp in self.params:  # unsharded storage must follow a dtype change
                 mp.unsharded_padded = None
@@ -191,6 +193,8 @@ class ParamGroup:
 
     def _start_unshard(self) -> None:
         cfg = self.config
+        if self.flat_shard.is_meta:
+            self._raise_on_meta()
         self.state = GroupState.UNSHARDING
         if self._unsharded_aliases_shard:
             self._pending_gather = None
@@ -214,6 +218,15 @@ class ParamGroup:
                 comm.all_gather(gather_out, gather_in, lay.shard_group, async_op=False)
                 work = streams.all_gather.record_event()
         self._pending_gather = (work, gather_out, gather_in)
+
+    def _raise_on_meta(self) -> None:
+        names = [mp.fqn for mp in self.params]
+        shown = ", ".join(repr(n) for n in names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        raise RuntimeError(
+            f"{self.config.api}: parameters {shown} are still on the meta device (rank {self.layout.mesh.get_rank()}); "
+            "materialise them before the forward, e.g. model.to_empty(device=...) then initialise them "
+            "(reset_parameters() or a load_state_dict)"
+        )
 
     def _refill_replica(self) -> None:
         """Replicated group, no gather: cast (or copy back from the CPU) the shard into the

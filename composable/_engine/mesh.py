@@ -34,6 +34,11 @@ def check_mesh(api: str, mesh: object, allowed_ndims: tuple[int, ...]) -> Device
     if mesh.ndim not in allowed_ndims:
         dims = " or ".join(f"{n}D" for n in allowed_ndims)
         raise ValueError(f"{api}: 'mesh' must be {dims}, got a {mesh.ndim}D mesh of shape {tuple(mesh.shape)}")
+    if dist.is_initialized() and mesh.get_coordinate() is None:
+        raise ValueError(
+            f"{api}: 'mesh' does not contain this rank (global rank {dist.get_rank()}); mesh ranks "
+            f"{mesh.mesh.flatten().tolist()}: call {api} only on the ranks of its mesh"
+        )
     return mesh
 
 
@@ -47,6 +52,10 @@ def compute_device(mesh: DeviceMesh) -> torch.device:
 
 def mesh_from_process_group(api: str, group: dist.ProcessGroup, device_type: str) -> DeviceMesh:
     """A 1D DeviceMesh over an existing process group."""
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"{api}: 'process_group' does not contain this rank (global rank {dist.get_rank()}): call {api} only on the ranks of its group"
+        )
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"{api}: 'process_group' must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
     return DeviceMesh.from_group(group, device_type)
