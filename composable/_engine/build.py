@@ -17,6 +17,7 @@ from .group import GroupConfig, ParamGroup
 from .layout import DataParallelLayout
 from .mesh import compute_device
 from .param import DTensorSpecLite, ManagedParam, ParamLayout
+from .replicas import sync_replicas
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class GroupOptions:
     pin_memory: bool = False
     bucket_cap_bytes: int | None = None  # bucketed all-reduce during backward (replicate)
     accepts_dtensors: bool = True  # tensor-parallel parameters (fully_shard only)
+    sync_replicas: bool = False  # check shapes across ranks and broadcast rank 0's values (replicate)
 
 
 def build_group(api: str, module: nn.Module, mesh: DeviceMesh, ignored: set[nn.Parameter], options: GroupOptions) -> ParamGroup | None:
@@ -44,6 +46,9 @@ def build_group(api: str, module: nn.Module, mesh: DeviceMesh, ignored: set[nn.P
         raise NotImplementedError(f"{api}: parameters that are already DTensors are not supported")
     device = compute_device(mesh)
     move_buffers(module, device)
+    sources = [_local_on_device(p, device) for p in originals]
+    if options.sync_replicas:
+        sync_replicas(api, module, [(fqn, src) for (fqn, _, _), src in zip(claimed, sources)], mesh.get_group(0), device)
     if not claimed:
         return None
     layout = DataParallelLayout.make(mesh, options.sharded)
@@ -52,7 +57,7 @@ def build_group(api: str, module: nn.Module, mesh: DeviceMesh, ignored: set[nn.P
         offload=options.offload, pin_memory=options.pin_memory, bucket_cap_bytes=options.bucket_cap_bytes, api=api,
     )
     params = [make_managed_param(fqn, slots, p, layout) for fqn, slots, p in claimed]
-    group = ParamGroup(params, [_local_on_device(p, device) for p in originals], config)
+    group = ParamGroup(params, sources, config)
     for mp in params:
         mp.register(mp.sharded_param)
     mark_replaced(originals, api)

@@ -69,3 +69,27 @@ def chunk_cat(tensors: Sequence[torch.Tensor], world: int, dtype: torch.dtype, d
     if tensors:
         torch._chunk_cat(tensors, dim=0, num_chunks=world, out=out)  # casts as it copies
     return out.view(-1)
+
+
+def all_gather_int64(value: int, group: dist.ProcessGroup, device: torch.device) -> list[int]:
+    """Every rank's `value` (a signed 64-bit integer), in group-rank order: one collective."""
+    mine = torch.tensor([value], dtype=torch.int64, device=device)
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, mine, group=group)
+    return [int(t.item()) for t in out]
+
+
+def broadcast_coalesced(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Overwrite `tensors` in place with group rank 0's values: one broadcast per
+    (dtype, device), each of the tensors flattened into one buffer."""
+    buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        buckets.setdefault((t.dtype, t.device), []).append(t)
+    with torch.no_grad():
+        for bucket in buckets.values():
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+            dist.broadcast(flat, group=group, group_src=0)
+            offset = 0
+            for t in bucket:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()

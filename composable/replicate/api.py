@@ -28,6 +28,12 @@ def replicate(
     are averaged with all-reduces over buckets of about `bucket_cap_mb` MiB, each launched as
     soon as its gradients are ready, overlapping the rest of the backward. `mesh` or
     `process_group` (not both) choose the ranks; the default is the whole world.
+
+    As DDP, the call checks that every rank has the same parameters and buffers (FQNs,
+    shapes, dtypes; `ValueError` naming the first that differs and the ranks) and broadcasts
+    the mesh's first rank's values to the others, so the replicas start equal. Collective:
+    every rank of the mesh must call it. Meta-device tensors are skipped: materialise and
+    initialise them identically on every rank (same seed) afterwards.
     """
     api = "replicate"
     check_module(api, module)
@@ -48,6 +54,7 @@ def replicate(
     options = GroupOptions(
         sharded=False, param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
         bucket_cap_bytes=int(bucket_cap_mb * 1024 * 1024), accepts_dtensors=False,
+        sync_replicas=True,
     )
     group = build_group(api, module, mesh, set(), options)
     state = ReplicateState(module, group, mp_policy, reshard_after_forward=False, reshard_is_default=False)
