@@ -25,8 +25,10 @@ from composable import (
 )
 
 STEPS = 3
-# aot_eager runs the same aten ops as eager; inductor fuses them (different rounding).
+# aot_eager runs the same aten ops as eager; inductor fuses them (different rounding), which
+# in bf16 compute is bf16's rounding (eps 2**-8: 1e-3 relative seen on the loss on H200).
 TOL = {"aot_eager": dict(rtol=1e-5, atol=1e-6), "inductor": dict(rtol=1e-4, atol=1e-5)}
+BF16_INDUCTOR_TOL = dict(rtol=1e-2, atol=1e-3)
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
@@ -80,7 +82,7 @@ def _compiled_matches_eager(rank: int, world: int, variant: str, order: str, bac
     mesh = _mesh(variant, world, dev)
     eager, compiled = _build(variant, None, backend, mesh, dev), _build(variant, order, backend, mesh, dev)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, compiled)]  # Adam would amplify rounding in ~0 grads
-    tol = TOL[backend]
+    tol = BF16_INDUCTOR_TOL if variant == "bf16" and backend == "inductor" else TOL[backend]
     for step in range(STEPS):
         tokens = batch_for(step, world, rank).to(dev)
         losses = []
