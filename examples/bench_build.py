@@ -1,0 +1,142 @@
+"""The benchmark's contenders: one model (ours or HuggingFace's Llama), parallelised five ways.
+
+Every contender is built the same way, in the order the APIs need:
+1. the model on the meta device (no memory, no init cost);
+2. with `compile_backend`, every block (`TransformerBlock` / `LlamaDecoderLayer`) `.compile()`d,
+   before any API is applied, as torchtitan does;
+3. the API: nothing (floor), `fully_shard` on every sharding unit bottom-up (ours or FSDP2),
+   or `replicate` on the root;
+4. materialised on the device and initialised *after* sharding (each rank fills its shards);
+5. DDP last: it broadcasts rank 0's initialised parameters when it is constructed.
+The floor and DDP compute in fp32 under bf16 autocast; fully_shard, FSDP2 and replicate keep
+fp32 sharded parameters and compute in bf16 (`param_dtype`), reducing in fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import NamedTuple
+
+import torch
+from model import ModelConfig, Transformer
+from torch import nn
+
+import composable
+
+RUNS = ("floor", "fully_shard", "fsdp2", "replicate", "ddp")
+MODELS = ("own", "hf-llama")
+WRAPS = ("separate-ends", "blocks")  # how fully_shard/FSDP2 group the model: see `sharding_units`
+HF_MISSING = "--model hf-llama needs HuggingFace transformers, which is not installed: pip install transformers"
+
+
+class Contender(NamedTuple):
+    model: nn.Module  # what the optimizer steps (the DDP wrapper for "ddp")
+    autocast: Callable[[], AbstractContextManager[object]]
+    logits: Callable[[nn.Module, torch.Tensor], torch.Tensor]  # (model, tokens) -> logits
+
+
+def hf_available() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def hf_llama(cfg: ModelConfig) -> nn.Module:
+    """HuggingFace transformers' own `LlamaForCausalLM` at the shape of `cfg` (untied head,
+    as many KV heads as heads, SDPA attention), built on the current default device."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError as e:
+        raise ImportError(HF_MISSING) from e
+    config = LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_heads,
+        max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}, use_cache=False,
+        initializer_range=cfg.init_std,
+    )
+    config._attn_implementation = "sdpa"  # what it picks on GPUs anyway; explicit for a like-for-like CPU test
+    return LlamaForCausalLM(config)
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks: the unit that is compiled and sharded."""
+    return list(model.layers) if isinstance(model, Transformer) else list(model.model.layers)
+
+
+def sharding_units(model: nn.Module, wrap: str) -> list[nn.Module]:
+    """The modules `fully_shard` (ours or FSDP2) is applied to, bottom-up, the root last.
+
+    'blocks': each block, then the root (embeddings, final norm, head). 'separate-ends': the
+    embeddings and the head on their own as well (torchtitan's wrapping), so the head's
+    reduce-scatter overlaps the blocks' backward and the root's last one is smaller.
+    """
+    if wrap not in WRAPS:
+        raise ValueError(f"sharding_units: wrap must be one of {WRAPS}, got {wrap!r}")
+    if wrap == "blocks":
+        ends: list[nn.Module] = []
+    elif isinstance(model, Transformer):
+        ends = [model.tok_embeddings, model.output]
+    else:
+        ends = [model.model.embed_tokens, model.lm_head]
+    return [*ends, *blocks(model), model]
+
+
+def _init_weights(model: nn.Module, device: torch.device) -> None:
+    """Initialise a materialised model, sharded or not (DTensor parameters fill their shards)."""
+    if isinstance(model, Transformer):
+        model.init_weights(buffer_device=device)
+        return
+    # HF initialises a module once (flags set while it was built on meta): clear them, then
+    # its own `_init_weights` fills every parameter and recomputes the rotary tables.
+    for obj in [*model.modules(), *model.parameters(), *model.buffers()]:
+        obj.__dict__.pop("_is_hf_initialized", None)
+    model.initialize_weights()
+
+
+def build(run: str, cfg: ModelConfig, device: torch.device, wrap: str = "separate-ends", model: str = "own",
+          compile_backend: str | None = None) -> Contender:
+    """Contender `run` (one of RUNS) on `device` for model `model` (one of MODELS); see the module doc."""
+    if run not in RUNS:
+        raise ValueError(f"build: run must be one of {RUNS}, got {run!r}")
+    if model not in MODELS:
+        raise ValueError(f"build: model must be one of {MODELS}, got {model!r}")
+    with torch.device("meta"):
+        net = Transformer(cfg) if model == "own" else hf_llama(cfg)
+    if compile_backend is not None:
+        for block in blocks(net):
+            block.compile(backend=compile_backend)
+    bf16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+    if run in ("fully_shard", "fsdp2"):
+        if run == "fully_shard":
+            shard, mpp = composable.fully_shard, composable.MixedPrecisionPolicy(**bf16)
+        else:
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            shard, mpp = fully_shard, MixedPrecisionPolicy(**bf16)
+        for module in sharding_units(net, wrap):
+            shard(module, mp_policy=mpp)
+    elif run == "replicate":
+        composable.replicate(net, mp_policy=composable.MixedPrecisionPolicy(**bf16))
+    net.to_empty(device=device)
+    _init_weights(net, device)
+    if run == "ddp":
+        net = nn.parallel.DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
+    if run in ("floor", "ddp"):
+        def autocast() -> AbstractContextManager[object]:
+            return torch.autocast(device.type, dtype=torch.bfloat16)
+    else:
+        autocast = nullcontext
+    logits = _own_logits if model == "own" else _hf_logits
+    return Contender(net, autocast, logits)
+
+
+def _own_logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    return model(tokens)
+
+
+def _hf_logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=tokens, use_cache=False).logits

@@ -1,0 +1,65 @@
+"""The benchmark's report: one table of per-run medians over rounds, the ours/theirs ratios
+(throughput as the median of per-round ratios, with their range; memory from the largest
+peaks), the JSON file; and the Chrome trace of a profiled run. No collectives here."""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import shutil
+import statistics
+import tempfile
+
+import torch
+
+RATIOS = (("fully_shard", "fsdp2"), ("replicate", "ddp"), ("fully_shard", "floor"))
+
+
+def describe(args: argparse.Namespace) -> str:
+    """The settings line under which a table was measured."""
+    compiled = f"blocks compiled ({args.compile_backend})" if args.compile else "eager"
+    return (f"model {args.model}, preset {args.preset}, local batch {args.batch_size}, seq {args.seq_len}, "
+            f"wrap {args.wrap}, {compiled}, {args.rounds} rounds x {args.steps} steps, torch {torch.__version__}")
+
+
+def report(rounds: list[dict[str, dict]], args: argparse.Namespace, world: int, device_name: str) -> dict:
+    """Print the table and the ratios of `rounds` (one dict run -> result per round); write
+    them with the settings to `args.out` if given. Returns the ratios."""
+    runs = list(rounds[0])
+    med = {run: statistics.median(rd[run]["step_s"] for rd in rounds) for run in runs}
+    peak = {run: max(rd[run]["peak_alloc_gib"] for rd in rounds) for run in runs}
+    reserved = {run: max(rd[run]["peak_reserved_gib"] for rd in rounds) for run in runs}
+    print(f"\n{device_name} x{world}, {describe(args)}")
+    print(f"{'run':<12} {'s/step':>8} {'tok/s/GPU':>10} {'MFU':>6} {'alloc GiB':>10} {'reserved GiB':>13}")
+    for run in runs:
+        tok = args.batch_size * args.seq_len / med[run]
+        mfu = tok * rounds[0][run]["mfu_per_tok_s"]
+        print(f"{run:<12} {med[run]:>8.4f} {tok:>10.0f} {mfu:>6.1%} {peak[run]:>10.2f} {reserved[run]:>13.2f}")
+    ratios = {}
+    for ours, theirs in RATIOS:
+        if ours in med and theirs in med:
+            per_round = sorted(rd[theirs]["step_s"] / rd[ours]["step_s"] for rd in rounds)
+            r = ratios[f"{ours}/{theirs}"] = {
+                "throughput": statistics.median(per_round), "throughput_range": [per_round[0], per_round[-1]],
+                "peak_alloc": _ratio(peak[ours], peak[theirs]), "peak_reserved": _ratio(reserved[ours], reserved[theirs])}
+            print(f"{ours}/{theirs}: throughput {r['throughput']:.3f}x (rounds {per_round[0]:.3f}-{per_round[-1]:.3f}), "
+                  f"peak allocated {r['peak_alloc']:.3f}x, reserved {r['peak_reserved']:.3f}x")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"world": world, "device": device_name, "args": vars(args), "rounds": rounds, "ratios": ratios}, f, indent=2)
+    return ratios
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")  # no memory statistics on the CPU
+
+
+def write_trace(prof: torch.profiler.profile, path: str) -> None:
+    """`prof`'s Chrome trace, gzipped, at `path` (examples/trace_overlap.py reads it)."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
+        prof.export_chrome_trace(tmp.name)
+    with open(tmp.name, "rb") as src, gzip.open(path, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.unlink(tmp.name)
