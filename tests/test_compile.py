@@ -177,3 +177,50 @@ def test_steady_state_has_no_recompiles() -> None:
 @pytest.mark.parametrize("variant", ["full_shard", "bf16", "replicate"])
 def test_gpu_inductor_compiled_blocks_train_like_eager(variant: str) -> None:
     run_on_ranks(_compiled_matches_eager, 2, variant, "after", "inductor", "cuda", backend="nccl", timeout=600)
+
+
+def _hf_llama_compiled_matches_eager(rank: int, world: int, device: str = "cpu", backend: str = "aot_eager") -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dev = torch.device(device, rank) if device == "cuda" else torch.device("cpu")
+    if device == "cuda":
+        torch.cuda.set_device(dev)
+    torch._dynamo.reset()
+    mesh = init_device_mesh(dev.type, (world,))
+    config = LlamaConfig(vocab_size=37, hidden_size=24, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=32)
+
+    def build(compiled: bool) -> nn.Module:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).to(dev)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+            if compiled:
+                layer.compile(backend=backend, fullgraph=True)
+        return fully_shard(model, mesh=mesh)
+
+    models = [build(False), build(True)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    for step in range(STEPS):
+        tokens = torch.randint(0, 37, (2, 9), generator=torch.Generator().manual_seed(step * world + rank)).to(dev)
+        losses = []
+        for model, opt in zip(models, opts):
+            loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        assert_close_tensors(losses[1], losses[0], **TOL[backend], msg=f"step {step} loss")
+        assert_close_tensors(_full_params(models[1]), _full_params(models[0]), **TOL[backend], msg=f"step {step} params")
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+
+
+def test_hf_llama_compiled_decoder_layers_train_like_eager() -> None:
+    pytest.importorskip("transformers", reason="HuggingFace transformers is not installed (pip install transformers)")
+    run_on_ranks(_hf_llama_compiled_matches_eager, 2)
+
+
+@requires_gpus(2)
+def test_gpu_hf_llama_inductor_decoder_layers_train_like_eager() -> None:
+    pytest.importorskip("transformers", reason="HuggingFace transformers is not installed")
+    run_on_ranks(_hf_llama_compiled_matches_eager, 2, "cuda", "inductor", backend="nccl", timeout=600)
