@@ -12,6 +12,8 @@ collective (and, where parameters stay gathered, no collective at all).
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -275,3 +277,79 @@ def test_no_sync_mixed_precision_matches_torch_fsdp2(param_dtype: torch.dtype, r
 @pytest.mark.parametrize("api", ["NO_SHARD", "replicate"])
 def test_no_sync_mixed_precision_replicated_matches_torch_fsdp2(api: str) -> None:
     run_on_ranks(_no_sync_mixed_precision, 2, torch.bfloat16, torch.float32, "nosync3-sync3-nosync3-sync1", api)
+
+
+# ----------------------------------------------------------------------------- zero_grad after no_sync (issue 13 point 9)
+
+ZERO_PLANS = {  # (kind, micro-batch): "nosync"/"sync" backward, "zero" optimizer.zero_grad()
+    "nosync-zero-sync": [("nosync", 0), ("zero", None), ("sync", 1)],
+    "nosync-zero-nosync-sync": [("nosync", 0), ("nosync", 1), ("zero", None), ("nosync", 2), ("sync", 3)],
+    "sync-nosync-zero-sync": [("sync", 0), ("nosync", 1), ("zero", None), ("sync", 2)],
+    "nosync-sync-kept": [("nosync", 0), ("sync", 1)],  # no zero_grad: both micro-batches count
+    "zero-between-forward-and-backward": [("nosync", 0), ("fwd-zero-sync", 1)],
+}
+
+
+def _zero_grad_after_no_sync(rank: int, world_size: int, plan: str, set_to_none: bool, strategy: ShardingStrategy,
+                             param_dtype: torch.dtype | None) -> None:
+    """The model runs `plan`; a twin of it runs only what follows the last zero_grad and must
+    end bit for bit equal; a single-process fp32 reference runs `plan` too (fp32 only)."""
+    from composable import MixedPrecisionPolicy
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = TinyTransformer()
+        for m in [*model.layers, model]:
+            fully_shard(m, mesh=mesh, strategy=strategy, mp_policy=mp)
+        models.append(model)
+    model, twin = models
+    torch.manual_seed(0)
+    ref = TinyTransformer()
+    opt, twin_opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, twin, ref))
+    steps = ZERO_PLANS[plan]
+    last_zero = max([i for i, (kind, _) in enumerate(steps) if "zero" in kind], default=-1)
+    for n, (kind, i) in enumerate(steps):
+        if kind == "zero":
+            opt.zero_grad(set_to_none=set_to_none)
+            ref_opt.zero_grad(set_to_none=set_to_none)
+            continue
+        loss = lm_loss(model, batch_for(i, world_size, rank))
+        if kind == "fwd-zero-sync":  # `loss = model(x); opt.zero_grad(); loss.backward()`
+            opt.zero_grad(set_to_none=set_to_none)
+            ref_opt.zero_grad(set_to_none=set_to_none)
+        with no_sync(model) if kind == "nosync" else contextlib.nullcontext():
+            loss.backward()
+        lm_loss(ref, batch_for(i, world_size, None)).backward()
+        if n >= last_zero:
+            twin_loss = lm_loss(twin, batch_for(i, world_size, rank))
+            with no_sync(twin) if kind == "nosync" else contextlib.nullcontext():
+                twin_loss.backward()
+    for name, p in model.named_parameters():
+        assert_close_tensors(p.grad, twin.get_parameter(name).grad, exact=True, msg=f"{plan}: grad {name} vs twin")
+        if param_dtype is None:
+            assert_close_tensors(p.grad.full_tensor(), ref.get_parameter(name).grad, msg=f"{plan}: grad {name}")
+    for o in (opt, twin_opt, ref_opt):
+        o.step()
+    for name, p in model.named_parameters():
+        assert_close_tensors(p, twin.get_parameter(name), exact=True, msg=f"{plan}: param {name} vs twin")
+        if param_dtype is None:
+            assert_close_tensors(p.full_tensor(), ref.get_parameter(name), msg=f"{plan}: param {name}")
+
+
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["set_to_none", "zeros"])
+@pytest.mark.parametrize("plan", list(ZERO_PLANS))
+def test_zero_grad_after_no_sync_drops_the_accumulated_sums(plan: str, set_to_none: bool) -> None:
+    """optimizer.zero_grad() (either kind) after a no_sync backward discards what no_sync
+    accumulated, as in DDP; without zero_grad the sums are kept."""
+    run_on_ranks(_zero_grad_after_no_sync, 2, plan, set_to_none, FULL, None)
+
+
+@pytest.mark.parametrize("strategy, param_dtype", [(GRAD_OP, None), (FULL, torch.bfloat16), (NO_SHARD, None)],
+                         ids=["SHARD_GRAD_OP", "bf16-reduce-fp32", "NO_SHARD"])
+def test_zero_grad_after_no_sync_other_layouts(strategy: ShardingStrategy, param_dtype: torch.dtype | None) -> None:
+    """The same with stashed (widened) sums and with replicated groups."""
+    for set_to_none in (True, False):
+        run_on_ranks(_zero_grad_after_no_sync, 2, "nosync-zero-nosync-sync", set_to_none, strategy, param_dtype)

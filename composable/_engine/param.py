@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import math
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -93,6 +94,9 @@ class ManagedParam:
     unsharded_alias_of: torch.Tensor | None = None  # flat buffer `unsharded_param` is a view of
     stashed_grad: torch.Tensor | None = None  # no-sync sum in the reduce dtype (sharded groups)
     grad_is_unreduced: bool = False  # replicated no-sync: the visible `.grad` holds local sums
+    # Sharded no-sync: (weak reference to the visible sharded `.grad`, its versions) when the
+    # sums were stashed; a replaced, cleared or modified `.grad` (zero_grad) discards them.
+    grad_marker: tuple | None = None
     bucket_index: int | None = None  # replicate: which all-reduce bucket the gradient goes in
     hooked_param: nn.Parameter | None = None  # replicate: the unsharded parameter with our grad hook
     grad_standins: dict = field(default_factory=dict, repr=False)  # see `make_sharded_grad`
@@ -107,6 +111,23 @@ class ManagedParam:
         """The no-sync sum kept by `stash`, handed over once to the next reduction."""
         grad, self.stashed_grad = self.stashed_grad, None
         return grad
+
+    def mark_visible_grad(self) -> None:
+        """No-sync sums are held out of sight (unsharded): keep a visible sharded `.grad` (zeros
+        if there is none) and remember it, so `zero_grad` (to None or to zeros) is noticed."""
+        sp = self.sharded_param
+        if sp.grad is None:
+            local = torch.zeros(self.layout.local_shape(), dtype=sp.dtype, device=sp._local_tensor.device)
+            sp.grad = self.make_sharded_grad(local)
+        grad = sp.grad
+        # DTensor in-place ops bump the wrapper's version, direct ones the local tensor's.
+        self.grad_marker = (weakref.ref(grad), grad._version, grad._local_tensor._version)
+
+    def grad_was_discarded(self) -> bool:
+        """Whether the visible `.grad` was replaced, cleared or modified since `mark_visible_grad`."""
+        ref, version, local_version = self.grad_marker  # type: ignore[misc]
+        grad = self.sharded_param.grad
+        return grad is None or grad is not ref() or grad._version != version or grad._local_tensor._version != local_version
 
     def take_grad_is_unreduced(self) -> bool:
         """Whether the visible `.grad` holds unreduced no-sync sums; cleared by asking."""

@@ -104,6 +104,7 @@ class GradReducer:
         self._partial: torch.Tensor | None = None  # HSDP partial sums awaiting the replica all-reduce
         self._all_present: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self._collectives_average: dict[torch.dtype, bool] = {}
+        self._holds_no_sync_sums = False  # sharded groups: unreduced sums kept between backwards
 
     @property
     def collectives_average(self) -> bool:
@@ -155,20 +156,24 @@ class GradReducer:
         """No-sync backward: accumulate the unsharded gradients in the reduce dtype where it is
         wider than the compute dtype (bf16 compute, fp32 reduce), as PyTorch FSDP2 does, so the
         sum over micro-steps is not rounded to bf16 each time (at the price of holding a wider
-        gradient). Otherwise they simply stay in `.grad`, where autograd accumulates them."""
+        gradient). Otherwise they simply stay in `.grad`, where autograd accumulates them.
+        Either way they are out of the user's sight: a visible sharded `.grad` stands for them
+        (`ManagedParam.mark_visible_grad`), and `zero_grad` on it discards them."""
         if not self.spec.layout.sharded:
             self._stash_as_visible_grads()
             return
+        self.drop_discarded_sums()
         dtype = self.spec.dtypes.reduce
-        if dtype.itemsize <= self.spec.dtypes.unsharded.itemsize:
-            return
+        widen = dtype.itemsize > self.spec.dtypes.unsharded.itemsize
         for mp in self._grad_params():
             up = mp.unsharded_param
-            if up is None or up.grad is None:
-                continue
-            acc = mp.stashed_grad
-            mp.stashed_grad = up.grad.to(dtype) if acc is None else acc.add_(up.grad)
-            up.grad = None
+            if widen and up is not None and up.grad is not None:
+                acc = mp.stashed_grad
+                mp.stashed_grad = up.grad.to(dtype) if acc is None else acc.add_(up.grad)
+                up.grad = None
+            if mp.stashed_grad is not None or (up is not None and up.grad is not None):
+                mp.mark_visible_grad()
+                self._holds_no_sync_sums = True
 
     def _stash_as_visible_grads(self) -> None:
         """Replicated groups (replicate, NO_SHARD), as in DDP: during no_sync the locally
@@ -210,7 +215,25 @@ class GradReducer:
         return torch.tensor([float(p) for p in present], dtype=dtype).to(self.spec.device, non_blocking=True)
 
     # -- launching ------------------------------------------------------------------------
+    def drop_discarded_sums(self) -> None:
+        """Sharded groups: forget the no-sync sums of every parameter whose visible `.grad`
+        was cleared, replaced or zeroed since they were stashed (`optimizer.zero_grad()`,
+        either `set_to_none`). Called before a backward adds to them and before they are
+        reduced; free when nothing is stashed."""
+        if not self._holds_no_sync_sums:
+            return
+        for mp in self.params:
+            if mp.grad_marker is not None and mp.grad_was_discarded():
+                mp.stashed_grad, mp.grad_marker = None, None
+                if mp.unsharded_param is not None:
+                    mp.unsharded_param.grad = None
+
     def launch(self) -> None:
+        self.drop_discarded_sums()
+        if self._holds_no_sync_sums:  # consumed by this reduction
+            self._holds_no_sync_sums = False
+            for mp in self.params:
+                mp.grad_marker = None
         params = self._grad_params()
         if not params or not any(self.has_grads(mp) for mp in params):
             return

@@ -221,6 +221,7 @@ class ModuleState:
             torch.autograd.Variable._execution_engine.queue_callback(context.root._final_callback)
         self.training_state = TrainingState.PRE_BACKWARD
         if self.group is not None:
+            self.group.reducer.drop_discarded_sums()  # zero_grad since a no-sync backward
             self.group.unshard()
         for other in self.backward_prefetch or self._implicit_backward_prefetch():
             if other.group is not None and other.training_state is not TrainingState.PRE_BACKWARD:
