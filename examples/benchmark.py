@@ -102,6 +102,11 @@ def time_run(run: str, args: argparse.Namespace, device: torch.device, profile: 
     if device.type == "cuda":
         torch.cuda.empty_cache()
     before_alloc, before_reserved = _memory(device)
+    if args.compile:
+        # Each contender compiles afresh in its warm-up steps (inductor's disk cache keeps that
+        # cheap): earlier contenders' graphs and guards must not fill dynamo's per-code cache
+        # (a full cache silently falls back to eager) nor be reused across different hooks.
+        torch._dynamo.reset()
     torch.manual_seed(0)
     c = build(run, cfg, device, args.wrap, args.model, args.compile_backend if args.compile else None)
     opt = torch.optim.AdamW(c.model.parameters(), lr=1e-4, fused=True)
