@@ -8,6 +8,7 @@ returns the same module: `fully_shard` (FSDP), `replicate` (DDP) and `checkpoint
 from .accumulate import no_sync, set_requires_gradient_sync
 from .checkpoint import checkpoint
 from .clip_grad import clip_grad_norm_
+from .forward_method import register_forward_method
 from .fsdp import ShardingStrategy, fully_shard
 from .grad_scaler import ShardedGradScaler
 from .mixed_precision import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -18,4 +19,5 @@ __all__ = [
     "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "ShardingStrategy",
     "no_sync", "set_requires_gradient_sync",
     "clip_grad_norm_", "ShardedGradScaler",
+    "register_forward_method",
 ]

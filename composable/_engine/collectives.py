@@ -93,3 +93,13 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], group: dist.ProcessGrou
             for t in bucket:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
+
+
+def pack_regions(storages: Sequence[torch.Tensor], world: int, first: int, last: int) -> torch.Tensor:
+    """Regions `first..last-1` of the rank-major all-gather output, rebuilt from the
+    per-parameter padded storages that `copy_out` filled (the inverse of `copy_out` for a
+    slice of the ranks). Returns a 1D tensor; one kernel."""
+    rows = [s.view(world, -1)[first:last] for s in storages]
+    out = torch.empty((last - first, sum(r.shape[1] for r in rows)), dtype=storages[0].dtype, device=storages[0].device)
+    torch.cat(rows, dim=1, out=out)
+    return out.view(-1)

@@ -61,6 +61,10 @@ class ParamGroup:
         self.state = GroupState.SHARDED
         self._unsharded_registered = False  # which parameters the modules show: sharded
         self._pending_gather: tuple | None = None  # (work or event, all-gather output, input)
+        # reshard_after_forward=N: this rank's 1/N of the unsharded parameters, kept from the
+        # end of forward to backward's all-gather within its N ranks (1D, unsharded dtype).
+        self._post_forward_shard: tuple[torch.Tensor, int] | None = None
+        self._gathered_version: int | None = None  # flat shard's version when last gathered
         # Replicated groups that cast (or copy back from the CPU): one persistent flat buffer
         # in the unsharded dtype, refilled in place, the unsharded parameters views of it.
         self._replica_flat: torch.Tensor | None = None
@@ -166,6 +170,8 @@ class ParamGroup:
     @labelled("composable::unshard")
     def unshard(self, async_op: bool = False) -> None:
         """Gather the unsharded parameters and register them on their modules."""
+        if self.state is GroupState.UNSHARDED and self._is_stale():
+            self.reshard()  # kept unsharded (reshard_after_backward=False) across an optimizer step
         if self.state is GroupState.SHARDED:
             self._start_unshard()
         if not async_op:
@@ -191,33 +197,61 @@ class ParamGroup:
             mp.register(mp.sharded_param)
         self._unsharded_registered = False
 
+    def _is_stale(self) -> bool:
+        """Whether the sharded parameters changed in place (an optimizer step) since they were
+        gathered: the local shards are views of the flat shard, so they share its version."""
+        return self._gathered_version is not None and self.flat_shard._version != self._gathered_version
+
+    def reshard_to(self, size: int) -> None:
+        """End of forward with `reshard_after_forward=size`: keep only this rank's 1/`size` of
+        the unsharded parameters (a slice of the all-gather output), so backward all-gathers
+        within `size` ranks instead of the whole shard group; free the rest."""
+        if self.state is GroupState.UNSHARDING:
+            self.wait_for_unshard()
+        if self.state is GroupState.SHARDED or not self.layout.sharded or self._unsharded_aliases_shard:
+            self.reshard()
+            return
+        _, rank = self.layout.post_forward_group(size)
+        world, share = self.layout.shard_world, self.layout.shard_world // size
+        kept = comm.pack_regions([mp.unsharded_padded for mp in self.params], world, rank * share, (rank + 1) * share)
+        self.reshard()
+        self._post_forward_shard = (kept, size)
+
     def _start_unshard(self) -> None:
         cfg = self.config
         if self.flat_shard.is_meta:
             self._raise_on_meta()
         self.state = GroupState.UNSHARDING
+        self._gathered_version = self.flat_shard._version
         if self._unsharded_aliases_shard:
             self._pending_gather = None
             return
         if not self.layout.sharded:
             self._refill_replica()
             return
+        n, lay = self.flat_shard.numel(), self.layout
+        source, group, rank = self.flat_shard, lay.shard_group, lay.shard_rank
+        if self._post_forward_shard is not None:  # backward after reshard_after_forward=N
+            (source, size), self._post_forward_shard = self._post_forward_shard, None
+            group, rank = lay.post_forward_group(size)
         streams = self.streams
         if streams is not None:
             streams.before_all_gather()
+            if source is not self.flat_shard:  # made on the compute stream during forward
+                streams.all_gather.wait_stream(streams.current())
         with stream_context(streams.all_gather if streams is not None else None):
             # In-place all-gather: the input is this rank's slot of the output, filled by one
             # fused copy (+cast, +host-to-device when offloading); no separate input buffer.
-            n, lay = self.flat_shard.numel(), self.layout
             gather_out = torch.empty(lay.shard_world * n, dtype=self.unsharded_dtype, device=cfg.device)
-            gather_in = gather_out.narrow(0, lay.shard_rank * n, n)
-            gather_in.copy_(self.flat_shard, non_blocking=True)
+            gather_in = gather_out.narrow(0, rank * source.numel(), source.numel())
+            gather_in.copy_(source, non_blocking=True)
             if streams is None:
-                work = comm.all_gather(gather_out, gather_in, lay.shard_group, async_op=True)
+                work = comm.all_gather(gather_out, gather_in, group, async_op=True)
             else:
-                comm.all_gather(gather_out, gather_in, lay.shard_group, async_op=False)
+                comm.all_gather(gather_out, gather_in, group, async_op=False)
                 work = streams.all_gather.record_event()
-        self._pending_gather = (work, gather_out, gather_in)
+        # `source` (a post-forward shard made on the compute stream) lives until the copy-out.
+        self._pending_gather = (work, gather_out, gather_in, source)
 
     def _raise_on_meta(self) -> None:
         names = [mp.fqn for mp in self.params]
@@ -272,7 +306,7 @@ class ParamGroup:
         elif not self.layout.sharded:
             self._point_unsharded_at(self._replica_flat)  # type: ignore[arg-type]
         else:
-            work, gathered, gather_in = self._pending_gather  # type: ignore[misc]
+            work, gathered, gather_in, source = self._pending_gather  # type: ignore[misc]
             if isinstance(work, torch.cuda.Event):
                 torch.cuda.current_stream().wait_event(work)
             elif work is not None:
@@ -282,7 +316,7 @@ class ParamGroup:
                 mp.alloc_unsharded(world, gathered.dtype, self.config.device)
             comm.copy_out(gathered, world, [mp.layout.region_numel for mp in self.params], [mp.unsharded_padded for mp in self.params])
             if self.streams is not None:
-                self.streams.after_copy_out((gathered, gather_in))
+                self.streams.after_copy_out((gathered, gather_in, source))
         self._pending_gather = None
         self.state = GroupState.UNSHARDED
         self._register_unsharded()
@@ -290,6 +324,7 @@ class ParamGroup:
     @labelled("composable::reshard")
     def reshard(self) -> None:
         """Register the sharded parameters again and free the unsharded storage."""
+        self._post_forward_shard = None
         if self.state is GroupState.UNSHARDING:
             self.wait_for_unshard()
         if self.state is GroupState.SHARDED:

@@ -18,6 +18,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 
+_POST_FORWARD_GROUPS: dict[tuple[int, int], tuple[DeviceMesh, dist.ProcessGroup, int]] = {}
+
+
 class LayoutKind(Enum):
     SHARD = "shard"
     HSDP = "hsdp"
@@ -63,6 +66,19 @@ class DataParallelLayout:
         if self.mesh.ndim == 1:
             return (inner,)
         return (Replicate(), inner)
+
+    def post_forward_group(self, size: int) -> tuple[dist.ProcessGroup, int]:
+        """(group, rank in it) of this rank's `size` consecutive ranks of the shard dim: where
+        backward all-gathers when `reshard_after_forward=size`. Made once per mesh and size
+        (a mesh of shape (-1, size) over the same ranks, as PyTorch FSDP2 makes it; the
+        replicate dim of HSDP folds into its first dim) and reused by every group on it."""
+        key = (id(self.mesh), size)
+        found = _POST_FORWARD_GROUPS.get(key)
+        if found is None:
+            sub = DeviceMesh(self.mesh.device_type, self.mesh.mesh.reshape(-1, size))
+            # The mesh is kept alive with its groups, so its id cannot be reused by another.
+            found = _POST_FORWARD_GROUPS[key] = (self.mesh, sub.get_group(1), sub.get_local_rank(1))
+        return found[1], found[2]
 
     # Process groups and meshes are handles to shared runtime objects: a deep copy of the
     # model (`copy.deepcopy`) shares the layout instead of copying them.

@@ -52,7 +52,7 @@ def _offsets(params: list["ManagedParam"]) -> list[int]:
     return offsets
 
 
-def _divide_factors(world: int, dtype: torch.dtype) -> tuple[float, float]:
+def _divide_factors(world: float, dtype: torch.dtype) -> tuple[float, float]:
     if world == 1:
         return 1.0, 1.0
     if dtype in (torch.float16, torch.bfloat16):
@@ -104,6 +104,7 @@ class GradReducer:
         self._partial: torch.Tensor | None = None  # HSDP partial sums awaiting the replica all-reduce
         self._all_present: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self._collectives_average: dict[torch.dtype, bool] = {}
+        self.divide_factor: float | None = None  # set_gradient_divide_factor
         self._holds_no_sync_sums = False  # sharded groups: unreduced sums kept between backwards
 
     @property
@@ -111,6 +112,8 @@ class GradReducer:
         """Whether every collective of a reduction averages (ReduceOp.AVG) instead of summing:
         then no division is left to do. Decided once per reduce dtype (`module.half()` after
         sharding changes it; the backends do not change)."""
+        if self.divide_factor is not None:
+            return False  # sum, then divide by the user's factor
         lay, dtype = self.spec.layout, self.spec.dtypes.reduce
         decided = self._collectives_average.get(dtype)
         if decided is None:
@@ -119,8 +122,10 @@ class GradReducer:
         return decided
 
     @property
-    def dp_world(self) -> int:
-        return self.spec.layout.dp_world
+    def dp_world(self) -> float:
+        """What the summed gradients are divided by: the data-parallel world (an average), or
+        the user's `set_gradient_divide_factor`."""
+        return self.divide_factor or self.spec.layout.dp_world
 
     def _grad_params(self) -> list["ManagedParam"]:
         return [mp for mp in self.params if mp.wants_grad]

@@ -26,7 +26,7 @@ import torch.nn as nn
 from ..mixed_precision import MixedPrecisionPolicy
 from .autograd import run_eagerly, any_requires_grad, attach_post_backward, attach_pre_backward, cast_floating
 from .contract import param_states
-from .group import ParamGroup
+from .group import GroupState, ParamGroup
 from .profiling import labelled
 from .streams import CommStreams
 
@@ -55,12 +55,14 @@ class ModuleState:
 
     api_name = "composable"
 
-    def __init__(self, module: nn.Module, group: ParamGroup | None, mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool, reshard_is_default: bool) -> None:
+    def __init__(self, module: nn.Module, group: ParamGroup | None, mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool | int, reshard_is_default: bool) -> None:
         self.module = module
         self.group = group
         self.mp_policy = mp_policy
         self.reshard_after_forward = reshard_after_forward
         self._reshard_is_default = reshard_is_default
+        self.reshard_after_backward = True  # False: keep the unsharded parameters until the next forward
+        self.is_last_backward = True  # root: False lets the end of backward leave reductions in flight
         self.training_state = TrainingState.IDLE
         self.requires_gradient_sync = True
         self.is_root: bool | None = None  # decided at lazy init
@@ -84,10 +86,15 @@ class ModuleState:
     def param_names(self) -> list[str]:
         return [] if self.group is None else [mp.fqn for mp in self.group.params]
 
-    def unshard(self) -> None:
-        """All-gather this module's parameters and register the unsharded ones."""
+    def unshard(self, async_op: bool = False) -> "UnshardHandle | None":
+        """All-gather this module's parameters and register the unsharded ones. With
+        `async_op=True` the all-gather is only started: returns a handle whose `wait()`
+        finishes it; the next forward uses what it gathered (no second all-gather)."""
+        if not isinstance(async_op, bool):
+            raise TypeError(f"unshard: 'async_op' must be a bool, got {async_op!r}")
         if self.group is not None:
-            self.group.unshard()
+            self.group.unshard(async_op=async_op)
+        return UnshardHandle(self.group) if async_op else None
 
     def reshard(self) -> None:
         """Free the unsharded parameters and register the sharded DTensors again."""
@@ -176,10 +183,13 @@ class ModuleState:
         # so the sharded parameters are registered again (state_dict, checkpointing); a
         # backward that does follow gathers them again in pre_backward.
         if self.group is not None:
-            if self.reshard_after_forward or not backward_follows or not module.training:
+            reshard = self.reshard_after_forward
+            if reshard is True or not backward_follows or not module.training:
                 self.group.reshard()
-            else:  # keep the storage for backward, but show the sharded parameters meanwhile
+            elif reshard is False:  # keep the storage for backward, but show the sharded parameters meanwhile
                 self.group.register_sharded()
+            else:  # an int: keep 1/N, so backward gathers within N ranks
+                self.group.reshard_to(reshard)
         if backward_follows:
             output = attach_pre_backward(self, output)
             context = self.root_context
@@ -245,7 +255,16 @@ class ModuleState:
             self._launch_reduction()
         else:
             self.group.stash_grads()
-        self.group.reshard()
+        self._end_backward_of_group()
+
+    def _end_backward_of_group(self) -> None:
+        """Reshard, or with `reshard_after_backward=False` keep the unsharded storage (the next
+        forward gathers nothing, unless an optimizer step changed the shards meanwhile) while
+        the modules show the sharded parameters."""
+        if self.reshard_after_backward:
+            self.group.reshard()  # type: ignore[union-attr]
+        else:
+            self.group.register_sharded()  # type: ignore[union-attr]
 
     def _after_unshard(self) -> None:
         """Hook for subclasses: the unsharded parameters exist now."""
@@ -269,13 +288,28 @@ class ModuleState:
                     state._launch_reduction()
                 elif not state.requires_gradient_sync:
                     group.stash_grads()
-                group.reshard()
+                state._end_backward_of_group()
             state.training_state = TrainingState.IDLE
             state._forward_index = None
             state._ran_forward_with_grad = False
+        context.final_callback_queued = False
+        if not self.is_last_backward:
+            return  # reductions finish at the next forward (set_is_last_backward(False): micro-batches)
         for state in context.states:
             if state.group is not None:
                 state.group.finish_reduce()
         for streams in self._tree_streams():
             streams.end_of_backward()
-        context.final_callback_queued = False
+
+
+class UnshardHandle:
+    """What `unshard(async_op=True)` returns: `wait()` finishes the all-gather and registers
+    the unsharded parameters (a no-op when there was nothing to gather or it already ran)."""
+
+    def __init__(self, group: ParamGroup | None) -> None:
+        self._group = group
+
+    def wait(self) -> None:
+        group, self._group = self._group, None
+        if group is not None and group.state is GroupState.UNSHARDING:  # not yet used by a forward
+            group.wait_for_unshard()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import torch.nn as nn
@@ -11,7 +12,7 @@ from .._engine.contract import get_state
 from .._engine.group import ParamGroup
 from .._engine.state import ModuleState
 from ..mixed_precision import MixedPrecisionPolicy, OffloadPolicy
-from .strategy import ShardingStrategy
+from .strategy import ShardingStrategy, check_reshard_type, normalize_reshard
 
 
 class FSDPState(ModuleState):
@@ -32,7 +33,7 @@ class FSDPState(ModuleState):
         strategy: ShardingStrategy,
         mp_policy: MixedPrecisionPolicy,
         offload_policy: OffloadPolicy,
-        reshard_after_forward: bool,
+        reshard_after_forward: bool | int,
         reshard_is_default: bool,
     ) -> None:
         super().__init__(module, group, mp_policy, reshard_after_forward, reshard_is_default)
@@ -59,6 +60,62 @@ class FSDPState(ModuleState):
             state = get_state(module, "fully_shard")
             if state is not None and state.group is not None:
                 state.group.reducer.requires_all_reduce = requires_all_reduce
+
+
+    def _fsdp_states(self, api: str, recurse: object) -> list["FSDPState"]:
+        if not isinstance(recurse, bool):
+            raise TypeError(f"{api}: 'recurse' must be a bool, got {recurse!r}")
+        modules = self.module.modules() if recurse else [self.module]
+        return [s for m in modules if (s := get_state(m, "fully_shard")) is not None]
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool | int, recurse: bool = True) -> None:
+        """Change `reshard_after_forward` (bool, or an int N dividing the shard world: see
+        `fully_shard`) of this module's state (and, with `recurse`, of every fully_shard state
+        below it). Call it on every rank: an int makes its process groups the first time."""
+        api = "set_reshard_after_forward"
+        check_reshard_type(api, reshard_after_forward)
+        states = self._fsdp_states(api, recurse)
+        for state in states:
+            if state.strategy is ShardingStrategy.NO_SHARD:
+                continue  # nothing sharded: nothing to reshard
+            value = normalize_reshard(api, reshard_after_forward, state.mesh.size(state.mesh.ndim - 1))
+            if state.group is not None and not isinstance(value, bool):
+                state.group.layout.post_forward_group(value)
+            state.reshard_after_forward = value
+            state._reshard_is_default = False
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, recurse: bool = True) -> None:
+        """False: after backward keep the unsharded parameters (the modules still show the
+        sharded ones) so the next forward gathers nothing: for micro-batches without an
+        optimizer step between them. If the sharded parameters change meanwhile (an optimizer
+        step), the next forward notices and gathers them again."""
+        api = "set_reshard_after_backward"
+        if not isinstance(reshard_after_backward, bool):
+            raise TypeError(f"{api}: 'reshard_after_backward' must be a bool, got {reshard_after_backward!r}")
+        for state in self._fsdp_states(api, recurse):
+            state.reshard_after_backward = reshard_after_backward
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Reduce this module's gradients as a sum divided by `factor` instead of the average
+        over the data-parallel ranks (on gloo and NCCL alike)."""
+        api = "set_gradient_divide_factor"
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+            raise TypeError(f"{api}: 'factor' must be a number, got {factor!r}")
+        if not (factor > 0 and math.isfinite(factor)):
+            raise ValueError(f"{api}: 'factor' must be a finite number > 0, got {factor!r}")
+        if self.group is not None:
+            self.group.reducer.divide_factor = float(factor)
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """False: the end of the next backwards leaves gradient reductions in flight (they
+        finish at the next forward), for micro-batches that do not step the optimizer; set it
+        True again before the backward whose gradients the optimizer uses."""
+        api = "set_is_last_backward"
+        if not isinstance(is_last_backward, bool):
+            raise TypeError(f"{api}: 'is_last_backward' must be a bool, got {is_last_backward!r}")
+        self.is_last_backward = is_last_backward
+        if self.root_context is not None:
+            self.root_context.root.is_last_backward = is_last_backward
 
 
 def _states_of(api: str, modules: Iterable[nn.Module]) -> list[ModuleState]:

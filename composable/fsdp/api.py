@@ -13,7 +13,7 @@ from .._engine.contract import check_composable, check_module, install_state, ow
 from .._engine.mesh import check_mesh, default_mesh
 from ..mixed_precision import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, check_policies
 from ._state import FSDPState
-from .strategy import ShardingStrategy, resolve_strategy
+from .strategy import ShardingStrategy, normalize_reshard, resolve_strategy
 
 Policy = set[type[nn.Module]] | Callable[[nn.Module], bool]
 
@@ -22,7 +22,7 @@ def fully_shard(
     module: nn.Module,
     *,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool | None = None,
+    reshard_after_forward: bool | int | None = None,
     strategy: ShardingStrategy | None = None,
     policy: Policy | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
@@ -40,7 +40,9 @@ def fully_shard(
 
     `policy` first applies `fully_shard` with the same options to every matching submodule,
     bottom-up. `reshard_after_forward=None` follows `strategy`; the root module keeps its
-    parameters after forward since backward needs them at once. Raises `TypeError`/
+    parameters after forward since backward needs them at once. An int N (dividing the
+    shard world, e.g. the GPUs of one node) keeps each rank's 1/N of the parameters between
+    forward and backward, so backward all-gathers within groups of N ranks; 1 means False. Raises `TypeError`/
     `ValueError` for bad arguments and `RuntimeError` for forbidden compositions.
     """
     api = "fully_shard"
@@ -51,6 +53,8 @@ def fully_shard(
         mesh = default_mesh(api, module)
     check_mesh(api, mesh, (1, 2))
     strategy, reshard, reshard_is_default = resolve_strategy(mesh.ndim, strategy, reshard_after_forward)
+    if strategy is not ShardingStrategy.NO_SHARD:
+        reshard = normalize_reshard(api, reshard, mesh.size(mesh.ndim - 1))
     ignored = _check_ignored(ignored_params)
     if policy is not None:
         _auto_wrap(module, _check_policy(policy), mesh=mesh, reshard_after_forward=reshard_after_forward, strategy=strategy,
@@ -61,6 +65,8 @@ def fully_shard(
         offload=isinstance(offload_policy, CPUOffloadPolicy), pin_memory=getattr(offload_policy, "pin_memory", False),
     )
     group = build_group(api, module, mesh, ignored, options)
+    if group is not None and not isinstance(reshard, bool):
+        group.layout.post_forward_group(reshard)  # collective: made here, on every rank alike
     state = FSDPState(module, group, mesh=mesh, strategy=strategy, mp_policy=mp_policy, offload_policy=offload_policy,
                       reshard_after_forward=reshard, reshard_is_default=reshard_is_default)
     install_state(module, api, state)

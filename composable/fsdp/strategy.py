@@ -16,19 +16,22 @@ class ShardingStrategy(enum.Enum):
     HYBRID_SHARD = "HYBRID_SHARD"
 
 
-def resolve_strategy(mesh_ndim: int, strategy: object, reshard_after_forward: object) -> tuple[ShardingStrategy, bool, bool]:
+def resolve_strategy(mesh_ndim: int, strategy: object, reshard_after_forward: object) -> tuple[ShardingStrategy, bool | int, bool]:
     """(strategy, reshard_after_forward, whether reshard_after_forward was left to defaults).
 
-    Raises `TypeError` for wrong types and `ValueError` for contradictions, naming
-    `fully_shard`, the argument and the value."""
+    `reshard_after_forward` may be an int N (reshard to groups of N ranks; see
+    `normalize_reshard`): for the strategy it counts as resharding when N > 1. Raises
+    `TypeError` for wrong types and `ValueError` for contradictions, naming `fully_shard`,
+    the argument and the value."""
     if strategy is not None and not isinstance(strategy, ShardingStrategy):
         raise TypeError(f"fully_shard: 'strategy' must be a ShardingStrategy or None, got {strategy!r}")
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        raise TypeError(f"fully_shard: 'reshard_after_forward' must be a bool or None, got {reshard_after_forward!r}")
+    if reshard_after_forward is not None:
+        check_reshard_type("fully_shard", reshard_after_forward)
+    reshards = None if reshard_after_forward is None else _reshards(reshard_after_forward)  # type: ignore[arg-type]
     if strategy is None:
         if mesh_ndim == 2:
             strategy = ShardingStrategy.HYBRID_SHARD
-        elif reshard_after_forward is False:
+        elif reshards is False:
             strategy = ShardingStrategy.SHARD_GRAD_OP
         else:
             strategy = ShardingStrategy.FULL_SHARD
@@ -44,8 +47,31 @@ def resolve_strategy(mesh_ndim: int, strategy: object, reshard_after_forward: ob
     }[strategy]
     if reshard_after_forward is None:
         return strategy, True if implied is None else implied, True
-    if implied is not None and reshard_after_forward != implied:
+    if implied is not None and reshards != implied:
         raise ValueError(
             f"fully_shard: reshard_after_forward={reshard_after_forward} contradicts strategy={strategy.name} (which implies {implied})"
         )
-    return strategy, reshard_after_forward, False
+    return strategy, reshard_after_forward, False  # type: ignore[return-value]
+
+
+def check_reshard_type(api: str, value: object) -> None:
+    """`TypeError` naming `api` unless `value` is a bool or an int."""
+    if not isinstance(value, (bool, int)):
+        raise TypeError(f"{api}: 'reshard_after_forward' must be a bool or an int, got {value!r}")
+
+
+def _reshards(value: bool | int) -> bool:
+    return value if isinstance(value, bool) else value > 1
+
+
+def normalize_reshard(api: str, value: bool | int, shard_world: int) -> bool | int:
+    """`value` as the engine takes it: a bool, or an int N with 1 < N < shard world (the ranks
+    one parameter is split over) that divides it. N == 1 keeps the parameters unsharded
+    (False), N == shard world reshards fully (True), as in PyTorch FSDP2."""
+    if isinstance(value, bool):
+        return value
+    if value < 1 or shard_world % value:
+        raise ValueError(
+            f"{api}: 'reshard_after_forward' must be a bool or an int that divides the shard world size {shard_world}, got {value}"
+        )
+    return False if value == 1 else True if value == shard_world else value
