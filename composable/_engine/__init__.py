@@ -1,6 +1,7 @@
 """The engine `fully_shard` and `replicate` share (front ends -> engine -> collectives).
 
 build        claim -> layout -> managed params -> group (the one construction path)
+replicas     replicate's start: metadata check across ranks, coalesced broadcast of rank 0's values
 state        per-module state: forward/backward hooks, root context, final callback
 autograd     the autograd functions and hooks the state attaches to inputs and outputs
 group        a parameter group: sharded storage, unshard / reshard / reduce_grads

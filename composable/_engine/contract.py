@@ -8,11 +8,13 @@ stored in the module's ``__dict__`` under a private key (so it is invisible to
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
 
 _STATES_KEY = "_composable_states"
+_OUTERMOST_KEY = "_composable_outermost_pre_hooks"  # ids of pre-hooks that must run first
 
 # The APIs whose states own parameters (claim them bottom-up). `checkpoint` owns none.
 PARAM_OWNING_APIS = ("fully_shard", "replicate")
@@ -82,3 +84,34 @@ def state_of(api: str, module: object) -> Any | None:
     """What `api.state(module)` returns: the state `api` installed on exactly `module`, or
     None; `TypeError` naming `api` when `module` is not an `nn.Module`."""
     return get_state(check_module(f"{api}.state", module), api)
+
+
+# Order of forward pre-hooks on one module, whatever order the APIs and the user's hooks were
+# added in: [checkpoint's (captures the raw inputs; everything after it is recomputed),
+# fully_shard's or replicate's (unshard, cast inputs), the user's]. So user pre-hooks, even
+# those registered before the API, see what the forward sees: unsharded parameters in
+# `param_dtype` and cast inputs. (User post-hooks: the state keeps its own post-hook last.)
+
+def register_outermost_pre_hook(module: nn.Module, hook: Callable[..., Any]) -> RemovableHandle:
+    """A pre-hook (with kwargs) that runs before every other, present or future API hook."""
+    handle = module.register_forward_pre_hook(hook, prepend=True, with_kwargs=True)
+    module.__dict__.setdefault(_OUTERMOST_KEY, []).append(handle.id)
+    return handle
+
+
+def register_api_pre_hook(module: nn.Module, hook: Callable[..., Any]) -> RemovableHandle:
+    """A pre-hook (with kwargs) that runs before the user's pre-hooks registered so far (and
+    after) but after the outermost ones."""
+    handle = module.register_forward_pre_hook(hook, prepend=True, with_kwargs=True)
+    hooks = module._forward_pre_hooks
+    for hook_id in reversed(module.__dict__.get(_OUTERMOST_KEY, [])):
+        if hook_id in hooks:
+            hooks.move_to_end(hook_id, last=False)
+    return handle
+
+
+def keep_post_hook_last(module: nn.Module, hook_id: int) -> None:
+    """Move the forward hook `hook_id` behind any registered after it (cheap when it is last)."""
+    hooks = module._forward_hooks
+    if hook_id in hooks and next(reversed(hooks)) != hook_id:
+        hooks.move_to_end(hook_id)

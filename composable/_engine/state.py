@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from ..mixed_precision import MixedPrecisionPolicy
 from .autograd import run_eagerly, any_requires_grad, attach_post_backward, attach_pre_backward, cast_floating
-from .contract import param_states
+from .contract import keep_post_hook_last, param_states, register_api_pre_hook
 from .group import GroupState, ParamGroup
 from .profiling import labelled
 from .streams import CommStreams
@@ -72,8 +72,9 @@ class ModuleState:
         self._forward_index: int | None = None  # position in the root's forward order
         self._ran_forward_with_grad = False  # since the last end of backward
         # Bound methods (not closures), so `copy.deepcopy(model)` rebinds them to the copy's state.
+        # Pre-hook before the user's, post-hook after theirs (see `contract.register_api_pre_hook`).
         self._hook_handles = [
-            module.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
+            register_api_pre_hook(module, self._pre_forward),
             module.register_forward_hook(self._post_forward, always_call=False),
             # Between forward and backward a group may still be unsharded: state dicts must
             # see (and load into) the sharded DTensors all the same.
@@ -145,6 +146,7 @@ class ModuleState:
             if self.group is not None:
                 self.group.unshard()
             return self._cast_inputs(args, kwargs)
+        keep_post_hook_last(module, self._hook_handles[1].id)
         self._lazy_init()
         if self.is_root:
             self._root_pre_forward()

@@ -1,8 +1,9 @@
 """`checkpoint`: non-reentrant activation checkpointing installed by hooks.
 
-The forward pre-hook (prepended, so it runs before any other API's pre-hook and captures the
-module's raw inputs) enters PyTorch's non-reentrant checkpoint context; the forward hook
-leaves it. Inside, autograd saves only the inputs; backward re-runs the module call with the
+The forward pre-hook runs first of all, whether `fully_shard`/`replicate` were applied before
+or after: it captures the module's raw inputs, and the other APIs' pre-hooks (unshard, input
+casts) then run inside the checkpointed region, which the recompute re-runs identically. It
+enters PyTorch's non-reentrant checkpoint context; the forward hook leaves it. Inside, autograd saves only the inputs; backward re-runs the module call with the
 captured inputs — hooks included, so `fully_shard`'s input casts and parameter gathering
 happen again exactly as in the original forward — under the same RNG state.
 """
@@ -19,7 +20,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import _checkpoint_without_reentrant_generator, noop_context_fn
 
 from .._engine.autograd import run_eagerly
-from .._engine.contract import check_module, check_not_applied, install_state, state_of
+from .._engine.contract import check_module, check_not_applied, install_state, register_outermost_pre_hook, state_of
 
 # torch 2.11-2.13 share this private generator; its keyword-only tail grew over time.
 _GENERATOR_PARAMS = list(inspect.signature(_checkpoint_without_reentrant_generator).parameters)
@@ -89,7 +90,7 @@ def checkpoint(module: nn.Module, *, preserve_rng_state: bool = True) -> nn.Modu
         raise RuntimeError("checkpoint: the checkpoint context was entered twice")
 
     # Eager even when the module is compiled: the checkpoint context wraps the compiled forward.
-    module.register_forward_pre_hook(run_eagerly(pre_hook), prepend=True, with_kwargs=True)
+    register_outermost_pre_hook(module, run_eagerly(pre_hook))
     module.register_forward_hook(run_eagerly(post_hook), prepend=True, always_call=True)
     install_state(module, api, state)
     return module
