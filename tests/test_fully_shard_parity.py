@@ -161,7 +161,7 @@ def test_parity_with_single_process_nccl() -> None:
 
 # ----------------------------------------------------------------------------- vs PyTorch FSDP2
 
-def _parity_with_torch_fsdp(rank: int, world: int, reshard_after_forward: bool) -> None:
+def _parity_with_torch_fsdp(rank: int, world: int, reshard_after_forward: bool | int) -> None:
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     theirs = TinyTransformer()
@@ -201,3 +201,8 @@ def _parity_with_torch_fsdp(rank: int, world: int, reshard_after_forward: bool) 
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
 def test_parity_with_torch_fsdp2(reshard_after_forward: bool) -> None:
     run_on_ranks(_parity_with_torch_fsdp, 2, reshard_after_forward)
+
+
+def test_parity_with_torch_fsdp2_int_reshard_after_forward() -> None:
+    """reshard_after_forward=2 on 4 ranks (backward gathers within pairs), bit for bit."""
+    run_on_ranks(_parity_with_torch_fsdp, 4, 2)

@@ -64,7 +64,7 @@ class ParamGroup:
         # reshard_after_forward=N: this rank's 1/N of the unsharded parameters, kept from the
         # end of forward to backward's all-gather within its N ranks (1D, unsharded dtype).
         self._post_forward_shard: tuple[torch.Tensor, int] | None = None
-        self._gathered_version: int | None = None  # flat shard's version when last gathered
+        self._kept_versions: tuple[int, ...] | None = None  # see `keep_unsharded`
         # Replicated groups that cast (or copy back from the CPU): one persistent flat buffer
         # in the unsharded dtype, refilled in place, the unsharded parameters views of it.
         self._replica_flat: torch.Tensor | None = None
@@ -170,7 +170,7 @@ class ParamGroup:
     @labelled("composable::unshard")
     def unshard(self, async_op: bool = False) -> None:
         """Gather the unsharded parameters and register them on their modules."""
-        if self.state is GroupState.UNSHARDED and self._is_stale():
+        if self._kept_versions is not None and self._shard_versions() != self._kept_versions:
             self.reshard()  # kept unsharded (reshard_after_backward=False) across an optimizer step
         if self.state is GroupState.SHARDED:
             self._start_unshard()
@@ -197,10 +197,16 @@ class ParamGroup:
             mp.register(mp.sharded_param)
         self._unsharded_registered = False
 
-    def _is_stale(self) -> bool:
-        """Whether the sharded parameters changed in place (an optimizer step) since they were
-        gathered: the local shards are views of the flat shard, so they share its version."""
-        return self._gathered_version is not None and self.flat_shard._version != self._gathered_version
+    def keep_unsharded(self) -> None:
+        """End of backward with `reshard_after_backward=False`: show the sharded parameters
+        but keep the unsharded storage for the next forward. The sharded parameters' versions
+        are remembered, so an optimizer step in between (in place, through DTensor: it bumps
+        the wrappers' versions) makes the next `unshard` gather again."""
+        self.register_sharded()
+        self._kept_versions = self._shard_versions()
+
+    def _shard_versions(self) -> tuple[int, ...]:
+        return (self.flat_shard._version, *(mp.sharded_param._version for mp in self.params))  # type: ignore[union-attr]
 
     def reshard_to(self, size: int) -> None:
         """End of forward with `reshard_after_forward=size`: keep only this rank's 1/`size` of
@@ -222,7 +228,6 @@ class ParamGroup:
         if self.flat_shard.is_meta:
             self._raise_on_meta()
         self.state = GroupState.UNSHARDING
-        self._gathered_version = self.flat_shard._version
         if self._unsharded_aliases_shard:
             self._pending_gather = None
             return
@@ -325,6 +330,7 @@ class ParamGroup:
     def reshard(self) -> None:
         """Register the sharded parameters again and free the unsharded storage."""
         self._post_forward_shard = None
+        self._kept_versions = None
         if self.state is GroupState.UNSHARDING:
             self.wait_for_unshard()
         if self.state is GroupState.SHARDED:

@@ -266,7 +266,7 @@ class ModuleState:
         if self.reshard_after_backward:
             self.group.reshard()  # type: ignore[union-attr]
         else:
-            self.group.register_sharded()  # type: ignore[union-attr]
+            self.group.keep_unsharded()  # type: ignore[union-attr]
 
     def _after_unshard(self) -> None:
         """Hook for subclasses: the unsharded parameters exist now."""
