@@ -127,7 +127,8 @@ def test_consistent_strategy_and_reshard_are_accepted(world2: DeviceMesh) -> Non
 def test_strategy_and_reshard_wrong_types(world2: DeviceMesh) -> None:
     m = _model()
     _raises(TypeError, r"fully_shard: 'strategy' must be a ShardingStrategy or None, got 'FULL_SHARD'", m, fully_shard, m, mesh=world2, strategy="FULL_SHARD")
-    _raises(TypeError, r"fully_shard: 'reshard_after_forward' must be a bool or None, got 1", m, fully_shard, m, mesh=world2, reshard_after_forward=1)
+    # An int is a group size since API.md took FSDP2's int reshard_after_forward (see test_fsdp2_extras).
+    _raises(TypeError, r"fully_shard: 'reshard_after_forward' must be a bool or an int, got 'yes'", m, fully_shard, m, mesh=world2, reshard_after_forward="yes")
 
 
 def test_hybrid_shard_needs_2d_mesh(world4: tuple[DeviceMesh, DeviceMesh]) -> None:
