@@ -18,7 +18,23 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 
-_POST_FORWARD_GROUPS: dict[tuple[int, int], tuple[DeviceMesh, dist.ProcessGroup, int]] = {}
+_POST_FORWARD_GROUPS: dict[tuple[int, int], tuple[dist.ProcessGroup, dist.ProcessGroup, int]] = {}
+
+
+def _shard_fibers(mesh: DeviceMesh) -> list[list[int]]:
+    """The global ranks of every shard-dim fiber of `mesh`'s root mesh (the same list on every
+    rank): its last dim's fibers for a root mesh, the fibers of the named dim for a sub-mesh
+    such as mesh["dp"] of a (dp, tp) mesh."""
+    root = mesh._get_root_mesh()
+    if root is mesh or root.mesh_dim_names is None or mesh.mesh_dim_names is None:
+        if root is not mesh:
+            raise NotImplementedError(
+                "fully_shard: an int 'reshard_after_forward' on a sub-mesh needs named mesh dims (init_device_mesh(..., mesh_dim_names=...))"
+            )
+        tensor, dim = mesh.mesh, mesh.ndim - 1
+    else:
+        tensor, dim = root.mesh, list(root.mesh_dim_names).index(mesh.mesh_dim_names[-1])
+    return tensor.movedim(dim, -1).reshape(-1, tensor.shape[dim]).tolist()
 
 
 class LayoutKind(Enum):
@@ -69,15 +85,24 @@ class DataParallelLayout:
 
     def post_forward_group(self, size: int) -> tuple[dist.ProcessGroup, int]:
         """(group, rank in it) of this rank's `size` consecutive ranks of the shard dim: where
-        backward all-gathers when `reshard_after_forward=size`. Made once per mesh and size
-        (a mesh of shape (-1, size) over the same ranks, as PyTorch FSDP2 makes it; the
-        replicate dim of HSDP folds into its first dim) and reused by every group on it."""
-        key = (id(self.mesh), size)
+        backward all-gathers when `reshard_after_forward=size`. Made once per shard group and
+        size, and reused by every parameter group on it. Creating process groups is
+        collective, so every rank creates every such group of the whole (root) mesh, in the
+        same order, whichever part of it its own mesh is."""
+        assert self.shard_group is not None, "only a sharded layout reshards to a group size"
+        key = (id(self.shard_group), size)
         found = _POST_FORWARD_GROUPS.get(key)
         if found is None:
-            sub = DeviceMesh(self.mesh.device_type, self.mesh.mesh.reshape(-1, size))
-            # The mesh is kept alive with its groups, so its id cannot be reused by another.
-            found = _POST_FORWARD_GROUPS[key] = (self.mesh, sub.get_group(1), sub.get_local_rank(1))
+            me, made = dist.get_rank(), None
+            for ranks in _shard_fibers(self.mesh):
+                for start in range(0, len(ranks), size):
+                    chunk = ranks[start : start + size]
+                    group = dist.new_group(chunk)
+                    if me in chunk:
+                        made = (group, chunk.index(me))
+            assert made is not None, "this rank is in no shard fiber of its own mesh"
+            # The shard group is kept alive with them, so its id cannot name another group later.
+            found = _POST_FORWARD_GROUPS[key] = (self.shard_group, *made)
         return found[1], found[2]
 
     # Process groups and meshes are handles to shared runtime objects: a deep copy of the
