@@ -116,6 +116,7 @@ def save_checkpoint(run_dir: str, step: int, model: nn.Module, optimizer: torch.
             raise CheckpointError(describe_write_failure(e, tmp, step)) from None
         old = final + ".old"
         if os.path.exists(final):  # saving the same step again (after a resume)
+            shutil.rmtree(old, ignore_errors=True)  # a leftover of a crash right here
             os.replace(final, old)
         os.replace(tmp, final)
         _fsync_dir(root)
@@ -246,7 +247,7 @@ def load_newest_intact(run_dir: str, model: nn.Module, optimizer: torch.optim.Op
                 problem = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
             else:
                 if damaged:
-                    rank0_then_broadcast(lambda: [os.replace(p, p + ".damaged") for p in damaged])
+                    rank0_then_broadcast(lambda: [os.replace(p, _unused(p + ".damaged")) for p in damaged])
                 return state, path
         damaged.append(path)
         older = "falling back to the previous one" if step != found[0][0] else "no older checkpoint"
@@ -255,6 +256,15 @@ def load_newest_intact(run_dir: str, model: nn.Module, optimizer: torch.optim.Op
         raise CheckpointError(f"--resume: no intact checkpoint in {run_dir} (all {len(damaged)} damaged, see above); "
                               f"start a new run without --resume")
     return None
+
+
+def _unused(path: str) -> str:
+    """`path`, or `path-2`, `path-3`, ... whichever does not exist yet (a step damaged twice)."""
+    candidate, n = path, 1
+    while os.path.exists(candidate):
+        n += 1
+        candidate = f"{path}-{n}"
+    return candidate
 
 
 def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -45,6 +47,7 @@ if os.path.dirname(HERE) not in sys.path:  # a checkout that was not pip-install
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
+from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
 
 from composable import ShardedGradScaler, clip_grad_norm_, fully_shard, no_sync  # noqa: E402
 
@@ -52,7 +55,7 @@ from composable import ShardedGradScaler, clip_grad_norm_, fully_shard, no_sync 
 from checkpointing import checkpoint_dirs, load_newest_intact, rank0_then_broadcast, save_checkpoint  # noqa: E402
 from data import ByteCorpus, get_batch  # noqa: E402
 from launch import run_rank, spawn_local  # noqa: E402
-from model import Transformer, count_parameters, lm_loss  # noqa: E402
+from model import ModelConfig, Transformer, count_parameters, lm_loss  # noqa: E402
 from options import FAULT, check_memory, host_memory_bytes, model_config, parse_args  # noqa: E402
 from parallel import UsageError, build_mesh, parallelize  # noqa: E402
 from reporting import MetricsLog, memory_string, print_summary, write_plot  # noqa: E402
@@ -151,7 +154,7 @@ def train(args: argparse.Namespace, watchdog: Watchdog | None = None) -> dict[st
     if device.type == "cuda":
         available, where = torch.cuda.get_device_properties(device).total_memory, f"GPU {device.index} has"
     else:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
         available, where = host_memory_bytes() // local, f"this host has per rank ({local} ranks)"
     if available:
         rank0_then_broadcast(lambda: check_memory(args, cfg, seq_len, dp_size, available, where))
@@ -168,14 +171,36 @@ def train(args: argparse.Namespace, watchdog: Watchdog | None = None) -> dict[st
         stack.callback(lambda: [lock.release() for lock in locks])
         for note in run.notes:
             warn(note)
-        return _train(args, run, cfg, seq_len, device, mesh, dp_mesh, dp_rank, dp_size, ident, watchdog, say, warn, verbose, stack, t_start)
+        job = Job(run, cfg, seq_len, device, mesh, dp_mesh, dp_rank, dp_size, ident, watchdog, say, warn, verbose, t_start)
+        return _train(args, job, stack)
 
 
-def _train(args: argparse.Namespace, run: Run, cfg: Any, seq_len: int, device: torch.device, mesh: Any, dp_mesh: Any,
-           dp_rank: int, dp_size: int, ident: dict[str, Any], watchdog: Watchdog, say: Any, warn: Any, verbose: bool,
-           stack: contextlib.ExitStack, t_start: float) -> dict[str, Any]:
+@dataclasses.dataclass
+class Job:
+    """What `train` settled before the model exists: where the run writes, the model's config,
+    the device and meshes, and how to report."""
+
+    run: Run
+    cfg: ModelConfig
+    seq_len: int
+    device: torch.device
+    mesh: DeviceMesh
+    dp_mesh: DeviceMesh
+    dp_rank: int
+    dp_size: int
+    ident: dict[str, Any]  # runs.identity: what a checkpoint must share with this job
+    watchdog: Watchdog
+    say: Callable[[str], Any]  # progress messages (rank 0, not with --quiet)
+    warn: Callable[[str], Any]  # warnings (rank 0, always, to stderr)
+    verbose: bool
+    t_start: float
+
+
+def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
+    run, cfg, seq_len, device, mesh, dp_rank, dp_size = job.run, job.cfg, job.seq_len, job.device, job.mesh, job.dp_rank, job.dp_size
+    watchdog, say, warn, verbose = job.watchdog, job.say, job.warn, job.verbose
     rank, world = dist.get_rank(), dist.get_world_size()
     # Same seed on every rank: identical initial weights before sharding. On a GPU the model
     # is built on the meta device and materialised shard by shard after parallelize (a 1B
@@ -186,7 +211,7 @@ def _train(args: argparse.Namespace, run: Run, cfg: Any, seq_len: int, device: t
     with torch.device("meta") if meta_init else contextlib.nullcontext():
         model = Transformer(cfg)
     n_params = count_parameters(model)
-    parallelize(model, args, mesh, dp_mesh)
+    parallelize(model, args, mesh, job.dp_mesh)
     if meta_init:
         # Materialise the shards where they will live: on the CPU when offloading (as
         # torchtitan does), else on the GPU. The rotary tables always go to the GPU.
@@ -201,7 +226,7 @@ def _train(args: argparse.Namespace, run: Run, cfg: Any, seq_len: int, device: t
     start_step = 0
     if run.resume:
         def accept(state: dict[str, Any], path: str) -> None:
-            diffs = identity_differences(state.get("identity", {}), ident)
+            diffs = identity_differences(state.get("identity", {}), job.ident)
             if diffs:
                 raise UsageError(mismatch_message(f"checkpoint {path}", diffs))
             if state["step"] > args.steps:
@@ -296,7 +321,7 @@ def _train(args: argparse.Namespace, run: Run, cfg: Any, seq_len: int, device: t
         if saving:
             watchdog.progress(step, "checkpoint save")
             trainer_state = {"step": step, "history": history, "scaler": scaler.state_dict() if scaler.is_enabled() else None,
-                             "args": vars(args), "identity": ident, "data_position": {"seed": args.seed, "next_step": step + 1}}
+                             "args": vars(args), "identity": job.ident, "data_position": {"seed": args.seed, "next_step": step + 1}}
             path = save_checkpoint(run.path, step, model, optimizer, trainer_state, args.keep_ckpts)
             say(f"step {step:>5}: checkpoint {path}")
         if args.stop_after is not None and step >= args.stop_after:
@@ -305,7 +330,7 @@ def _train(args: argparse.Namespace, run: Run, cfg: Any, seq_len: int, device: t
     bar.close()
     watchdog.progress(args.steps, "done")
 
-    wall = time.perf_counter() - t_start
+    wall = time.perf_counter() - job.t_start
     final = history[-1] if history else {}
     summary = {
         "params": n_params, "preset": args.preset, "parallel": args.parallel, "mp": args.mp, "world_size": world,

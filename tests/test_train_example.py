@@ -13,7 +13,7 @@ import math
 import os
 import subprocess
 import sys
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -78,7 +78,7 @@ def _run(argv: list[str], world_size: int = 2, **kwargs: object) -> dict:
     return results[0]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _reference(out: str, steps: int = 4, extra: tuple[str, ...] = ()) -> tuple[float, ...]:
     """Losses of the plain fsdp fp32 run everything else is compared with (cached)."""
     return tuple(_losses(_run(SMALL + ["--steps", str(steps), "--eval-every", "0", "--ckpt-every", "0", "--out", out, *extra])))
@@ -194,7 +194,7 @@ def test_command_line_spawns_ranks_and_reports(tmp_path: Path) -> None:
     cmd = [sys.executable, str(EXAMPLES / "train.py"), *[a for a in SMALL if a != "--quiet"], "--steps", "3",
            "--eval-every", "0", "--ckpt-every", "3", "--out", str(tmp_path)]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "summary" in proc.stdout and "train loss" in proc.stdout and "tokens/s" in proc.stdout, proc.stdout
     (run_dir,) = tmp_path.iterdir()

@@ -159,6 +159,11 @@ def test_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(tmp_path:
         (line,) = [ln for ln in got["stderr"].splitlines() if "damaged" in ln]
         assert reason in line and "falling back to the previous one" in line, (name, line)
         assert (out / "r" / "checkpoints" / "step_0000006.damaged").is_dir()  # kept aside, not pruned into
+    # The same step damaged again: set aside next to the first one, not over it.
+    out = tmp_path / "flipped-byte-in-weights"
+    _flip_byte(next((out / "r" / "checkpoints" / "step_0000006").glob("__1_*.distcp")))
+    assert _try(argv + ["--out", str(out), "--resume"]).get("resumed_from") == 3
+    assert (out / "r" / "checkpoints" / "step_0000006.damaged-2").is_dir()
     # Nothing intact at all: one line, no traceback.
     out = tmp_path / "all-damaged"
     shutil.copytree(tmp_path / "pristine", out)
