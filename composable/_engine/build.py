@@ -5,6 +5,7 @@ that owns them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -31,6 +32,7 @@ class GroupOptions:
     pin_memory: bool = False
     bucket_cap_bytes: int | None = None  # bucketed all-reduce during backward (replicate)
     accepts_dtensors: bool = True  # tensor-parallel parameters (fully_shard only)
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None  # fully_shard: Shard(d) per parameter
     sync_replicas: bool = False  # check shapes across ranks and broadcast rank 0's values (replicate)
 
 
@@ -56,7 +58,7 @@ def build_group(api: str, module: nn.Module, mesh: DeviceMesh, ignored: set[nn.P
         layout=layout, device=device, param_dtype=options.param_dtype, reduce_dtype=options.reduce_dtype,
         offload=options.offload, pin_memory=options.pin_memory, bucket_cap_bytes=options.bucket_cap_bytes, api=api,
     )
-    params = [make_managed_param(fqn, slots, p, layout) for fqn, slots, p in claimed]
+    params = [make_managed_param(fqn, slots, p, layout, _shard_dim(api, fqn, p, layout, options)) for fqn, slots, p in claimed]
     group = ParamGroup(params, sources, config)
     for mp in params:
         mp.register(mp.sharded_param)
@@ -65,15 +67,33 @@ def build_group(api: str, module: nn.Module, mesh: DeviceMesh, ignored: set[nn.P
     return group
 
 
-def make_managed_param(fqn: str, slots: list[tuple[nn.Module, str]], param: torch.Tensor, layout: DataParallelLayout) -> ManagedParam:
+def _shard_dim(api: str, fqn: str, param: torch.Tensor, layout: DataParallelLayout, options: GroupOptions) -> int:
+    """The dim `options.shard_placement_fn` shards `param` on (0 when it returns None)."""
+    fn = options.shard_placement_fn
+    if fn is None or not layout.sharded or param.dim() == 0:
+        return 0
+    placement = fn(param)  # type: ignore[arg-type]
+    if placement is None:
+        return 0
+    if not isinstance(placement, Shard) or type(placement) is not Shard:
+        raise TypeError(f"{api}: 'shard_placement_fn' must return a Shard or None, got {placement!r} for '{fqn}'")
+    dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
+    if not 0 <= dim < param.dim():
+        raise ValueError(f"{api}: 'shard_placement_fn' returned {placement!r} for '{fqn}' of shape {tuple(param.shape)}: no such dim")
+    if dim != 0 and isinstance(param, DTensor):
+        raise NotImplementedError(f"{api}: 'shard_placement_fn' with a dim other than 0 for the tensor-parallel parameter '{fqn}'")
+    return dim
+
+
+def make_managed_param(fqn: str, slots: list[tuple[nn.Module, str]], param: torch.Tensor, layout: DataParallelLayout, dim: int = 0) -> ManagedParam:
     """Layout and DTensor specs of one parameter. A tensor-parallel DTensor parameter on a
     mesh `tp` is sharded (its TP-local tensor, on dim 0) over the data-parallel mesh; the
     sharded parameter lives on the 2D parent mesh of the two, the unsharded one stays a TP
     DTensor."""
     world, rank = layout.shard_world, layout.shard_rank
     if not isinstance(param, DTensor):
-        param_layout = ParamLayout.make(param.shape, world, rank, replicated=not layout.sharded)
-        spec = DTensorSpecLite(layout.mesh, layout.placements(param_layout.replicated), param.shape)
+        param_layout = ParamLayout.make(param.shape, world, rank, replicated=not layout.sharded, dim=dim)
+        spec = DTensorSpecLite(layout.mesh, layout.placements(param_layout.replicated, param_layout.dim), param.shape)
         return ManagedParam(fqn, slots, param_layout, param.requires_grad, spec=spec)
     spmd_mesh, placements = tp_parent_placements(fqn, param, layout)
     param_layout = ParamLayout.make(param._local_tensor.shape, world, rank, replicated=param.dim() == 0)

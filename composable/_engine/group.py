@@ -143,7 +143,7 @@ class ParamGroup:
         if mp.layout.replicated or full.dim() == 0:
             return full.detach()
         start = self.layout.shard_rank * mp.layout.chunk_rows
-        return full.detach()[start : start + mp.layout.local_rows]
+        return full.detach().narrow(mp.layout.dim, start, mp.layout.local_rows)
 
     def refresh_sharded_params(self) -> None:
         """Adopt sharded parameters that were swapped or re-materialised behind our back
@@ -219,7 +219,7 @@ class ParamGroup:
             return
         _, rank = self.layout.post_forward_group(size)
         world, share = self.layout.shard_world, self.layout.shard_world // size
-        kept = comm.pack_regions([mp.unsharded_padded for mp in self.params], world, rank * share, (rank + 1) * share)
+        kept = comm.pack_regions([mp.rank_major(world) for mp in self.params], world, rank * share, (rank + 1) * share)
         self.reshard()
         self._post_forward_shard = (kept, size)
 
@@ -319,7 +319,14 @@ class ParamGroup:
             world = self.layout.shard_world
             for mp in self.params:
                 mp.alloc_unsharded(world, gathered.dtype, self.config.device)
-            comm.copy_out(gathered, world, [mp.layout.region_numel for mp in self.params], [mp.unsharded_padded for mp in self.params])
+            # dim > 0 parameters go through a rank-major staging buffer into their natural layout.
+            staged = {id(mp): torch.empty(world * mp.layout.region_numel, dtype=gathered.dtype, device=gathered.device)
+                      for mp in self.params if mp.layout.dim != 0}
+            targets = [staged.get(id(mp), mp.unsharded_padded) for mp in self.params]
+            comm.copy_out(gathered, world, [mp.layout.region_numel for mp in self.params], targets)  # type: ignore[arg-type]
+            for mp in self.params:
+                if mp.layout.dim != 0:
+                    mp.fill_from_rank_major(staged[id(mp)], world)
             if self.streams is not None:
                 self.streams.after_copy_out((gathered, gather_in, source))
         self._pending_gather = None

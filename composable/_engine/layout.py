@@ -75,10 +75,10 @@ class DataParallelLayout:
     def sharded(self) -> bool:
         return self.kind is not LayoutKind.REPLICATE
 
-    def placements(self, replicated: bool) -> tuple[Placement, ...]:
-        """DTensor placements of a sharded parameter; `replicated` for one that cannot be split
-        (0-d) even in a sharded layout."""
-        inner: Placement = Replicate() if replicated or not self.sharded else Shard(0)
+    def placements(self, replicated: bool, dim: int = 0) -> tuple[Placement, ...]:
+        """DTensor placements of a sharded parameter (sharded on `dim`); `replicated` for one
+        that cannot be split (0-d) even in a sharded layout."""
+        inner: Placement = Replicate() if replicated or not self.sharded else Shard(dim)
         if self.mesh.ndim == 1:
             return (inner,)
         return (Replicate(), inner)

@@ -47,6 +47,9 @@ class ParamLayout:
     local_rows: int  # rows this rank really owns
     replicated: bool  # True: every rank holds all rows (0-d params, NO_SHARD)
     offset: int = 0  # start of this parameter in a rank region
+    # The sharded dim (`shard_placement_fn`). Rows are taken along it: the flat buffers hold
+    # the parameter with that dim moved first ("moved layout"), so chunking stays by rows.
+    dim: int = 0
 
     @property
     def region_numel(self) -> int:
@@ -54,21 +57,34 @@ class ParamLayout:
         return self.chunk_rows * self.row_numel
 
     @staticmethod
-    def make(shape: torch.Size, shard_world: int, shard_rank: int, replicated: bool) -> "ParamLayout":
-        rows = shape[0] if len(shape) > 0 else 1
-        row_numel = math.prod(shape[1:]) if len(shape) > 1 else 1
+    def make(shape: torch.Size, shard_world: int, shard_rank: int, replicated: bool, dim: int = 0) -> "ParamLayout":
+        if replicated or len(shape) == 0:
+            dim = 0
+        rows = shape[dim] if len(shape) > 0 else 1
+        row_numel = math.prod(shape) // rows if rows > 0 else math.prod(s for i, s in enumerate(shape) if i != dim)
         if replicated or len(shape) == 0:
             return ParamLayout(shape, rows, row_numel, rows, rows, True)
         chunk = -(-rows // shard_world) if rows > 0 else 0
         local = max(0, min(chunk, rows - shard_rank * chunk))
-        return ParamLayout(shape, rows, row_numel, chunk, local, False)
+        return ParamLayout(shape, rows, row_numel, chunk, local, False, dim=dim)
 
     def local_shape(self) -> torch.Size:
-        if len(self.shape) == 0:
+        """This rank's local shard's shape (the sharded dim cut to its rows)."""
+        if len(self.shape) == 0 or self.replicated:
             return self.shape
-        if self.replicated:
-            return self.shape
-        return torch.Size((self.local_rows, *self.shape[1:]))
+        return torch.Size((*self.shape[: self.dim], self.local_rows, *self.shape[self.dim + 1 :]))
+
+    def moved(self, rows: int) -> torch.Size:
+        """Shape in the moved layout with `rows` rows: (rows, the other dims in order)."""
+        rest = [s for i, s in enumerate(self.shape) if i != self.dim]
+        return torch.Size((rows, *rest))
+
+    def shape_local(self, flat: torch.Tensor) -> torch.Tensor:
+        """A 1D tensor of this rank's local elements as the local shard (a view; for dim > 0
+        a permuted view of the moved layout)."""
+        if self.dim == 0:
+            return flat.view(self.local_shape())
+        return flat.view(self.moved(self.local_rows)).movedim(0, self.dim)
 
 
 @dataclass
@@ -145,7 +161,7 @@ class ManagedParam:
         """This rank's unpadded local shard as a view of the flat sharded buffer."""
         lay = self.layout
         start = lay.offset
-        return flat_shard[start : start + lay.local_rows * lay.row_numel].view(lay.local_shape())
+        return lay.shape_local(flat_shard[start : start + lay.local_rows * lay.row_numel])
 
     def make_sharded_param(self, local: torch.Tensor) -> nn.Parameter:
         """Wrap `local` (a view of the flat sharded buffer) as the sharded DTensor parameter."""
@@ -174,7 +190,8 @@ class ManagedParam:
     def alloc_unsharded(self, world: int, dtype: torch.dtype, device: torch.device) -> None:
         """Create (first time) or re-grow (after `free_unsharded`) the padded unsharded storage."""
         lay = self.layout
-        numel = world * lay.region_numel
+        # dim > 0: the natural layout, unpadded (filled by `fill_from_rank_major`).
+        numel = world * lay.region_numel if lay.dim == 0 else lay.rows * lay.row_numel
         if self.unsharded_padded is None or self.unsharded_padded.dtype != dtype or self.unsharded_padded.device != device:
             self.unsharded_padded = torch.empty(numel, dtype=dtype, device=device)
             view = self.unsharded_padded[: lay.rows * lay.row_numel].view(lay.shape)
@@ -185,6 +202,27 @@ class ManagedParam:
         nbytes = numel * self.unsharded_padded.element_size()
         if storage.size() != nbytes:
             storage.resize_(nbytes)
+
+    def fill_from_rank_major(self, staging: torch.Tensor, world: int) -> None:
+        """dim > 0: fill the (natural, contiguous) unsharded parameter from its rank-major
+        all-gather slices (`staging`, `world` regions of the moved layout), keeping autograd's
+        version counter: refilling freed storage is not a mutation autograd should see."""
+        lay, target = self.layout, self.unsharded_padded
+        version = target._version  # type: ignore[union-attr]
+        with torch.no_grad():
+            moved = target.view(lay.shape).movedim(lay.dim, 0)  # type: ignore[union-attr]
+            moved.copy_(staging.view(lay.moved(world * lay.chunk_rows))[: lay.rows])
+        torch._C._autograd._unsafe_set_version_counter((target,), (version,))
+
+    def rank_major(self, world: int) -> torch.Tensor:
+        """The unsharded parameter as `world` padded regions of the moved layout, rank-major
+        (the all-gather output's layout): the storage itself for dim 0, a copy otherwise."""
+        lay = self.layout
+        if lay.dim == 0:
+            return self.unsharded_padded  # type: ignore[return-value]
+        out = self.unsharded_padded.new_zeros(lay.moved(world * lay.chunk_rows))  # type: ignore[union-attr]
+        out[: lay.rows].copy_(self.unsharded_padded.view(lay.shape).movedim(lay.dim, 0))  # type: ignore[union-attr]
+        return out.view(-1)
 
     def free_unsharded(self) -> None:
         """Release the unsharded storage; views (and autograd's saved references) stay valid."""

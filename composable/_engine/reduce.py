@@ -258,7 +258,9 @@ class GradReducer:
         # the presence flags (one per parameter, at the end of every region): after the sum,
         # a rank knows which gradients any rank produced, even for its own missing ones.
         flags = self._presence_flags(present, grads[0].dtype)
-        pieces = [gr.expand(world) if gr.dim() == 0 else gr for gr in grads] + [flags.expand(world, len(present)).contiguous()]
+        # dim > 0 parameters are chunked in the moved layout (a permuted view: _chunk_cat copies).
+        pieces = [gr.expand(world) if gr.dim() == 0 else gr.movedim(mp.layout.dim, 0) if mp.layout.dim else gr
+                  for mp, gr in zip(params, grads)] + [flags.expand(world, len(present)).contiguous()]
         flat_in = comm.chunk_cat(pieces, world, dtype, device)
         if pre != 1.0:
             flat_in.div_(pre)
@@ -374,7 +376,7 @@ class GradReducer:
 
 def _accumulate_sharded_grad(mp: "ManagedParam", flat: torch.Tensor, offset: int) -> None:
     lay = mp.layout
-    local = flat[offset : offset + lay.local_rows * lay.row_numel].view(lay.local_shape())
+    local = lay.shape_local(flat[offset : offset + lay.local_rows * lay.row_numel])
     sp = mp.sharded_param
     with torch.no_grad():
         if sp.grad is None:

@@ -7,6 +7,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
 
 from .._engine.build import GroupOptions, build_group
 from .._engine.contract import check_composable, check_module, install_state, owning_api, state_of
@@ -28,6 +29,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
 ) -> nn.Module:
     """Shard `module`'s parameters across `mesh` (FSDP) and return `module` itself.
 
@@ -42,7 +44,9 @@ def fully_shard(
     bottom-up. `reshard_after_forward=None` follows `strategy`; the root module keeps its
     parameters after forward since backward needs them at once. An int N (dividing the
     shard world, e.g. the GPUs of one node) keeps each rank's 1/N of the parameters between
-    forward and backward, so backward all-gathers within groups of N ranks; 1 means False. Raises `TypeError`/
+    forward and backward, so backward all-gathers within groups of N ranks; 1 means False.
+    `shard_placement_fn(param)` returns `Shard(d)` to shard that parameter on dim `d` (uneven
+    sizes allowed) or None for `Shard(0)`. Raises `TypeError`/
     `ValueError` for bad arguments and `RuntimeError` for forbidden compositions.
     """
     api = "fully_shard"
@@ -56,13 +60,17 @@ def fully_shard(
     if strategy is not ShardingStrategy.NO_SHARD:
         reshard = normalize_reshard(api, reshard, mesh.size(mesh.ndim - 1))
     ignored = _check_ignored(ignored_params)
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise TypeError(f"fully_shard: 'shard_placement_fn' must be a callable(param) -> Shard | None, got {shard_placement_fn!r:.80}")
     if policy is not None:
         _auto_wrap(module, _check_policy(policy), mesh=mesh, reshard_after_forward=reshard_after_forward, strategy=strategy,
-                   mp_policy=mp_policy, offload_policy=offload_policy, ignored_params=ignored)
+                   mp_policy=mp_policy, offload_policy=offload_policy, ignored_params=ignored,
+                   shard_placement_fn=shard_placement_fn)
 
     options = GroupOptions(
         sharded=strategy is not ShardingStrategy.NO_SHARD, param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
         offload=isinstance(offload_policy, CPUOffloadPolicy), pin_memory=getattr(offload_policy, "pin_memory", False),
+        shard_placement_fn=shard_placement_fn,
     )
     group = build_group(api, module, mesh, ignored, options)
     if group is not None and not isinstance(reshard, bool):
