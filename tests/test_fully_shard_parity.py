@@ -26,7 +26,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from _harness import assert_close_tensors, requires_gpus, run_on_ranks
+from _harness import assert_close_tensors, requires_gpus, run_on_ranks, shutdown_pool
 from _models import Block, TinyTransformer, batch_for, lm_loss
 from composable import ShardingStrategy, fully_shard
 
@@ -205,4 +205,10 @@ def test_parity_with_torch_fsdp2(reshard_after_forward: bool) -> None:
 
 def test_parity_with_torch_fsdp2_int_reshard_after_forward() -> None:
     """reshard_after_forward=2 on 4 ranks (backward gathers within pairs), bit for bit."""
-    run_on_ranks(_parity_with_torch_fsdp, 4, 2)
+    try:
+        run_on_ranks(_parity_with_torch_fsdp, 4, 2)
+    finally:
+        # FSDP2 builds its post-forward DeviceMesh directly, which leaves torch's mesh state
+        # in the worker naming groups that the harness destroys after the test: later tests
+        # on that worker fail with "Could not resolve the process group". Fresh workers.
+        shutdown_pool()

@@ -142,8 +142,9 @@ class ParamGroup:
     def _local_rows(self, mp: ManagedParam, full: torch.Tensor) -> torch.Tensor:
         if mp.layout.replicated or full.dim() == 0:
             return full.detach()
-        start = self.layout.shard_rank * mp.layout.chunk_rows
-        return full.detach().narrow(mp.layout.dim, start, mp.layout.local_rows)
+        dim = mp.layout.dim
+        start = min(self.layout.shard_rank * mp.layout.chunk_rows, full.shape[dim])  # trailing ranks may own no rows
+        return full.detach().narrow(dim, start, mp.layout.local_rows)
 
     def refresh_sharded_params(self) -> None:
         """Adopt sharded parameters that were swapped or re-materialised behind our back
