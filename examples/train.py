@@ -44,14 +44,11 @@ if HERE not in sys.path:  # model.py, data.py, parallel.py, ... live next to thi
 if os.path.dirname(HERE) not in sys.path:  # a checkout that was not pip-installed still runs
     sys.path.append(os.path.dirname(HERE))
 
+# Below the sys.path set-up: the example's own modules (checkpointing, data, launch, ...) are
+# found next to this file, under torchrun and mp.spawn alike.
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
-from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
-
-from composable import ShardedGradScaler, clip_grad_norm_, fully_shard, no_sync  # noqa: E402
-
-# The example's own modules (found through HERE above, under torchrun and mp.spawn alike):
 from checkpointing import checkpoint_dirs, load_newest_intact, rank0_then_broadcast, save_checkpoint  # noqa: E402
 from data import ByteCorpus, get_batch  # noqa: E402
 from launch import run_rank, spawn_local  # noqa: E402
@@ -60,7 +57,10 @@ from options import FAULT, check_memory, host_memory_bytes, model_config, parse_
 from parallel import UsageError, build_mesh, parallelize  # noqa: E402
 from reporting import MetricsLog, memory_string, print_summary, write_plot  # noqa: E402
 from runs import Run, identity, identity_differences, mismatch_message, open_run  # noqa: E402
+from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
 from watchdog import Watchdog  # noqa: E402
+
+from composable import ShardedGradScaler, clip_grad_norm_, fully_shard, no_sync  # noqa: E402
 
 __all__ = ["checkpoint_dirs", "main", "parse_args", "train"]
 

@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-
 from _harness import assert_close_tensors, run_on_ranks
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
