@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=None,
                    help="peak learning rate: linear warmup, cosine decay to 10%% (default: the preset's: "
                         + ", ".join(f"{k} {v:g}" for k, v in PRESET_LR.items()) + ")")
-    p.add_argument("--warmup-steps", type=int, default=None, help="default: 10%% of --steps, at most 100")
+    p.add_argument("--warmup-steps", type=int, default=None, help="default: 10%% of --steps, at least 10 (half of a shorter run), at most 100")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--eval-every", type=int, default=50, help="validation loss every N steps (and at the end); 0: only at the end")
     p.add_argument("--eval-batches", type=int, default=4, help="held-out batches per rank per evaluation")
