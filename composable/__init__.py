@@ -15,9 +15,16 @@ from .mixed_precision import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPoli
 from .replicate import replicate
 
 __all__ = [
-    "fully_shard", "replicate", "checkpoint",
-    "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "ShardingStrategy",
-    "no_sync", "set_requires_gradient_sync",
-    "clip_grad_norm_", "ShardedGradScaler",
+    "fully_shard",
+    "replicate",
+    "checkpoint",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "CPUOffloadPolicy",
+    "ShardingStrategy",
+    "no_sync",
+    "set_requires_gradient_sync",
+    "clip_grad_norm_",
+    "ShardedGradScaler",
     "register_forward_method",
 ]

@@ -19,7 +19,9 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
     """
     check_module("set_requires_gradient_sync", module)
     if not isinstance(requires_gradient_sync, bool):
-        raise TypeError(f"set_requires_gradient_sync: 'requires_gradient_sync' must be a bool, got {requires_gradient_sync!r}")
+        raise TypeError(
+            f"set_requires_gradient_sync: 'requires_gradient_sync' must be a bool, got {requires_gradient_sync!r}"
+        )
     for state in param_states(module):
         state.requires_gradient_sync = requires_gradient_sync
 

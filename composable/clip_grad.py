@@ -338,9 +338,7 @@ def _use_foreach(ts: list[torch.Tensor], device: torch.device, foreach: bool | N
     if foreach is None:
         return _has_foreach_support(ts, device)
     if foreach and not _device_has_foreach_support(device):
-        raise RuntimeError(
-            f"foreach=True was passed, but can't use the foreach API on {device.type} tensors"
-        )
+        raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
     return bool(foreach)
 
 

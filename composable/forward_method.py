@@ -34,7 +34,9 @@ def register_forward_method(module: nn.Module, method_name: str) -> None:
         raise RuntimeError(f"{api}: {type(module).__name__}.{method_name} is already registered")
     states = [state for name in PARAM_OWNING_APIS if (state := get_state(module, name)) is not None]
     if not states:
-        raise ValueError(f"{api}: {type(module).__name__} has neither fully_shard nor replicate applied to it; apply one first")
+        raise ValueError(
+            f"{api}: {type(module).__name__} has neither fully_shard nor replicate applied to it; apply one first"
+        )
 
     @functools.wraps(method)
     def with_hooks(*args: Any, **kwargs: Any) -> Any:

@@ -216,16 +216,19 @@ class ShardedGradScaler(GradScaler):
         """
         where = f"{_API}.load_state_dict"
         if not isinstance(state_dict, abc.Mapping):
-            raise TypeError(f"{where}: state_dict must be a dict as returned by state_dict(), got {_describe(state_dict)}")
+            raise TypeError(
+                f"{where}: state_dict must be a dict as returned by state_dict(), got {_describe(state_dict)}"
+            )
         if not self._enabled:
             return
         if len(state_dict) == 0:
-            raise RuntimeError(
-                f"{where}: state_dict is empty, possibly because it was saved from a disabled {_API}"
-            )
+            raise RuntimeError(f"{where}: state_dict is empty, possibly because it was saved from a disabled {_API}")
         # The values present first: {"scale": "x"} is wrong in its scale before it is short of keys.
-        checked = {key: _check_state_value(where, key, state_dict[key], *rule)
-                   for key, rule in _STATE_RULES.items() if key in state_dict}
+        checked = {
+            key: _check_state_value(where, key, state_dict[key], *rule)
+            for key, rule in _STATE_RULES.items()
+            if key in state_dict
+        }
         missing = [key for key in _STATE_RULES if key not in checked]
         if missing:
             raise ValueError(

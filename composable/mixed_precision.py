@@ -34,7 +34,9 @@ class MixedPrecisionPolicy:
             if not value.is_floating_point:
                 raise ValueError(f"MixedPrecisionPolicy: '{name}' must be a floating-point dtype, got {value}")
         if not isinstance(self.cast_forward_inputs, bool):
-            raise TypeError(f"MixedPrecisionPolicy: 'cast_forward_inputs' must be a bool, got {self.cast_forward_inputs!r}")
+            raise TypeError(
+                f"MixedPrecisionPolicy: 'cast_forward_inputs' must be a bool, got {self.cast_forward_inputs!r}"
+            )
 
 
 class OffloadPolicy:
@@ -64,7 +66,9 @@ class CPUOffloadPolicy(OffloadPolicy):
 def check_policies(api: str, mp_policy: object, offload_policy: object | None = None) -> None:
     """Type-check the policy arguments of `api` at the call."""
     if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"{api}: 'mp_policy' must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}: {mp_policy!r}")
+        raise TypeError(
+            f"{api}: 'mp_policy' must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}: {mp_policy!r}"
+        )
     if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(
             f"{api}: 'offload_policy' must be an OffloadPolicy (e.g. CPUOffloadPolicy()), got {type(offload_policy).__name__}: {offload_policy!r}"

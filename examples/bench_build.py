@@ -52,10 +52,17 @@ def hf_llama(cfg: ModelConfig) -> nn.Module:
     except ImportError as e:
         raise ImportError(HF_MISSING) from e
     config = LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim,
-        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_heads,
-        max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}, use_cache=False,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.dim,
+        intermediate_size=cfg.ffn_dim,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_heads,
+        max_position_embeddings=cfg.max_seq_len,
+        rms_norm_eps=cfg.norm_eps,
+        tie_word_embeddings=cfg.tie_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        use_cache=False,
         initializer_range=cfg.init_std,
     )
     config._attn_implementation = "sdpa"  # what it picks on GPUs anyway; explicit for a like-for-like CPU test
@@ -97,8 +104,14 @@ def _init_weights(model: nn.Module, device: torch.device) -> None:
     model.initialize_weights()
 
 
-def build(run: str, cfg: ModelConfig, device: torch.device, wrap: str = "separate-ends", model: str = "own",
-          compile_backend: str | None = None) -> Contender:
+def build(
+    run: str,
+    cfg: ModelConfig,
+    device: torch.device,
+    wrap: str = "separate-ends",
+    model: str = "own",
+    compile_backend: str | None = None,
+) -> Contender:
     """Contender `run` (one of RUNS) on `device` for model `model` (one of MODELS); see the module doc."""
     if run not in RUNS:
         raise ValueError(f"build: run must be one of {RUNS}, got {run!r}")
@@ -126,6 +139,7 @@ def build(run: str, cfg: ModelConfig, device: torch.device, wrap: str = "separat
     if run == "ddp":
         net = nn.parallel.DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
     if run in ("floor", "ddp"):
+
         def autocast() -> AbstractContextManager[object]:
             return torch.autocast(device.type, dtype=torch.bfloat16)
     else:

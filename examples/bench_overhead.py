@@ -114,8 +114,11 @@ def time_contender(run: str, steps: int, fake: bool) -> dict[str, Any]:
     del model, opt
     gc.collect()
     dist.barrier()
-    return {"step_s": statistics.median(times), "model_freed": freed() is None,
-                "pending_works": torch._C._distributed_c10d._get_work_registry_size()}
+    return {
+        "step_s": statistics.median(times),
+        "model_freed": freed() is None,
+        "pending_works": torch._C._distributed_c10d._get_work_registry_size(),
+    }
 
 
 def _rank_entry(fn: Callable[..., Any], rank: int, world: int, port: int, queue: Any, args: tuple) -> None:
@@ -146,8 +149,9 @@ def _exit_text(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def run_isolated(fn: Callable[..., Any], args: tuple, world: int, fake: bool, what: str,
-                 retries: int = RETRIES) -> tuple[Any, list[str]]:
+def run_isolated(
+    fn: Callable[..., Any], args: tuple, world: int, fake: bool, what: str, retries: int = RETRIES
+) -> tuple[Any, list[str]]:
     """`fn(*args)` on `world` fresh ranks (gloo, or one process of a fake world); retried up to
     `retries` times if no result comes back. Returns (rank 0's result or None, notes)."""
     ctx = mp.get_context("spawn")
@@ -159,7 +163,10 @@ def run_isolated(fn: Callable[..., Any], args: tuple, world: int, fake: bool, wh
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
         queue = ctx.SimpleQueue()  # synchronous put: the result is out before any teardown
-        procs = [ctx.Process(target=_rank_entry, args=(fn, rank, world, port, queue, args)) for rank in range(1 if fake else world)]
+        procs = [
+            ctx.Process(target=_rank_entry, args=(fn, rank, world, port, queue, args))
+            for rank in range(1 if fake else world)
+        ]
         for p in procs:
             p.start()
         result, deadline = None, time.monotonic() + TIMEOUT_S
@@ -213,16 +220,21 @@ def print_overhead(title: str, out: dict[str, Any]) -> None:
     t = {run: r["step_s"] for run, r in out.items() if r is not None}
     for ours, theirs in (("fully_shard", "fsdp2"), ("replicate", "ddp")):
         if {ours, theirs, "bare"} <= set(t):
-            print(f"  overhead over the bare model: {ours} {1e3 * (t[ours] - t['bare']):.2f} ms vs {theirs} "
-                  f"{1e3 * (t[theirs] - t['bare']):.2f} ms (step time ratio {ours}/{theirs} {t[ours] / t[theirs]:.3f}x)")
+            print(
+                f"  overhead over the bare model: {ours} {1e3 * (t[ours] - t['bare']):.2f} ms vs {theirs} "
+                f"{1e3 * (t[theirs] - t['bare']):.2f} ms (step time ratio {ours}/{theirs} {t[ours] / t[theirs]:.3f}x)"
+            )
 
 
 def cpu_overhead_main(steps: int = 30) -> int:
     """Print both tables and the notes; exit status 1 only if some contender never reported."""
     fake, gloo, notes = overhead(steps)
     print_overhead(f"fake process group, world 8, 64 tiny blocks + root, one process (median of {steps} steps):", fake)
-    print_overhead(f"gloo, world 2, 64 tiny blocks + root, each contender in its own processes (median of {steps} "
-                   "steps; includes gloo latency):", gloo)
+    print_overhead(
+        f"gloo, world 2, 64 tiny blocks + root, each contender in its own processes (median of {steps} "
+        "steps; includes gloo latency):",
+        gloo,
+    )
     for note in notes:
         print(f"  note: {note}")
     return int(any(r is None for r in [*fake.values(), *gloo.values()]))

@@ -20,8 +20,10 @@ RATIOS = (("fully_shard", "fsdp2"), ("replicate", "ddp"), ("fully_shard", "floor
 def describe(args: argparse.Namespace) -> str:
     """The settings line under which a table was measured."""
     compiled = f"blocks compiled ({args.compile_backend})" if args.compile else "eager"
-    return (f"model {args.model}, preset {args.preset}, local batch {args.batch_size}, seq {args.seq_len}, "
-            f"wrap {args.wrap}, {compiled}, {args.rounds} rounds x {args.steps} steps, torch {torch.__version__}")
+    return (
+        f"model {args.model}, preset {args.preset}, local batch {args.batch_size}, seq {args.seq_len}, "
+        f"wrap {args.wrap}, {compiled}, {args.rounds} rounds x {args.steps} steps, torch {torch.__version__}"
+    )
 
 
 def report(rounds: list[dict[str, dict]], args: argparse.Namespace, world: int, device_name: str) -> dict:
@@ -42,13 +44,22 @@ def report(rounds: list[dict[str, dict]], args: argparse.Namespace, world: int, 
         if ours in med and theirs in med:
             per_round = sorted(rd[theirs]["step_s"] / rd[ours]["step_s"] for rd in rounds)
             r = ratios[f"{ours}/{theirs}"] = {
-                "throughput": statistics.median(per_round), "throughput_range": [per_round[0], per_round[-1]],
-                "peak_alloc": _ratio(peak[ours], peak[theirs]), "peak_reserved": _ratio(reserved[ours], reserved[theirs])}
-            print(f"{ours}/{theirs}: throughput {r['throughput']:.3f}x (rounds {per_round[0]:.3f}-{per_round[-1]:.3f}), "
-                  f"peak allocated {r['peak_alloc']:.3f}x, reserved {r['peak_reserved']:.3f}x")
+                "throughput": statistics.median(per_round),
+                "throughput_range": [per_round[0], per_round[-1]],
+                "peak_alloc": _ratio(peak[ours], peak[theirs]),
+                "peak_reserved": _ratio(reserved[ours], reserved[theirs]),
+            }
+            print(
+                f"{ours}/{theirs}: throughput {r['throughput']:.3f}x (rounds {per_round[0]:.3f}-{per_round[-1]:.3f}), "
+                f"peak allocated {r['peak_alloc']:.3f}x, reserved {r['peak_reserved']:.3f}x"
+            )
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"world": world, "device": device_name, "args": vars(args), "rounds": rounds, "ratios": ratios}, f, indent=2)
+            json.dump(
+                {"world": world, "device": device_name, "args": vars(args), "rounds": rounds, "ratios": ratios},
+                f,
+                indent=2,
+            )
     return ratios
 
 

@@ -41,22 +41,36 @@ PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0}
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="1b", choices=sorted(PRESETS))
-    p.add_argument("--model", default="own", choices=MODELS,
-                   help="'own': examples/model.py; 'hf-llama': transformers' LlamaForCausalLM at the preset's shape")
+    p.add_argument(
+        "--model",
+        default="own",
+        choices=MODELS,
+        help="'own': examples/model.py; 'hf-llama': transformers' LlamaForCausalLM at the preset's shape",
+    )
     p.add_argument("--batch-size", type=int, default=4, help="local (per-GPU) batch")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--steps", type=int, default=10, help="timed steps per run per round")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
-    p.add_argument("--rounds", type=int, default=3, help="every run once per round; ratios are medians of per-round ratios")
+    p.add_argument(
+        "--rounds", type=int, default=3, help="every run once per round; ratios are medians of per-round ratios"
+    )
     p.add_argument("--runs", default=",".join(RUNS), help=f"comma list of {', '.join(RUNS)}")
-    p.add_argument("--wrap", choices=WRAPS, default="separate-ends",
-                   help="fully_shard/FSDP2 groups: 'separate-ends' = each block, the embeddings, the head, then the "
-                        "root (torchtitan's wrapping; faster and leaner for both); 'blocks' = each block + the root")
+    p.add_argument(
+        "--wrap",
+        choices=WRAPS,
+        default="separate-ends",
+        help="fully_shard/FSDP2 groups: 'separate-ends' = each block, the embeddings, the head, then the "
+        "root (torchtitan's wrapping; faster and leaner for both); 'blocks' = each block + the root",
+    )
     p.add_argument("--compile", action="store_true", help="compile every block of every contender (before the APIs)")
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend for --compile")
     p.add_argument("--out", default=None, help="write results JSON here")
     p.add_argument("--profile", default="", help="comma list of runs to profile (2 extra steps each, first round)")
-    p.add_argument("--trace-dir", default=None, help="with --profile: write rank 0's Chrome trace of each profiled run here (gzipped)")
+    p.add_argument(
+        "--trace-dir",
+        default=None,
+        help="with --profile: write rank 0's Chrome trace of each profiled run here (gzipped)",
+    )
     p.add_argument("--cpu-overhead", action="store_true", help="measure hook CPU overhead on 64 tiny blocks (no GPU)")
     args = p.parse_args(argv)
     for flag in ("batch_size", "seq_len", "steps", "rounds"):
@@ -127,13 +141,20 @@ def time_run(run: str, args: argparse.Namespace, device: torch.device, profile: 
     step_s = statistics.median(times)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), 989.0)
-    max_alloc, max_reserved = ((torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device))
-                               if device.type == "cuda" else (0.0, 0.0))
+    max_alloc, max_reserved = (
+        (torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device))
+        if device.type == "cuda"
+        else (0.0, 0.0)
+    )
     result = {
-        "run": run, "step_s": step_s, "tok_s_gpu": args.batch_size * args.seq_len / step_s,
+        "run": run,
+        "step_s": step_s,
+        "tok_s_gpu": args.batch_size * args.seq_len / step_s,
         "mfu_per_tok_s": model_flops_per_token(cfg, args.seq_len) / (peak * 1e12),
-        "peak_alloc_gib": (max_alloc - before_alloc) / 2**30, "peak_reserved_gib": (max_reserved - before_reserved) / 2**30,
-        "left_before_gib": before_alloc / 2**30, "loss": float(loss),
+        "peak_alloc_gib": (max_alloc - before_alloc) / 2**30,
+        "peak_reserved_gib": (max_reserved - before_reserved) / 2**30,
+        "left_before_gib": before_alloc / 2**30,
+        "loss": float(loss),
     }
     teardown(c.model, opt)
     del c, opt, loss
@@ -153,7 +174,9 @@ def teardown(model: nn.Module, opt: torch.optim.Optimizer) -> None:
     opt.state.clear()
 
 
-def profile_steps(run: str, c: Contender, opt: torch.optim.Optimizer, tokens: torch.Tensor, args: argparse.Namespace) -> None:
+def profile_steps(
+    run: str, c: Contender, opt: torch.optim.Optimizer, tokens: torch.Tensor, args: argparse.Namespace
+) -> None:
     """Print where device time goes in 2 steps (rank 0): top kernels and communication share.
     With `--trace-dir`, rank 0 also writes `<run>_b<batch>.json.gz`, a Chrome trace of them."""
     from torch.profiler import ProfilerActivity, profile
@@ -188,9 +211,11 @@ def run_rounds(args: argparse.Namespace, device: torch.device) -> list[dict[str,
             res["tok_s_gpu"] = args.batch_size * args.seq_len / res["step_s"]
             rounds[-1][run] = res
             if dist.get_rank() == 0:
-                print(f"[round {r}] [{run}] {res['step_s']:.4f} s/step  {res['tok_s_gpu'] / 1e3:.1f}k tok/s/GPU  "
-                      f"peak {res['peak_alloc_gib']:.2f} GiB above the {res['left_before_gib']:.2f} GiB left by earlier runs",
-                      flush=True)
+                print(
+                    f"[round {r}] [{run}] {res['step_s']:.4f} s/step  {res['tok_s_gpu'] / 1e3:.1f}k tok/s/GPU  "
+                    f"peak {res['peak_alloc_gib']:.2f} GiB above the {res['left_before_gib']:.2f} GiB left by earlier runs",
+                    flush=True,
+                )
     if dist.get_rank() == 0:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (gloo)"
         report(rounds, args, dist.get_world_size(), name)

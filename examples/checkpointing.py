@@ -78,8 +78,14 @@ def _dcp_save(state: dict[str, Any], path: str) -> None:
     dcp.save(state, checkpoint_id=path)
 
 
-def save_checkpoint(run_dir: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    trainer_state: dict[str, Any], keep: int) -> str:
+def save_checkpoint(
+    run_dir: str,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    trainer_state: dict[str, Any],
+    keep: int,
+) -> str:
     """Write `checkpoints/step_N/` atomically and checksummed, then keep the newest `keep` of
     this run's checkpoints. Raises CheckpointError on every rank if the write fails (a full
     disk says so); the previous checkpoints are untouched then."""
@@ -133,18 +139,26 @@ def describe_write_failure(exc: BaseException, path: str, step: int) -> str:
     (torch's zip writer) with no errno, so the free space decides when the text does not."""
     causes: list[BaseException] = [exc]
     if isinstance(exc, CheckpointException):
-        causes += [pair[0] for pair in exc.failures.values() if isinstance(pair, tuple) and isinstance(pair[0], BaseException)]
+        causes += [
+            pair[0] for pair in exc.failures.values() if isinstance(pair, tuple) and isinstance(pair[0], BaseException)
+        ]
     for c in list(causes):
         while c.__cause__ is not None or c.__context__ is not None:
             c = c.__cause__ or c.__context__
             causes.append(c)
     text = " ".join(str(c) for c in causes)
     free = _free_bytes(path)
-    no_space = any(isinstance(c, OSError) and c.errno in (errno.ENOSPC, errno.EDQUOT) for c in causes) or \
-        "No space left" in text or "quota exceeded" in text.lower() or ("unexpected pos" in text and free < LOW_SPACE)
+    no_space = (
+        any(isinstance(c, OSError) and c.errno in (errno.ENOSPC, errno.EDQUOT) for c in causes)
+        or "No space left" in text
+        or "quota exceeded" in text.lower()
+        or ("unexpected pos" in text and free < LOW_SPACE)
+    )
     if no_space:
-        return (f"no space left on device while writing checkpoint step {step} to {path} ({free / 2**20:.0f} MiB free): "
-                f"free some space or lower --keep-ckpts; the run's earlier checkpoints are intact")
+        return (
+            f"no space left on device while writing checkpoint step {step} to {path} ({free / 2**20:.0f} MiB free): "
+            f"free some space or lower --keep-ckpts; the run's earlier checkpoints are intact"
+        )
     inner = causes[-1] if len(causes) > 1 else exc
     first = str(inner).strip().splitlines()[0] if str(inner).strip() else type(inner).__name__
     return f"could not write checkpoint step {step} to {path}: {type(inner).__name__}: {first}"
@@ -160,6 +174,7 @@ def _free_bytes(path: str) -> int:
 
 
 # ----------------------------------------------------------------------------- integrity
+
 
 def seal(state: dict[str, Any]) -> dict[str, Any]:
     """`state` plus the SHA-256 of its own canonical JSON: flipped bytes that still parse show."""
@@ -224,12 +239,19 @@ def verify(path: str) -> tuple[dict[str, Any] | None, str | None]:
     dist.all_gather_object(found, local)  # every rank joins, whatever rank 0 found
     problems = [p for part in found for p in part]
     if problem or problems:
-        return None, problem or ", ".join(problems[:3]) + (f" and {len(problems) - 3} more" if len(problems) > 3 else "")
+        return None, problem or ", ".join(problems[:3]) + (
+            f" and {len(problems) - 3} more" if len(problems) > 3 else ""
+        )
     return state, None
 
 
-def load_newest_intact(run_dir: str, model: nn.Module, optimizer: torch.optim.Optimizer,
-                       accept: Callable[[dict[str, Any], str], None], warn: Callable[[str], Any]) -> tuple[dict[str, Any], str] | None:
+def load_newest_intact(
+    run_dir: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    accept: Callable[[dict[str, Any], str], None],
+    warn: Callable[[str], Any],
+) -> tuple[dict[str, Any], str] | None:
     """Load the newest intact checkpoint of the run in place; returns (trainer state, path), or
     None when the run has no checkpoint. `accept(state, path)` may refuse a checkpoint by
     raising (a different model). Raises CheckpointError when every checkpoint is damaged."""
@@ -253,8 +275,10 @@ def load_newest_intact(run_dir: str, model: nn.Module, optimizer: torch.optim.Op
         older = "falling back to the previous one" if step != found[0][0] else "no older checkpoint"
         warn(f"checkpoint {path} is damaged ({problem}); {older}")
     if damaged:
-        raise CheckpointError(f"--resume: no intact checkpoint in {run_dir} (all {len(damaged)} damaged, see above); "
-                              f"start a new run without --resume")
+        raise CheckpointError(
+            f"--resume: no intact checkpoint in {run_dir} (all {len(damaged)} damaged, see above); "
+            f"start a new run without --resume"
+        )
     return None
 
 
@@ -278,6 +302,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
 
 
 # ----------------------------------------------------------------------------- files
+
 
 def write_json(path: str, obj: Any) -> None:
     """Write `obj` as JSON atomically: a reader sees the old file or the whole new one."""

@@ -80,8 +80,17 @@ def _load(root: str, max_bytes: int | None) -> ByteCorpus:
     return ByteCorpus(train=as_tensor(parts[False]), val=as_tensor(parts[True]), n_files=len(files))
 
 
-def get_batch(data: torch.Tensor, batch_size: int, seq_len: int, *, seed: int, step: int, rank: int,
-              split_id: int = 0, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def get_batch(
+    data: torch.Tensor,
+    batch_size: int,
+    seq_len: int,
+    *,
+    seed: int,
+    step: int,
+    rank: int,
+    split_id: int = 0,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`batch_size` random windows of `seq_len + 1` bytes: (inputs, targets) int64 (B, T).
 
     Deterministic in (seed, split_id, step, rank) and independent of everything else, so a

@@ -60,7 +60,10 @@ def root_param_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
 
 def n_params(cfg: ModelConfig) -> int:
     """Parameters of the full model (tied weights once)."""
-    count = lambda shapes: sum(r * c for r, c in shapes)
+
+    def count(shapes: list[tuple[int, int]]) -> int:
+        return sum(r * c for r, c in shapes)
+
     return cfg.n_layers * count(block_param_shapes(cfg)) + count(root_param_shapes(cfg))
 
 

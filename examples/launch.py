@@ -38,13 +38,14 @@ STARTUP_TIMEOUT_S = 600.0  # spawning and importing torch on a loaded machine; t
 GRACE_S = 3.0  # after one rank fails, how long the others get to say why before they are stopped
 
 
-
 # ----------------------------------------------------------------------------- parent side
+
 
 def spawn_local(entry: Callable[..., None], args: argparse.Namespace) -> int:
     """Start `args.nproc` processes running `entry(rank, store_port, args)` and supervise them."""
-    store = dist.TCPStore("127.0.0.1", 0, args.nproc, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
+    store = dist.TCPStore(
+        "127.0.0.1", 0, args.nproc, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=STARTUP_TIMEOUT_S)
+    )
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=entry, args=(rank, store.port, args), name=f"rank{rank}") for rank in range(args.nproc)]
     for p in procs:
@@ -78,12 +79,17 @@ def supervise(procs: list[Any], grace: float = GRACE_S) -> int:
     stopped = [(i, p) for i, p in enumerate(procs) if p.exitcode is None and process_state(p.pid) == "stopped"]
     _stop([p for p in procs if p.exitcode is None])
     for i, p in killed:
-        name = signal.Signals(-p.exitcode).name if -p.exitcode in signal.Signals._value2member_map_ else str(-p.exitcode)
+        name = (
+            signal.Signals(-p.exitcode).name if -p.exitcode in signal.Signals._value2member_map_ else str(-p.exitcode)
+        )
         hint = " (the kernel's OOM killer sends SIGKILL when memory runs out: see `dmesg`)" if name == "SIGKILL" else ""
         print(f"train.py: rank {i} (pid {p.pid}) was killed by {name}{hint}", file=sys.stderr, flush=True)
     for i, p in stopped:
-        print(f"train.py: rank {i} (pid {p.pid}) was stopped (SIGSTOP or SIGTSTP) and no longer responded; "
-              f"ended it", file=sys.stderr, flush=True)
+        print(
+            f"train.py: rank {i} (pid {p.pid}) was stopped (SIGSTOP or SIGTSTP) and no longer responded; ended it",
+            file=sys.stderr,
+            flush=True,
+        )
     if killed:
         return 128 - killed[0][1].exitcode
     if first_failure is not None:
@@ -110,11 +116,14 @@ def _stop(procs: list[Any]) -> None:
 
 # ----------------------------------------------------------------------------- rank side
 
+
 def init_rank(args: argparse.Namespace, external_store_port: int | None = None) -> tuple[torch.device, Watchdog]:
     """Join the job: store, arrival barrier, process group with `--timeout`, watchdog."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= min(world, int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
+    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= min(
+        world, int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    )
     if use_cuda:
         torch.cuda.set_device(local_rank)
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
@@ -133,17 +142,27 @@ def init_rank(args: argparse.Namespace, external_store_port: int | None = None) 
     # NCCL ends a timed-out process itself (its own watchdog): give it a margin over ours, so
     # that our watchdog speaks first and names the rank at fault.
     pg_timeout = args.timeout if not use_cuda else args.timeout + 60.0
-    dist.init_process_group("nccl" if use_cuda else "gloo", store=dist.PrefixStore("pg/", store), rank=rank,
-                            world_size=world, timeout=timedelta(seconds=pg_timeout),
-                            device_id=torch.device("cuda", local_rank) if use_cuda else None)
-    beat_store = dist.PrefixStore(f"train/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/",
-                                  dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10)))
+    dist.init_process_group(
+        "nccl" if use_cuda else "gloo",
+        store=dist.PrefixStore("pg/", store),
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=pg_timeout),
+        device_id=torch.device("cuda", local_rank) if use_cuda else None,
+    )
+    beat_store = dist.PrefixStore(
+        f"train/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/",
+        dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10)),
+    )
     watchdog = Watchdog(beat_store, rank, world, args.timeout).start()
     return torch.device("cuda", local_rank) if use_cuda else torch.device("cpu"), watchdog
 
 
-def run_rank(args: argparse.Namespace, train: Callable[[argparse.Namespace, Watchdog], Any],
-             external_store_port: int | None = None) -> int:
+def run_rank(
+    args: argparse.Namespace,
+    train: Callable[[argparse.Namespace, Watchdog], Any],
+    external_store_port: int | None = None,
+) -> int:
     """Initialise, train, tear down; every way out is one line and an exit status."""
     watchdog = None
     try:
@@ -169,10 +188,16 @@ def run_rank(args: argparse.Namespace, train: Callable[[argparse.Namespace, Watc
         rank = int(os.environ["RANK"])
         if watchdog is not None and is_comm_failure(e):
             first = _gist(e)
-            what = (f"a collective timed out after --timeout {args.timeout:g} s" if "imed out" in first
-                    else f"lost the connection to another rank ({first})")
-            print(f"train.py: rank {rank}: {what} at step {watchdog.step} ({watchdog.phase}); {watchdog.diagnose()}",
-                  file=sys.stderr, flush=True)
+            what = (
+                f"a collective timed out after --timeout {args.timeout:g} s"
+                if "imed out" in first
+                else f"lost the connection to another rank ({first})"
+            )
+            print(
+                f"train.py: rank {rank}: {what} at step {watchdog.step} ({watchdog.phase}); {watchdog.diagnose()}",
+                file=sys.stderr,
+                flush=True,
+            )
             return _end(1, watchdog, clean=False)
         if watchdog is not None:
             watchdog.report_failure(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")

@@ -179,7 +179,13 @@ class Transformer(nn.Module):
         # stream's variance does not grow with the number of layers.
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
         for block in self.layers:
-            for lin in (block.attention.wq, block.attention.wk, block.attention.wv, block.feed_forward.w1, block.feed_forward.w3):
+            for lin in (
+                block.attention.wq,
+                block.attention.wk,
+                block.attention.wv,
+                block.feed_forward.w1,
+                block.feed_forward.w3,
+            ):
                 nn.init.trunc_normal_(lin.weight, std=cfg.init_std, a=-3 * cfg.init_std, b=3 * cfg.init_std)
             for lin in (block.attention.wo, block.feed_forward.w2):
                 nn.init.trunc_normal_(lin.weight, std=out_std, a=-3 * out_std, b=3 * out_std)

@@ -34,45 +34,99 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = _Parser(prog="train.py", description="Train a Llama-style byte-level language model with composable.",
-                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = _Parser(
+        prog="train.py",
+        description="Train a Llama-style byte-level language model with composable.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--parallel", choices=["fsdp", "hsdp", "replicate", "tp"], default="fsdp")
-    p.add_argument("--mp", choices=["fp32", "bf16", "fp16"], default=None,
-                   help="compute dtype: bf16 = bf16 params / fp32 reduce; fp16 adds ShardedGradScaler (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument(
+        "--mp",
+        choices=["fp32", "bf16", "fp16"],
+        default=None,
+        help="compute dtype: bf16 = bf16 params / fp32 reduce; fp16 adds ShardedGradScaler (default: bf16 on GPU, fp32 on CPU)",
+    )
     p.add_argument("--activation-checkpointing", action="store_true", help="checkpoint() every transformer block")
-    p.add_argument("--cpu-offload", action="store_true", help="CPUOffloadPolicy: sharded params, grads and the optimizer step on the CPU")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile every transformer block with block.compile() before the APIs are applied (default: on with CUDA, off on CPU)")
-    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend for --compile (aot_eager: no code generation)")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (no_sync on all but the last)")
-    p.add_argument("--max-norm", type=float, default=1.0, help="gradient clipping norm (composable.clip_grad_norm_); 0 disables")
+    p.add_argument(
+        "--cpu-offload",
+        action="store_true",
+        help="CPUOffloadPolicy: sharded params, grads and the optimizer step on the CPU",
+    )
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="compile every transformer block with block.compile() before the APIs are applied (default: on with CUDA, off on CPU)",
+    )
+    p.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="torch.compile backend for --compile (aot_eager: no code generation)",
+    )
+    p.add_argument(
+        "--grad-accum", type=int, default=1, help="micro-batches per optimizer step (no_sync on all but the last)"
+    )
+    p.add_argument(
+        "--max-norm", type=float, default=1.0, help="gradient clipping norm (composable.clip_grad_norm_); 0 disables"
+    )
     p.add_argument("--steps", type=int, default=250, help="optimizer steps in total")
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch per data-parallel rank")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's max_seq_len)")
-    p.add_argument("--lr", type=float, default=None,
-                   help="peak learning rate: linear warmup, cosine decay to 10%% (default: the preset's: "
-                        + ", ".join(f"{k} {v:g}" for k, v in PRESET_LR.items()) + ")")
-    p.add_argument("--warmup-steps", type=int, default=None, help="default: 10%% of --steps, at least 10 (half of a shorter run), at most 100")
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="peak learning rate: linear warmup, cosine decay to 10%% (default: the preset's: "
+        + ", ".join(f"{k} {v:g}" for k, v in PRESET_LR.items())
+        + ")",
+    )
+    p.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=None,
+        help="default: 10%% of --steps, at least 10 (half of a shorter run), at most 100",
+    )
     p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--eval-every", type=int, default=50, help="validation loss every N steps (and at the end); 0: only at the end")
+    p.add_argument(
+        "--eval-every", type=int, default=50, help="validation loss every N steps (and at the end); 0: only at the end"
+    )
     p.add_argument("--eval-batches", type=int, default=4, help="held-out batches per rank per evaluation")
-    p.add_argument("--ckpt-every", type=int, default=100, help="DCP checkpoint every N steps (and at the end); 0 disables")
+    p.add_argument(
+        "--ckpt-every", type=int, default=100, help="DCP checkpoint every N steps (and at the end); 0 disables"
+    )
     p.add_argument("--keep-ckpts", type=int, default=2, help="complete checkpoints of this run to keep")
-    p.add_argument("--out", default="runs/train", help="output directory; every run writes into its own <out>/<run id>/")
-    p.add_argument("--run-id", default=None,
-                   help="name of this run's directory under --out (default: a new one, date-time-random); "
-                        "with --resume: the run to continue")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the newest intact checkpoint: of --run-id, or else of the newest run in --out "
-                        "trained with the same model flags and --seed")
-    p.add_argument("--timeout", type=float, default=600.0,
-                   help="seconds a rank waits for the others in any collective before the job ends naming the rank "
-                        "that stalled; must exceed the longest single step or checkpoint write")
+    p.add_argument(
+        "--out", default="runs/train", help="output directory; every run writes into its own <out>/<run id>/"
+    )
+    p.add_argument(
+        "--run-id",
+        default=None,
+        help="name of this run's directory under --out (default: a new one, date-time-random); "
+        "with --resume: the run to continue",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest intact checkpoint: of --run-id, or else of the newest run in --out "
+        "trained with the same model flags and --seed",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds a rank waits for the others in any collective before the job ends naming the rank "
+        "that stalled; must exceed the longest single step or checkpoint write",
+    )
     p.add_argument("--nproc", type=int, default=2, help="local ranks to spawn when not started by a launcher")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tp-size", type=int, default=2, help="--parallel tp: tensor-parallel degree")
-    p.add_argument("--hsdp-shard-size", type=int, default=None, help="--parallel hsdp: ranks per shard group (default: world/2, at least 1)")
+    p.add_argument(
+        "--hsdp-shard-size",
+        type=int,
+        default=None,
+        help="--parallel hsdp: ranks per shard group (default: world/2, at least 1)",
+    )
     m = p.add_argument_group("model size overrides (default: the preset's)")
     m.add_argument("--dim", type=int)
     m.add_argument("--n-layers", type=int)
@@ -80,9 +134,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     m.add_argument("--ffn-dim", type=int)
     m.add_argument("--vocab-size", type=int, help=f"at least {VOCAB_SIZE} (bytes)")
     m.add_argument("--tie-embeddings", action="store_true", default=None)
-    p.add_argument("--quiet", action="store_true", help="no progress bar or messages (warnings and errors still go to stderr)")
-    p.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)  # tests: stop as if killed after step N
-    p.add_argument("--fault", default=None, help=argparse.SUPPRESS)  # tests: RANK:KILL|STOP|TERM|SEGV:STEP, a rank signals itself
+    p.add_argument(
+        "--quiet", action="store_true", help="no progress bar or messages (warnings and errors still go to stderr)"
+    )
+    p.add_argument(
+        "--stop-after", type=int, default=None, help=argparse.SUPPRESS
+    )  # tests: stop as if killed after step N
+    p.add_argument(
+        "--fault", default=None, help=argparse.SUPPRESS
+    )  # tests: RANK:KILL|STOP|TERM|SEGV:STEP, a rank signals itself
     args = p.parse_args(argv)
     problem = validate(args)
     if problem:
@@ -95,17 +155,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def validate(args: argparse.Namespace) -> str | None:
     """The first problem with the flags as one line, or None. Cheap checks first; the corpus
     is read (cached) only for the sequence length, --out is probed by writing into it."""
-    for name in ("grad_accum", "steps", "batch_size", "nproc", "tp_size", "eval_batches", "keep_ckpts",
-                 "seq_len", "dim", "n_layers", "n_heads", "ffn_dim", "hsdp_shard_size"):
+    for name in (
+        "grad_accum",
+        "steps",
+        "batch_size",
+        "nproc",
+        "tp_size",
+        "eval_batches",
+        "keep_ckpts",
+        "seq_len",
+        "dim",
+        "n_layers",
+        "n_heads",
+        "ffn_dim",
+        "hsdp_shard_size",
+    ):
         value = getattr(args, name)
         if value is not None and value < 1:
             return f"{_flag(name)} must be >= 1, got {value}"
-    for name, meaning in (("ckpt_every", "0 disables checkpoints"), ("eval_every", "0: only at the end"),
-                          ("warmup_steps", "0: no warmup"), ("stop_after", "")):
+    for name, meaning in (
+        ("ckpt_every", "0 disables checkpoints"),
+        ("eval_every", "0: only at the end"),
+        ("warmup_steps", "0: no warmup"),
+        ("stop_after", ""),
+    ):
         value = getattr(args, name)
         if value is not None and value < 0:
-            return f"{_flag(name)} must be >= 0 ({meaning}), got {value}" if meaning else f"{_flag(name)} must be >= 0, got {value}"
-    for name, low, strict in (("lr", 0.0, True), ("max_norm", 0.0, False), ("weight_decay", 0.0, False), ("timeout", 0.0, True)):
+            return (
+                f"{_flag(name)} must be >= 0 ({meaning}), got {value}"
+                if meaning
+                else f"{_flag(name)} must be >= 0, got {value}"
+            )
+    for name, low, strict in (
+        ("lr", 0.0, True),
+        ("max_norm", 0.0, False),
+        ("weight_decay", 0.0, False),
+        ("timeout", 0.0, True),
+    ):
         value = getattr(args, name)
         if value is not None and (not math.isfinite(value) or value < low or (strict and value == low)):
             return f"{_flag(name)} must be a finite number {'>' if strict else '>='} {low:g}, got {value}"
@@ -149,8 +235,15 @@ def check_out_dir(out: str) -> str | None:
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
     """The preset with the size flags applied; max_seq_len grows to --seq-len if needed."""
-    cfg = get_config(args.preset, dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, ffn_dim=args.ffn_dim,
-                     vocab_size=args.vocab_size, tie_embeddings=args.tie_embeddings)
+    cfg = get_config(
+        args.preset,
+        dim=args.dim,
+        n_layers=args.n_layers,
+        n_heads=args.n_heads,
+        ffn_dim=args.ffn_dim,
+        vocab_size=args.vocab_size,
+        tie_embeddings=args.tie_embeddings,
+    )
     if args.seq_len is not None and args.seq_len > cfg.max_seq_len:
         cfg = dataclasses.replace(cfg, max_seq_len=args.seq_len)
     return cfg
@@ -168,19 +261,25 @@ def estimate_memory_bytes(args: argparse.Namespace, cfg: ModelConfig, seq_len: i
     block = tokens * (10 * cfg.dim + 4 * cfg.ffn_dim) * width
     blocks = cfg.n_layers * tokens * cfg.dim * width + block if args.activation_checkpointing else cfg.n_layers * block
     logits = tokens * cfg.vocab_size * (width + 8)
-    n_params = cfg.vocab_size * cfg.dim * (1 if cfg.tie_embeddings else 2) + cfg.n_layers * (4 * cfg.dim**2 + 3 * cfg.dim * cfg.ffn_dim)
+    n_params = cfg.vocab_size * cfg.dim * (1 if cfg.tie_embeddings else 2) + cfg.n_layers * (
+        4 * cfg.dim**2 + 3 * cfg.dim * cfg.ffn_dim
+    )
     states = 16 * n_params // (1 if args.parallel == "replicate" else dp_size)
     return blocks + logits + states
 
 
-def check_memory(args: argparse.Namespace, cfg: ModelConfig, seq_len: int, dp_size: int, available: int, where: str) -> None:
+def check_memory(
+    args: argparse.Namespace, cfg: ModelConfig, seq_len: int, dp_size: int, available: int, where: str
+) -> None:
     """Raise UsageError when the estimate exceeds `available` bytes (the GPU's memory, or the
     host's divided by the ranks on it): such a run would only be OOM-killed minutes later."""
     need = estimate_memory_bytes(args, cfg, seq_len, dp_size)
     if need > available:
-        raise UsageError(f"--seq-len {seq_len} with --batch-size {args.batch_size} needs at least {need / 2**30:.1f} GiB per rank, "
-                         f"more than the {available / 2**30:.1f} GiB {where}; lower --seq-len or --batch-size"
-                         + ("" if args.activation_checkpointing else ", or add --activation-checkpointing"))
+        raise UsageError(
+            f"--seq-len {seq_len} with --batch-size {args.batch_size} needs at least {need / 2**30:.1f} GiB per rank, "
+            f"more than the {available / 2**30:.1f} GiB {where}; lower --seq-len or --batch-size"
+            + ("" if args.activation_checkpointing else ", or add --activation-checkpointing")
+        )
 
 
 def host_memory_bytes() -> int:

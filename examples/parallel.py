@@ -42,7 +42,9 @@ def build_mesh(args: argparse.Namespace, device_type: str) -> tuple[DeviceMesh, 
 def mp_policy_for(name: str) -> MixedPrecisionPolicy:
     dtype = DTYPES[name]
     # Gradients are reduced in fp32 whatever the compute dtype: cheap insurance for the sum.
-    return MixedPrecisionPolicy() if dtype is None else MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    return (
+        MixedPrecisionPolicy() if dtype is None else MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    )
 
 
 def sharding_units(model: Transformer) -> list[nn.Module]:
@@ -77,7 +79,10 @@ def parallelize(model: Transformer, args: argparse.Namespace, mesh: DeviceMesh, 
             raise UsageError(f"--tp-size {args.tp_size} must divide n_heads {model.cfg.n_heads}")
         # Megatron-style: q/k/v and w1/w3 split by output features (heads), wo/w2 by input
         # features with an all-reduce after. Norms, embeddings and head stay replicated over tp.
-        plan = {name: ColwiseParallel() for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")}
+        plan = {
+            name: ColwiseParallel()
+            for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
+        }
         plan.update({name: RowwiseParallel() for name in ("attention.wo", "feed_forward.w2")})
         for block in model.layers:
             parallelize_module(block, mesh["tp"], plan)

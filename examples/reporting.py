@@ -78,7 +78,10 @@ def write_plot(out: str, history: list[dict[str, Any]], title: str, say: Callabl
     ax.plot(steps, [h["loss"] for h in history], lw=0.8, alpha=0.5, label="train (per step)")
     if len(history) >= 10:
         k = max(2, len(history) // 25)
-        smooth = [sum(h["loss"] for h in history[max(0, i - k + 1): i + 1]) / len(history[max(0, i - k + 1): i + 1]) for i in range(len(history))]
+        smooth = [
+            sum(h["loss"] for h in history[max(0, i - k + 1) : i + 1]) / len(history[max(0, i - k + 1) : i + 1])
+            for i in range(len(history))
+        ]
         ax.plot(steps, smooth, lw=1.6, label=f"train ({k}-step mean)")
     val = [(h["step"], h["val_loss"]) for h in history if h.get("val_loss") is not None]
     if val:
@@ -97,7 +100,8 @@ def print_summary(s: dict[str, Any], out: str) -> None:
     """The end-of-run summary on stdout (rank 0, unless --quiet)."""
     fmt = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
     lines = [
-        "", "summary",
+        "",
+        "summary",
         f"  model         {s['preset']}, {s['params'] / 1e6:.2f}M parameters",
         f"  parallelism   --parallel {s['parallel']}, --mp {s['mp']}, {s['world_size']} ranks on {s['device']}",
         f"  steps         {s['steps']}" + (f" (resumed from {s['resumed_from']})" if s["resumed_from"] else ""),
@@ -106,6 +110,7 @@ def print_summary(s: dict[str, Any], out: str) -> None:
         f"  throughput    {fmt(s['tokens_per_s'], ',.0f')} tokens/s ({fmt(s['tokens_per_s_per_rank'], ',.0f')} per rank)",
         f"  memory        {fmt(s['peak_mem_gib'], '.2f')} GiB peak (rank 0)",
         f"  time          {s['train_time_s']:.1f} s training, {s['wall_time_s']:.1f} s in all",
-        f"  outputs       {os.path.join(out, 'metrics.json')}, metrics.csv, loss.png" + (f", {CKPT_DIR}/" if s["checkpoints"] else ""),
+        f"  outputs       {os.path.join(out, 'metrics.json')}, metrics.csv, loss.png"
+        + (f", {CKPT_DIR}/" if s["checkpoints"] else ""),
     ]
     print("\n".join(lines), flush=True)

@@ -34,8 +34,14 @@ RUN_FILE = "run.json"
 LOCK_FILE = "run.lock"
 # ModelConfig fields a user sets by flag; the others (norm_eps, rope_theta, init_std) come with
 # --preset. max_seq_len is not identity: it follows --seq-len and no parameter depends on it.
-MODEL_FLAGS = {"dim": "--dim", "n_layers": "--n-layers", "n_heads": "--n-heads", "ffn_dim": "--ffn-dim",
-               "vocab_size": "--vocab-size", "tie_embeddings": "--tie-embeddings"}
+MODEL_FLAGS = {
+    "dim": "--dim",
+    "n_layers": "--n-layers",
+    "n_heads": "--n-heads",
+    "ffn_dim": "--ffn-dim",
+    "vocab_size": "--vocab-size",
+    "tie_embeddings": "--tie-embeddings",
+}
 
 
 def identity(args: argparse.Namespace, cfg: ModelConfig) -> dict[str, Any]:
@@ -55,7 +61,9 @@ def identity_differences(saved: dict[str, Any], current: dict[str, Any]) -> list
         if old.get(key) == new.get(key):
             continue
         if key == "tie_embeddings":
-            diffs.append(f"{'' if new.get(key) else 'no '}--tie-embeddings (checkpoint: {'tied' if old.get(key) else 'untied'})")
+            diffs.append(
+                f"{'' if new.get(key) else 'no '}--tie-embeddings (checkpoint: {'tied' if old.get(key) else 'untied'})"
+            )
         elif key in MODEL_FLAGS:
             diffs.append(f"{MODEL_FLAGS[key]} {new.get(key)} (checkpoint: {old.get(key)})")
         elif saved.get("preset") == current["preset"]:  # same preset name, other defaults: a changed preset
@@ -66,8 +74,10 @@ def identity_differences(saved: dict[str, Any], current: dict[str, Any]) -> list
 
 
 def mismatch_message(where: str, diffs: list[str]) -> str:
-    return (f"--resume: {where} was trained with other flags: {', '.join(diffs)}; pass the checkpoint's values to "
-            f"continue it, or leave out --resume (or give a new --run-id) to start a new run")
+    return (
+        f"--resume: {where} was trained with other flags: {', '.join(diffs)}; pass the checkpoint's values to "
+        f"continue it, or leave out --resume (or give a new --run-id) to start a new run"
+    )
 
 
 class RunLock:
@@ -142,13 +152,17 @@ def open_run(args: argparse.Namespace, ident: dict[str, Any]) -> tuple[Run, RunL
         path = os.path.join(out, args.run_id)
         saved = _read_run(path)
         if saved is None:
-            return _create(args, ident, args.run_id, [f"--resume: no run {args.run_id} under {out}; starting it from scratch"])
+            return _create(
+                args, ident, args.run_id, [f"--resume: no run {args.run_id} under {out}; starting it from scratch"]
+            )
         diffs = identity_differences(saved.get("identity", {}), ident)
         if diffs:
             raise UsageError(mismatch_message(f"run {args.run_id}", diffs))
         lock = RunLock(path)
         if not lock.acquire():
-            raise UsageError(f"--resume --run-id {args.run_id}: the run is in use by {lock.holder()}; stop that job first")
+            raise UsageError(
+                f"--resume --run-id {args.run_id}: the run is in use by {lock.holder()}; stop that job first"
+            )
         return Run(args.run_id, path, bool(checkpoint_dirs(path)), []), lock
     if args.resume:
         notes: list[str] = []
@@ -162,7 +176,11 @@ def open_run(args: argparse.Namespace, ident: dict[str, Any]) -> tuple[Run, RunL
         same = [(name, saved) for _, name, saved in runs if not identity_differences(saved.get("identity", {}), ident)]
         if runs and not same:
             _, name, saved = runs[0]
-            raise UsageError(mismatch_message(f"the newest run in {out} ({name})", identity_differences(saved.get("identity", {}), ident)))
+            raise UsageError(
+                mismatch_message(
+                    f"the newest run in {out} ({name})", identity_differences(saved.get("identity", {}), ident)
+                )
+            )
         for name, _ in same:
             path = os.path.join(out, name)
             if not checkpoint_dirs(path):
@@ -174,12 +192,16 @@ def open_run(args: argparse.Namespace, ident: dict[str, Any]) -> tuple[Run, RunL
         notes.append(f"--resume: no run in {out} to continue; starting a new one")
         return _create(args, ident, None, notes)
     if args.run_id and _read_run(os.path.join(out, args.run_id)) is not None:
-        raise UsageError(f"--run-id {args.run_id}: {os.path.join(out, args.run_id)} already holds a run; "
-                         f"add --resume to continue it, or choose another --run-id")
+        raise UsageError(
+            f"--run-id {args.run_id}: {os.path.join(out, args.run_id)} already holds a run; "
+            f"add --resume to continue it, or choose another --run-id"
+        )
     return _create(args, ident, args.run_id, [])
 
 
-def _create(args: argparse.Namespace, ident: dict[str, Any], run_id: str | None, notes: list[str]) -> tuple[Run, RunLock]:
+def _create(
+    args: argparse.Namespace, ident: dict[str, Any], run_id: str | None, notes: list[str]
+) -> tuple[Run, RunLock]:
     """A new run directory (exclusive: two jobs starting together get different ones)."""
     for _ in range(100):
         name = run_id or new_run_id()
@@ -191,7 +213,14 @@ def _create(args: argparse.Namespace, ident: dict[str, Any], run_id: str | None,
         lock = RunLock(path)
         if not lock.acquire():
             raise UsageError(f"--run-id {name}: the run is in use by {lock.holder()}")
-        write_json(os.path.join(path, RUN_FILE), {"identity": ident, "args": vars(args), "host": socket.gethostname(),
-                                                  "started": datetime.datetime.now().isoformat(timespec="seconds")})
+        write_json(
+            os.path.join(path, RUN_FILE),
+            {
+                "identity": ident,
+                "args": vars(args),
+                "host": socket.gethostname(),
+                "started": datetime.datetime.now().isoformat(timespec="seconds"),
+            },
+        )
         return Run(name, path, False, notes), lock
     raise RuntimeError(f"could not create a new run directory under {args.out}")

@@ -86,16 +86,22 @@ def analyse(path: str, top: int) -> None:
     busy = union(comm + compute)
     exposed = subtract(comm, compute)
     idle = subtract([span], busy)
-    ops = sorted((e for e in events if e.get("cat") in ("cpu_op", "user_annotation") and "dur" in e), key=lambda e: e["ts"])
+    ops = sorted(
+        (e for e in events if e.get("cat") in ("cpu_op", "user_annotation") and "dur" in e), key=lambda e: e["ts"]
+    )
     starts = [e["ts"] for e in ops]
     width = span.end - span.start
-    print(f"{path}: span {width / 1e3:.1f} ms; compute {total(compute) / 1e3:.1f} ms ({total(compute) / width:.1%}), "
-          f"exposed communication {total(exposed) / 1e3:.1f} ms ({total(exposed) / width:.1%}), "
-          f"idle {total(idle) / 1e3:.1f} ms ({total(idle) / width:.1%}); communication in all {total(comm) / 1e3:.1f} ms")
+    print(
+        f"{path}: span {width / 1e3:.1f} ms; compute {total(compute) / 1e3:.1f} ms ({total(compute) / width:.1%}), "
+        f"exposed communication {total(exposed) / 1e3:.1f} ms ({total(exposed) / width:.1%}), "
+        f"idle {total(idle) / 1e3:.1f} ms ({total(idle) / width:.1%}); communication in all {total(comm) / 1e3:.1f} ms"
+    )
     for label, gaps in (("idle", idle), ("exposed communication", exposed)):
         worst = sorted(gaps, key=lambda g: g.start - g.end)[:top]
         for g in worst:
-            print(f"  {label:<22} {(g.end - g.start) / 1e3:7.3f} ms at +{(g.start - span.start) / 1e3:7.1f} ms  cpu: {cpu_op_at(ops, starts, g.start)}")
+            print(
+                f"  {label:<22} {(g.end - g.start) / 1e3:7.3f} ms at +{(g.start - span.start) / 1e3:7.1f} ms  cpu: {cpu_op_at(ops, starts, g.start)}"
+            )
 
 
 def main() -> None:

@@ -67,6 +67,7 @@ __all__ = ["checkpoint_dirs", "main", "parse_args", "train"]
 
 # ----------------------------------------------------------------------------- launching
 
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: run under a launcher's environment, or spawn `--nproc` local ranks."""
     args = parse_args(argv)
@@ -78,14 +79,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _spawned_rank(local_rank: int, store_port: int, args: argparse.Namespace) -> None:
-    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(args.nproc),
-                      LOCAL_WORLD_SIZE=str(args.nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store_port))
+    os.environ.update(
+        RANK=str(local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(args.nproc),
+        LOCAL_WORLD_SIZE=str(args.nproc),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(store_port),
+    )
     # Share the cores between the ranks: oversubscribed threads make every rank slower.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.nproc))
     sys.exit(run_rank(args, train, external_store_port=store_port))
 
 
 # ----------------------------------------------------------------------------- optimizer
+
 
 def build_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
     # No weight decay on gains (1D): decaying RMSNorm weights towards 0 only hurts.
@@ -99,7 +107,11 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
     """Linear warmup to `--lr`, then cosine decay to 10% of it at `--steps` (1-based step)."""
     # 10% of the run, at most 100 steps, at least 10 (or half a short run): a warmup of 4 steps
     # to the 1b preset's peak made its loss jump 7.9 -> 14.3 at step 4 on 2 x H200.
-    warmup = args.warmup_steps if args.warmup_steps is not None else min(100, max(min(10, args.steps // 2), args.steps // 10, 1))
+    warmup = (
+        args.warmup_steps
+        if args.warmup_steps is not None
+        else min(100, max(min(10, args.steps // 2), args.steps // 10, 1))
+    )
     if step <= warmup:
         return args.lr * step / max(1, warmup)
     progress = (step - warmup) / max(1, args.steps - warmup)
@@ -107,13 +119,17 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, corpus: ByteCorpus, args: argparse.Namespace, seq_len: int, dp_rank: int, device: torch.device) -> float:
+def evaluate(
+    model: nn.Module, corpus: ByteCorpus, args: argparse.Namespace, seq_len: int, dp_rank: int, device: torch.device
+) -> float:
     """Mean loss over `--eval-batches` fixed held-out batches per data-parallel rank."""
     was_training = model.training
     model.eval()
     total = torch.zeros((), device=device)
     for i in range(args.eval_batches):
-        x, y = get_batch(corpus.val, args.batch_size, seq_len, seed=args.seed, step=i, rank=dp_rank, split_id=1, device=device)
+        x, y = get_batch(
+            corpus.val, args.batch_size, seq_len, seed=args.seed, step=i, rank=dp_rank, split_id=1, device=device
+        )
         total += lm_loss(model(x), y)
     model.train(was_training)
     return _world_mean(total / args.eval_batches)
@@ -173,7 +189,9 @@ def train(args: argparse.Namespace, watchdog: Watchdog | None = None) -> dict[st
         stack.callback(lambda: [lock.release() for lock in locks])
         for note in run.notes:
             warn(note)
-        job = Job(run, cfg, seq_len, device, mesh, dp_mesh, dp_rank, dp_size, ident, watchdog, say, warn, verbose, t_start)
+        job = Job(
+            run, cfg, seq_len, device, mesh, dp_mesh, dp_rank, dp_size, ident, watchdog, say, warn, verbose, t_start
+        )
         return _train(args, job, stack)
 
 
@@ -201,7 +219,15 @@ class Job:
 def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
-    run, cfg, seq_len, device, mesh, dp_rank, dp_size = job.run, job.cfg, job.seq_len, job.device, job.mesh, job.dp_rank, job.dp_size
+    run, cfg, seq_len, device, mesh, dp_rank, dp_size = (
+        job.run,
+        job.cfg,
+        job.seq_len,
+        job.device,
+        job.mesh,
+        job.dp_rank,
+        job.dp_size,
+    )
     watchdog, say, warn, verbose = job.watchdog, job.say, job.warn, job.verbose
     rank, world = dist.get_rank(), dist.get_world_size()
     # Same seed on every rank: identical initial weights before sharding. On a GPU the model
@@ -227,13 +253,16 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
     history: list[dict[str, Any]] = []
     start_step = 0
     if run.resume:
+
         def accept(state: dict[str, Any], path: str) -> None:
             diffs = identity_differences(state.get("identity", {}), job.ident)
             if diffs:
                 raise UsageError(mismatch_message(f"checkpoint {path}", diffs))
             if state["step"] > args.steps:
-                raise UsageError(f"--steps {args.steps} is below the step of checkpoint {path} ({state['step']}); "
-                                 f"pass --steps {state['step']} or more to continue this run")
+                raise UsageError(
+                    f"--steps {args.steps} is below the step of checkpoint {path} ({state['step']}); "
+                    f"pass --steps {state['step']} or more to continue this run"
+                )
 
         watchdog.progress(0, "checkpoint load")
         loaded = load_newest_intact(run.path, model, optimizer, accept, warn)
@@ -244,16 +273,22 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
                 scaler.load_state_dict(state["scaler"])
             say(f"resumed from {path} (step {start_step})")
             if start_step == args.steps:
-                warn(f"run {run.run_id} is already at step {start_step} = --steps: nothing to train (a larger --steps continues it)")
+                warn(
+                    f"run {run.run_id} is already at step {start_step} = --steps: nothing to train (a larger --steps continues it)"
+                )
     metrics = MetricsLog(run.path, history) if rank == 0 else None
     if metrics is not None:
         stack.callback(metrics.close)
 
-    title = (f"{args.preset} ({n_params / 1e6:.2f}M params), --parallel {args.parallel}, {world} ranks ({device.type}), "
-             f"--mp {args.mp}, {tokens_per_step} tokens/step")
+    title = (
+        f"{args.preset} ({n_params / 1e6:.2f}M params), --parallel {args.parallel}, {world} ranks ({device.type}), "
+        f"--mp {args.mp}, {tokens_per_step} tokens/step"
+    )
     say(f"train.py: {title}")
-    say(f"  mesh {tuple(mesh.shape)} {mesh.mesh_dim_names}, data: {corpus.n_files} stdlib files, "
-        f"{corpus.train.numel() / 1e6:.1f}M train / {corpus.val.numel() / 1e6:.1f}M val bytes, run: {run.path}")
+    say(
+        f"  mesh {tuple(mesh.shape)} {mesh.mesh_dim_names}, data: {corpus.n_files} stdlib files, "
+        f"{corpus.train.numel() / 1e6:.1f}M train / {corpus.val.numel() / 1e6:.1f}M val bytes, run: {run.path}"
+    )
 
     fault = FAULT.fullmatch(args.fault) if args.fault else None
     hsdp_accum = args.parallel == "hsdp" and args.grad_accum > 1
@@ -275,7 +310,15 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
         loss_sum = torch.zeros((), device=device)
         # The step's batch depends only on (seed, step, data-parallel rank); micro-batches are
         # slices of it, so --grad-accum 2 --batch-size 4 sees the data of --batch-size 8.
-        xs, ys = get_batch(corpus.train, args.batch_size * args.grad_accum, seq_len, seed=args.seed, step=step, rank=dp_rank, device=device)
+        xs, ys = get_batch(
+            corpus.train,
+            args.batch_size * args.grad_accum,
+            seq_len,
+            seed=args.seed,
+            step=step,
+            rank=dp_rank,
+            device=device,
+        )
         for micro, (x, y) in enumerate(zip(xs.chunk(args.grad_accum), ys.chunk(args.grad_accum))):
             last = micro == args.grad_accum - 1
             # Gradient accumulation: no communication on all but the last micro-batch. HSDP
@@ -304,8 +347,16 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
         train_time += dt
         train_tokens += tokens_per_step
         mem_gib, mem = memory_string(device)
-        record: dict[str, Any] = {"step": step, "loss": train_loss, "lr": lr, "grad_norm": grad_norm,
-                                  "tokens_per_s": tokens_per_step / dt, "mem_gib": mem_gib, "time_s": dt, "val_loss": None}
+        record: dict[str, Any] = {
+            "step": step,
+            "loss": train_loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": tokens_per_step / dt,
+            "mem_gib": mem_gib,
+            "time_s": dt,
+            "val_loss": None,
+        }
         evaluating = step == args.steps or (args.eval_every and step % args.eval_every == 0)
         if evaluating:
             watchdog.progress(step, "evaluation")
@@ -317,13 +368,23 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
             metrics.append(record)
             if evaluating or saving:
                 metrics.write_json(history)
-        bar.set_postfix_str(f"loss {train_loss:.3f}" + (f" val {last_val:.3f}" if last_val is not None else "")
-                            + f" | {tokens_per_step / dt:,.0f} tok/s | {mem}", refresh=False)
+        bar.set_postfix_str(
+            f"loss {train_loss:.3f}"
+            + (f" val {last_val:.3f}" if last_val is not None else "")
+            + f" | {tokens_per_step / dt:,.0f} tok/s | {mem}",
+            refresh=False,
+        )
         bar.update(1)
         if saving:
             watchdog.progress(step, "checkpoint save")
-            trainer_state = {"step": step, "history": history, "scaler": scaler.state_dict() if scaler.is_enabled() else None,
-                             "args": vars(args), "identity": job.ident, "data_position": {"seed": args.seed, "next_step": step + 1}}
+            trainer_state = {
+                "step": step,
+                "history": history,
+                "scaler": scaler.state_dict() if scaler.is_enabled() else None,
+                "args": vars(args),
+                "identity": job.ident,
+                "data_position": {"seed": args.seed, "next_step": step + 1},
+            }
             path = save_checkpoint(run.path, step, model, optimizer, trainer_state, args.keep_ckpts)
             say(f"step {step:>5}: checkpoint {path}")
         if args.stop_after is not None and step >= args.stop_after:
@@ -335,14 +396,26 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
     wall = time.perf_counter() - job.t_start
     final = history[-1] if history else {}
     summary = {
-        "params": n_params, "preset": args.preset, "parallel": args.parallel, "mp": args.mp, "world_size": world,
-        "device": device.type, "compile": args.compile, "steps": args.steps, "resumed_from": start_step or None,
-        "final_train_loss": final.get("loss"), "final_val_loss": final.get("val_loss"),
+        "params": n_params,
+        "preset": args.preset,
+        "parallel": args.parallel,
+        "mp": args.mp,
+        "world_size": world,
+        "device": device.type,
+        "compile": args.compile,
+        "steps": args.steps,
+        "resumed_from": start_step or None,
+        "final_train_loss": final.get("loss"),
+        "final_val_loss": final.get("val_loss"),
         "first_train_loss": history[0]["loss"] if history else None,
         "tokens_per_s": train_tokens / train_time if train_time else None,
         "tokens_per_s_per_rank": train_tokens / train_time / world if train_time else None,
-        "train_time_s": train_time, "wall_time_s": wall, "peak_mem_gib": max((h["mem_gib"] for h in history), default=None),
-        "run_id": run.run_id, "run_dir": run.path, "checkpoints": [path for _, path in checkpoint_dirs(run.path)],
+        "train_time_s": train_time,
+        "wall_time_s": wall,
+        "peak_mem_gib": max((h["mem_gib"] for h in history), default=None),
+        "run_id": run.run_id,
+        "run_dir": run.path,
+        "checkpoints": [path for _, path in checkpoint_dirs(run.path)],
     }
     if metrics is not None:
         metrics.write_json(history, summary)

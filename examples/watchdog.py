@@ -27,8 +27,17 @@ from typing import Any
 import torch.distributed as dist
 
 INTERVAL_S = 1.0
-COMM_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
-               "timed out", "Socket Timeout", "NCCL error", "ProcessGroupNCCL", "Connection refused")
+COMM_ERRORS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Timed out waiting",
+    "timed out",
+    "Socket Timeout",
+    "NCCL error",
+    "ProcessGroupNCCL",
+    "Connection refused",
+)
 
 
 def is_comm_failure(exc: BaseException) -> bool:
@@ -55,7 +64,9 @@ class Watchdog:
     """Heartbeat writer, stall backstop and post-mortem for one rank. With `store=None` it only
     keeps the progress marks (train.train run under a test harness)."""
 
-    def __init__(self, store: dist.Store | None, rank: int, world: int, timeout: float, interval: float = INTERVAL_S) -> None:
+    def __init__(
+        self, store: dist.Store | None, rank: int, world: int, timeout: float, interval: float = INTERVAL_S
+    ) -> None:
         self.store, self.rank, self.world, self.timeout, self.interval = store, rank, world, timeout, interval
         self.step, self.phase = 0, "startup"
         self._since = time.monotonic()
@@ -99,8 +110,12 @@ class Watchdog:
             self.store.set(key, value)
 
     def _beat(self) -> None:
-        self._set(f"hb/{self.rank}", json.dumps({"time": time.time(), "pid": os.getpid(), "host": self.host,
-                                                 "step": self.step, "phase": self.phase}))
+        self._set(
+            f"hb/{self.rank}",
+            json.dumps(
+                {"time": time.time(), "pid": os.getpid(), "host": self.host, "step": self.step, "phase": self.phase}
+            ),
+        )
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -111,8 +126,12 @@ class Watchdog:
             self._beat()
             stalled = time.monotonic() - self._since
             if stalled > self.backstop_after:
-                print(f"train.py: rank {self.rank}: no progress for {stalled:.0f} s at step {self.step} ({self.phase}), "
-                      f"over --timeout {self.timeout:g}; {self.diagnose()}", file=sys.stderr, flush=True)
+                print(
+                    f"train.py: rank {self.rank}: no progress for {stalled:.0f} s at step {self.step} ({self.phase}), "
+                    f"over --timeout {self.timeout:g}; {self.diagnose()}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 os._exit(1)  # the main thread is blocked where no exception can reach it
 
     # ------------------------------------------------------------------------- post-mortem

@@ -41,11 +41,20 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.modules.setdefault("_harness", sys.modules[__name__])
 sys.modules.setdefault("tests._harness", sys.modules[__name__])
 
-__all__ = ["RankError", "run_on_ranks", "shutdown_pool", "fake_process_group",
-           "count_collectives", "trace_collectives", "CollectiveTracer", "Collective",
-           "requires_gpus", "assert_close_tensors"]
+__all__ = [
+    "RankError",
+    "run_on_ranks",
+    "shutdown_pool",
+    "fake_process_group",
+    "count_collectives",
+    "trace_collectives",
+    "CollectiveTracer",
+    "Collective",
+    "requires_gpus",
+    "assert_close_tensors",
+]
 
-FAILURE_GRACE_S = 5.0     # after one rank fails, how long the others get to finish or fail
+FAILURE_GRACE_S = 5.0  # after one rank fails, how long the others get to finish or fail
 STARTUP_TIMEOUT_S = 180.0  # spawning + importing torch; generous for a loaded 2-core machine
 
 
@@ -58,6 +67,7 @@ class RankError(AssertionError):
 
 
 # ----------------------------------------------------------------------------- worker side
+
 
 def _forget_sharding_cache() -> None:
     """DTensor caches sharding propagation keyed by meshes that compare equal across process
@@ -84,6 +94,7 @@ def _worker_main(conn: Connection, fault_path: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     with contextlib.suppress(Exception):  # die with the parent even if it is SIGKILLed
         import ctypes
+
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # no DNS, single host
@@ -103,8 +114,7 @@ def _worker_main(conn: Connection, fault_path: str) -> None:
             sys_path, filters, fn, args, kwargs = pickle.loads(blob)
             sys.path.extend(p for p in sys_path if p not in sys.path)
             if port not in stores:
-                stores[port] = dist.TCPStore("127.0.0.1", port, is_master=False,
-                                             timeout=timedelta(seconds=60))
+                stores[port] = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
             # A fresh key space per call: the default group is always named "0", so keys
             # from an earlier call would otherwise be found by this one's rendezvous.
             store = dist.PrefixStore(f"call{call_id}/", stores[port])
@@ -138,13 +148,15 @@ def _worker_main(conn: Connection, fault_path: str) -> None:
         try:
             conn.send((call_id, ok, payload, healthy))
         except Exception:  # noqa: BLE001 - an unpicklable return value
-            conn.send((call_id, False, f"return value of rank {rank} is not picklable:\n"
-                                       + traceback.format_exc(), healthy))
+            conn.send(
+                (call_id, False, f"return value of rank {rank} is not picklable:\n" + traceback.format_exc(), healthy)
+            )
         if not healthy:
             return  # the parent replaces this worker
 
 
 # ----------------------------------------------------------------------------- parent side
+
 
 class _Pool:
     """Spawned workers (slot i runs rank i) plus a TCPStore server that lives in the parent."""
@@ -168,8 +180,7 @@ class _Pool:
         ctx = mp.get_context("spawn")  # fork deadlocks once OpenMP has run in the parent
         parent, child = ctx.Pipe()
         fault_path = os.path.join(self.tmpdir, f"worker{slot}-{time.monotonic_ns()}.txt")
-        p = ctx.Process(target=_worker_main, args=(child, fault_path),
-                        name=f"harness-worker-{slot}")
+        p = ctx.Process(target=_worker_main, args=(child, fault_path), name=f"harness-worker-{slot}")
         p.start()
         child.close()
         if slot == len(self.procs):
@@ -197,8 +208,7 @@ class _Pool:
         deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline and not all(self.fault_text(i) for i in slots):
             time.sleep(0.05)
-        return "".join(f"\n----- stack of hung rank {i} -----\n{self.fault_text(i)}"
-                       for i in slots)
+        return "".join(f"\n----- stack of hung rank {i} -----\n{self.fault_text(i)}" for i in slots)
 
     def wait_ready(self, n: int) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -209,8 +219,9 @@ class _Pool:
                         raise TimeoutError(f"harness worker {i} did not start")
                     self.conns[i].recv()
                 except EOFError:
-                    raise RuntimeError(f"harness worker {i} failed to start; see its stderr\n"
-                                       + self.death_note(i)) from None
+                    raise RuntimeError(
+                        f"harness worker {i} failed to start; see its stderr\n" + self.death_note(i)
+                    ) from None
                 self.ready[i] = True
 
     def shutdown(self) -> None:
@@ -236,8 +247,14 @@ def shutdown_pool() -> None:
 atexit.register(shutdown_pool)
 
 
-def run_on_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any,
-                 backend: str = "gloo", timeout: float = 120.0, **kwargs: Any) -> list:
+def run_on_ranks(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = 120.0,
+    **kwargs: Any,
+) -> list:
     """Run module-level ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks.
 
     Each call gets a fresh default process group (``backend``) and the same seeds on every
@@ -258,8 +275,9 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any,
     try:
         blob = pickle.dumps((list(sys.path), filters, fn, args, kwargs))
     except Exception as e:
-        raise TypeError(f"run_on_ranks: fn {fn!r} and its arguments must be picklable "
-                        f"(fn must be a module-level function): {e}") from e
+        raise TypeError(
+            f"run_on_ranks: fn {fn!r} and its arguments must be picklable (fn must be a module-level function): {e}"
+        ) from e
     if _pool is None:  # lazily: spawn copies sys.path, which pytest has set up by now
         _pool = _Pool()
     pool = _pool
@@ -298,33 +316,40 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any,
     if errors:
         raise _rank_error(errors, results, stuck, stacks)
     if stuck:
-        raise TimeoutError(f"run_on_ranks({getattr(fn, '__name__', fn)}): ranks {stuck} of "
-                           f"{world_size} did not finish within {timeout} s (killed){stacks}")
+        raise TimeoutError(
+            f"run_on_ranks({getattr(fn, '__name__', fn)}): ranks {stuck} of "
+            f"{world_size} did not finish within {timeout} s (killed){stacks}"
+        )
     return [results[r] for r in range(world_size)]
 
 
-def _rank_error(errors: dict[int, str], results: dict[int, Any], stuck: list[int],
-                stacks: str) -> RankError:
+def _rank_error(errors: dict[int, str], results: dict[int, Any], stuck: list[int], stacks: str) -> RankError:
     # Root causes first: a peer's failure shows up as a gloo/NCCL error on the others.
     errors = {r: errors[r] for r in sorted(errors, key=lambda r: (_is_peer_failure(errors[r]), r))}
     lines = [f"rank {r} failed: {tb.strip().splitlines()[-1]}" for r, tb in errors.items()]
     if stuck:
-        lines.append(f"ranks {stuck} did not finish within {FAILURE_GRACE_S} s after that "
-                     "(killed)")
+        lines.append(f"ranks {stuck} did not finish within {FAILURE_GRACE_S} s after that (killed)")
     if results and all(_is_peer_failure(tb) for tb in errors.values()):
-        lines.append(f"ranks {sorted(results)} returned normally: did they skip a collective "
-                     "the others issued?")
+        lines.append(f"ranks {sorted(results)} returned normally: did they skip a collective the others issued?")
     lines += [f"\n----- traceback of rank {r} -----\n{tb.rstrip()}" for r, tb in errors.items()]
     return RankError("\n".join(lines) + stacks, errors)
 
 
 def _is_peer_failure(tb: str) -> bool:
     last = tb.strip().splitlines()[-1]
-    return any(s in last for s in ("Connection closed by peer", "Connection reset by peer",
-                                   "remote worker", "NCCL communicator was aborted"))
+    return any(
+        s in last
+        for s in (
+            "Connection closed by peer",
+            "Connection reset by peer",
+            "remote worker",
+            "NCCL communicator was aborted",
+        )
+    )
 
 
 # ----------------------------------------------------------------------------- fake process group
+
 
 @contextlib.contextmanager
 def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
@@ -344,9 +369,23 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
 
 _NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
 # Normalised kind by prefix of the normalised op name; order matters (reduce_scatter < reduce).
-_KINDS = ("all_gather", "all_reduce", "all_to_all", "reduce_scatter", "broadcast", "gather",
-          "scatter", "reduce", "monitored_barrier", "barrier", "send", "isend", "recv",
-          "irecv", "batch_p2p")
+_KINDS = (
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "reduce_scatter",
+    "broadcast",
+    "gather",
+    "scatter",
+    "reduce",
+    "monitored_barrier",
+    "barrier",
+    "send",
+    "isend",
+    "recv",
+    "irecv",
+    "batch_p2p",
+)
 
 
 def _kind(op_name: str) -> str | None:
@@ -363,10 +402,17 @@ def _kind(op_name: str) -> str | None:
 def _group_label(value: Any) -> str | None:
     """``g[0,1]`` (global ranks) for a ProcessGroup, its boxed form, or a group name."""
     from torch.distributed.distributed_c10d import _resolve_process_group
+
     try:
-        pg = (value if isinstance(value, dist.ProcessGroup) else
-              dist.ProcessGroup.unbox(value) if isinstance(value, torch.ScriptObject) else
-              _resolve_process_group(value) if isinstance(value, str) else None)
+        pg = (
+            value
+            if isinstance(value, dist.ProcessGroup)
+            else dist.ProcessGroup.unbox(value)
+            if isinstance(value, torch.ScriptObject)
+            else _resolve_process_group(value)
+            if isinstance(value, str)
+            else None
+        )
         return pg and "g[" + ",".join(map(str, dist.get_process_group_ranks(pg))) + "]"
     except Exception:  # a destroyed or foreign group: its name is the best we have
         return f"g{value!r}" if isinstance(value, str) else None
@@ -383,6 +429,7 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 @dataclass(frozen=True)
 class Collective:
     """One recorded collective. ``numel`` is the larger side: gathered output, scattered input."""
+
     kind: str
     group: str
     dtype: torch.dtype | None
@@ -402,8 +449,7 @@ class CollectiveTracer(TorchDispatchMode):
         super().__init__()
         self.records: list[Collective] = []
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         # Let DTensor run first with this mode still active, so the collectives it issues
         # on its local tensors are seen (as CommDebugMode does).
@@ -426,8 +472,7 @@ class CollectiveTracer(TorchDispatchMode):
         tensors_in = [_tensors(v) for v in bound.values()] + [_tensors(out)]
         tensors = [t for ts in tensors_in for t in ts]
         numel = max((sum(t.numel() for t in ts) for ts in tensors_in), default=0)
-        return Collective(kind, group or "g?", tensors[0].dtype if tensors else None, numel,
-                          func.name())
+        return Collective(kind, group or "g?", tensors[0].dtype if tensors else None, numel, func.name())
 
     @property
     def events(self) -> list[str]:
@@ -460,6 +505,7 @@ def trace_collectives() -> CollectiveTracer:
 
 # ----------------------------------------------------------------------------- misc
 
+
 def requires_gpus(n: int) -> Callable[[Any], Any]:
     """Mark a test ``gpu`` (``pytest -m gpu`` runs the GPU suite) and skip it unless at least
     ``n`` CUDA devices are visible."""
@@ -467,15 +513,15 @@ def requires_gpus(n: int) -> Callable[[Any], Any]:
     return lambda test: pytest.mark.gpu(skip(test))
 
 
-def assert_close_tensors(a: Any, b: Any, *, exact: bool = False, rtol: float | None = None,
-                         atol: float | None = None, msg: str = "") -> None:
+def assert_close_tensors(
+    a: Any, b: Any, *, exact: bool = False, rtol: float | None = None, atol: float | None = None, msg: str = ""
+) -> None:
     """Compare tensors or DTensors (via ``full_tensor()``, a collective: call on every rank),
     or dicts/lists/tuples of them. ``exact``: ``torch.equal`` plus equal dtypes."""
     _compare(a, b, exact, rtol, atol, msg, path="")
 
 
-def _compare(a: Any, b: Any, exact: bool, rtol: float | None, atol: float | None,
-             msg: str, path: str) -> None:
+def _compare(a: Any, b: Any, exact: bool, rtol: float | None, atol: float | None, msg: str, path: str) -> None:
     where = f"{msg} {'at ' + path if path else ''}".strip() or "tensors"
     if isinstance(a, (dict, list, tuple)):
         if not isinstance(b, (dict, list, tuple)) or isinstance(a, dict) != isinstance(b, dict):
@@ -498,6 +544,8 @@ def _compare(a: Any, b: Any, exact: bool, rtol: float | None, atol: float | None
     elif not torch.equal(a, b):
         diff = (a.double() - b.double()).abs()
         idx = tuple(int(i) for i in torch.nonzero(diff != 0)[0])
-        raise AssertionError(f"{where}: not equal; {int((a != b).sum())} of {a.numel()} "
-                             f"elements differ, max abs diff {diff.nan_to_num().max().item()}, "
-                             f"first at {idx}: {a[idx].item()} vs {b[idx].item()}")
+        raise AssertionError(
+            f"{where}: not equal; {int((a != b).sum())} of {a.numel()} "
+            f"elements differ, max abs diff {diff.nan_to_num().max().item()}, "
+            f"first at {idx}: {a[idx].item()} vs {b[idx].item()}"
+        )

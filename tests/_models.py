@@ -41,7 +41,9 @@ class Block(nn.Module):
 class TinyTransformer(nn.Module):
     """Decoder-only LM with tied input/output embeddings (vocab 13, width 10, 2 heads)."""
 
-    def __init__(self, vocab: int = 13, dim: int = 10, heads: int = 2, layers: int = 2, seq: int = 7, dropout: float = 0.0) -> None:
+    def __init__(
+        self, vocab: int = 13, dim: int = 10, heads: int = 2, layers: int = 2, seq: int = 7, dropout: float = 0.0
+    ) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Embedding(seq, dim)
@@ -62,7 +64,9 @@ def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
 
 
-def batch_for(step: int, world_size: int, rank: int | None, per_rank: int = 2, vocab: int = 13, seq: int = 8) -> torch.Tensor:
+def batch_for(
+    step: int, world_size: int, rank: int | None, per_rank: int = 2, vocab: int = 13, seq: int = 8
+) -> torch.Tensor:
     """Deterministic token batch of step `step`: all ranks' rows, or only `rank`'s rows."""
     g = torch.Generator().manual_seed(1000 + step)
     tokens = torch.randint(0, vocab, (world_size * per_rank, seq), generator=g)

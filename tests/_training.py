@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from _harness import assert_close_tensors
+from _models import Block, TinyTransformer, batch_for, lm_loss
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from _harness import assert_close_tensors
-from _models import Block, TinyTransformer, batch_for, lm_loss
 from composable import MixedPrecisionPolicy, ShardingStrategy, fully_shard
 
 # fp32 on CPU: the only difference to the reference is the order of the gradient summation.
@@ -39,8 +39,10 @@ ROOT_PARAMS = ["tok.weight", "pos.weight", "norm.weight", "norm.bias"]
 
 # ----------------------------------------------------------------------------- sharding
 
-def shard_transformer(model: TinyTransformer, layer_mp: MixedPrecisionPolicy | None = None,
-                      **options: Any) -> TinyTransformer:
+
+def shard_transformer(
+    model: TinyTransformer, layer_mp: MixedPrecisionPolicy | None = None, **options: Any
+) -> TinyTransformer:
     """Per-block groups plus a root group (embeddings, final norm), as users wrap LMs; every
     call gets `options`, and the blocks get `layer_mp` as their mp_policy where given."""
     layer_options = options if layer_mp is None else {**options, "mp_policy": layer_mp}
@@ -51,7 +53,9 @@ def shard_transformer(model: TinyTransformer, layer_mp: MixedPrecisionPolicy | N
 
 def states(model: nn.Module) -> dict[str, list[str]]:
     """{module FQN: its fully_shard param_names} for every module with a state."""
-    return {name: fully_shard.state(m).param_names for name, m in model.named_modules() if fully_shard.state(m) is not None}
+    return {
+        name: fully_shard.state(m).param_names for name, m in model.named_modules() if fully_shard.state(m) is not None
+    }
 
 
 def registered(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -78,13 +82,16 @@ def reference_of(model: TinyTransformer, full: dict[str, torch.Tensor]) -> TinyT
 
 # ----------------------------------------------------------------------------- step-by-step comparison
 
+
 def sgd(model: nn.Module) -> torch.optim.Optimizer:
     # SGD with momentum: linear in the gradients, so tiny summation-order differences stay
     # tiny (Adam can blow them up where a gradient is close to zero).
     return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
 
 
-def xy(step: int, world_size: int, rank: int | None, din: int = 5, dout: int = 3, per_rank: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+def xy(
+    step: int, world_size: int, rank: int | None, din: int = 5, dout: int = 3, per_rank: int = 2
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Regression batch of step `step`: all ranks' rows (rank None) or only `rank`'s rows."""
     g = torch.Generator().manual_seed(2000 + step)
     x, y = torch.randn(world_size * per_rank, din, generator=g), torch.randn(world_size * per_rank, dout, generator=g)
@@ -126,7 +133,9 @@ def check_params(model: nn.Module, ref: nn.Module, tag: str, skip: tuple[str, ..
             assert_close_tensors(p, rp, **TOL, msg=f"{tag} param {name}")
 
 
-def step_and_compare(model: nn.Module, ref: nn.Module, opt: torch.optim.Optimizer, ref_opt: torch.optim.Optimizer, tag: str) -> None:
+def step_and_compare(
+    model: nn.Module, ref: nn.Module, opt: torch.optim.Optimizer, ref_opt: torch.optim.Optimizer, tag: str
+) -> None:
     """Gradients match the reference's (looked up by name, default tolerance), then one
     optimizer step and zero_grad on both, then the parameters match."""
     for name, p in model.named_parameters():
@@ -139,8 +148,15 @@ def step_and_compare(model: nn.Module, ref: nn.Module, opt: torch.optim.Optimize
 
 
 def train_step(
-    model: nn.Module, ref: nn.Module, opt: torch.optim.Optimizer, ref_opt: torch.optim.Optimizer,
-    loss_fn: Callable[[nn.Module, Any], torch.Tensor], local: Any, full: Any, tag: str, skip: tuple[str, ...] = (),
+    model: nn.Module,
+    ref: nn.Module,
+    opt: torch.optim.Optimizer,
+    ref_opt: torch.optim.Optimizer,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    local: Any,
+    full: Any,
+    tag: str,
+    skip: tuple[str, ...] = (),
 ) -> float:
     """One step on both models; checks loss, gradients and parameters. Returns the loss."""
     opt.zero_grad(set_to_none=True)
@@ -157,11 +173,28 @@ def train_step(
     return ref_loss.item()
 
 
-def lm_steps(model: nn.Module, ref: nn.Module, rank: int, world_size: int, steps: range, tag: str,
-             opt: torch.optim.Optimizer | None = None, ref_opt: torch.optim.Optimizer | None = None) -> list[float]:
+def lm_steps(
+    model: nn.Module,
+    ref: nn.Module,
+    rank: int,
+    world_size: int,
+    steps: range,
+    tag: str,
+    opt: torch.optim.Optimizer | None = None,
+    ref_opt: torch.optim.Optimizer | None = None,
+) -> list[float]:
     opt, ref_opt = opt or sgd(model), ref_opt or sgd(ref)
     return [
-        train_step(model, ref, opt, ref_opt, lm_loss, batch_for(s, world_size, rank), batch_for(s, world_size, None), f"{tag} step {s}")
+        train_step(
+            model,
+            ref,
+            opt,
+            ref_opt,
+            lm_loss,
+            batch_for(s, world_size, rank),
+            batch_for(s, world_size, None),
+            f"{tag} step {s}",
+        )
         for s in steps
     ]
 
@@ -233,7 +266,9 @@ def adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
-def train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, world: int, rank: int | None) -> list[torch.Tensor]:
+def train(
+    model: nn.Module, opt: torch.optim.Optimizer, steps: range, world: int, rank: int | None
+) -> list[torch.Tensor]:
     """`steps` optimizer steps on this rank's rows (all rows when `rank` is None)."""
     losses = []
     for step in steps:

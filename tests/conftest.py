@@ -17,7 +17,10 @@ except ImportError:  # hypothesis is a test extra; tests that need it import it 
 else:
     # Multi-process examples take tens of milliseconds each: no deadline, few examples.
     settings.register_profile(
-        "composable", deadline=None, max_examples=20, derandomize=True,
+        "composable",
+        deadline=None,
+        max_examples=20,
+        derandomize=True,
         suppress_health_check=[HealthCheck.too_slow],
     )
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "composable"))

@@ -24,7 +24,16 @@ from trace_overlap import Interval
 
 
 def _result(run: str, step_s: float, peak: float) -> dict:
-    return {"run": run, "step_s": step_s, "tok_s_gpu": 0.0, "mfu_per_tok_s": 1e-6, "peak_alloc_gib": peak, "peak_reserved_gib": peak + 1, "left_before_gib": 0.0, "loss": 1.0}
+    return {
+        "run": run,
+        "step_s": step_s,
+        "tok_s_gpu": 0.0,
+        "mfu_per_tok_s": 1e-6,
+        "peak_alloc_gib": peak,
+        "peak_reserved_gib": peak + 1,
+        "left_before_gib": 0.0,
+        "loss": 1.0,
+    }
 
 
 def test_report_ratios_are_medians_of_per_round_ratios(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -76,7 +85,9 @@ def test_trace_overlap_splits_compute_exposed_and_idle(tmp_path: Path, capsys: p
     assert "idle                     0.050 ms at +    0.1 ms  cpu: aten::_foreach_add_" in printed
 
 
-needs_hf = pytest.mark.skipif(not bench_build.hf_available(), reason="transformers is not installed (pip install transformers)")
+needs_hf = pytest.mark.skipif(
+    not bench_build.hf_available(), reason="transformers is not installed (pip install transformers)"
+)
 MODELS = ["own", pytest.param("hf-llama", marks=needs_hf)]
 
 
@@ -110,21 +121,31 @@ def test_separate_ends_is_the_default_wrap() -> None:
     assert benchmark.parse_args([]).wrap == "separate-ends"
 
 
-def test_hf_llama_without_transformers_is_one_clear_line(monkeypatch: pytest.MonkeyPatch,
-                                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_hf_llama_without_transformers_is_one_clear_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setattr(benchmark, "hf_available", lambda: False)
     with pytest.raises(SystemExit) as exc:
         benchmark.parse_args(["--model", "hf-llama"])
     assert exc.value.code == 2
-    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
-        "error: --model hf-llama needs HuggingFace transformers, which is not installed: pip install transformers")
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .splitlines()[-1]
+        .endswith(
+            "error: --model hf-llama needs HuggingFace transformers, which is not installed: pip install transformers"
+        )
+    )
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--runs", "floor,fsdp3"], "--runs: unknown run(s) ['fsdp3']"),
-    (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
-    (["--model", "gpt"], "argument --model: invalid choice: 'gpt'"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--runs", "floor,fsdp3"], "--runs: unknown run(s) ['fsdp3']"),
+        (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+        (["--model", "gpt"], "argument --model: invalid choice: 'gpt'"),
+    ],
+)
 def test_bad_flags_are_refused(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         benchmark.parse_args(argv)
@@ -155,8 +176,23 @@ def _smoke(rank: int, world_size: int, argv: list[str]) -> dict:
     """The whole GPU path (build, train, time, report) on 2 gloo ranks on the CPU."""
     import torch
 
-    args = benchmark.parse_args(["--preset", "tiny", "--seq-len", "16", "--batch-size", "1", "--steps", "1",
-                                 "--warmup", "1", "--rounds", "1", *argv])
+    args = benchmark.parse_args(
+        [
+            "--preset",
+            "tiny",
+            "--seq-len",
+            "16",
+            "--batch-size",
+            "1",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--rounds",
+            "1",
+            *argv,
+        ]
+    )
     rounds = benchmark.run_rounds(args, torch.device("cpu"))
     return {run: res["loss"] for run, res in rounds[0].items()}
 
@@ -186,6 +222,7 @@ def test_smoke_run_with_compiled_blocks() -> None:
 
 
 # --- --cpu-overhead: a crash at teardown costs no result, one before reporting is retried ---
+
 
 def _abort_at_exit() -> str:
     import atexit

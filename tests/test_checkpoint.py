@@ -20,9 +20,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from _harness import assert_close_tensors, run_on_ranks
 from torch.distributed.tensor import DTensor
 
-from _harness import assert_close_tensors, run_on_ranks
 from composable import MixedPrecisionPolicy, ShardingStrategy, checkpoint, fully_shard, replicate
 
 DIM, HIDDEN = 6, 10
@@ -30,6 +30,7 @@ STEPS = 3
 
 
 # ----------------------------------------------------------------------------- models
+
 
 def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
@@ -159,7 +160,9 @@ def test_forward_is_recomputed_in_backward() -> None:
     assert len(model.seq[0].log) == 3
 
 
-def _grads_and_rng(model: nn.Module, x: torch.Tensor, seed: int) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+def _grads_and_rng(
+    model: nn.Module, x: torch.Tensor, seed: int
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
     torch.manual_seed(seed)
     out = model(x)
     out.square().sum().backward()
@@ -227,6 +230,7 @@ def test_backward_after_the_module_was_freed_says_so() -> None:
 
 
 # ----------------------------------------------------------------------------- composed
+
 
 def _cfg_seq_policy(m: Net) -> None:
     checkpoint(m.u1.seq)

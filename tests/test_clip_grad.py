@@ -57,7 +57,8 @@ LAYOUTS = {
     "dp_tp": _DP_TP,
     # A TP x FSDP body, a head sharded over dp only, an expert sharded over its own mesh, a
     # replicated bias, and plain tensors.
-    "mixed": _DP_TP + [
+    "mixed": _DP_TP
+    + [
         ((9, 4), "dp", (Shard(0),)),
         ((4, 3, 2), "ep", (Shard(0),)),
         ((2,), "world", (Replicate(),)),
@@ -68,7 +69,12 @@ LAYOUTS = {
 # Distinct process groups with a sharded, non-trivial mesh dim: the all_reduces expected.
 # World 2 "mixed": the 2D mesh is (2, 1), and its dp group has the same ranks as "ep".
 EXPECTED_ALL_REDUCES = {
-    ("1d", 2): 1, ("1d", 4): 1, ("hsdp", 4): 1, ("dp_tp", 4): 2, ("mixed", 2): 1, ("mixed", 4): 3,
+    ("1d", 2): 1,
+    ("1d", 4): 1,
+    ("hsdp", 4): 1,
+    ("dp_tp", 4): 2,
+    ("mixed", 2): 1,
+    ("mixed", 4): 3,
 }
 
 
@@ -192,12 +198,16 @@ def _missing_grads(rank: int, world_size: int, missing: str) -> tuple[float, flo
             total = clip_grad_norm_(params, 0.1, norm_type)  # used to hang: rank 1 skipped the all_reduce
         # The expected norm, from every rank's held pieces (outside the count).
         part = local.clone() if norm_type == math.inf else local.pow(2)
-        torch.distributed.all_reduce(part, op=torch.distributed.ReduceOp.MAX if norm_type == math.inf else torch.distributed.ReduceOp.SUM)
+        torch.distributed.all_reduce(
+            part, op=torch.distributed.ReduceOp.MAX if norm_type == math.inf else torch.distributed.ReduceOp.SUM
+        )
         expected = part if norm_type == math.inf else part.sqrt()
         assert_close_tensors(total, expected, msg=f"rank {rank}, p={norm_type}")
         clipped = [p.grad._local_tensor.flatten() for p in params if p.grad is not None]
         if clipped:  # scaled to max_norm: this rank's share shrank by the common coefficient
-            assert_close_tensors(torch.linalg.vector_norm(torch.cat(clipped), norm_type), local * 0.1 / (expected + 1e-6))
+            assert_close_tensors(
+                torch.linalg.vector_norm(torch.cat(clipped), norm_type), local * 0.1 / (expected + 1e-6)
+            )
         out[norm_type] = (total.item(), dict(comms.counts))
     return out
 
@@ -262,8 +272,10 @@ def test_cpu_cost_of_2000_dtensor_grads() -> None:
     """
     sizes = (500, 1000, 2000)
     times = run_on_ranks(_timing, 2, sizes=sizes)[0]
-    print("\nclip_grad_norm_ on DTensor grads (first call / second call): "
-          + ", ".join(f"{n}: {a * 1e3:.1f} / {b * 1e3:.1f} ms" for n, (a, b) in zip(sizes, times)))
+    print(
+        "\nclip_grad_norm_ on DTensor grads (first call / second call): "
+        + ", ".join(f"{n}: {a * 1e3:.1f} / {b * 1e3:.1f} ms" for n, (a, b) in zip(sizes, times))
+    )
     assert max(times[-1]) < 1.0
 
 
@@ -342,6 +354,7 @@ def _gpu_mesh_with_offloaded_grads(rank: int, world_size: int) -> None:
         local = full.chunk(world_size)[rank] if i < 2 else full
         local = local.cuda() if i == 0 else local.clone()  # grads 1 (DTensor) and 2 (plain) on CPU
         if i < 2:  # shape and stride given: the shards are uneven
+
             def as_dtensor(t: torch.Tensor, full: torch.Tensor = full) -> DTensor:
                 return DTensor.from_local(t, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
 

@@ -20,10 +20,10 @@ import expecttest
 import pytest
 import torch
 import torch.nn as nn
+from _harness import CollectiveTracer, fake_process_group, trace_collectives
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from _harness import CollectiveTracer, fake_process_group, trace_collectives
 from composable import MixedPrecisionPolicy, ShardingStrategy, fully_shard
 
 WORLD = 8
@@ -65,6 +65,7 @@ def _counts(phases: dict[str, CollectiveTracer]) -> dict[str, dict[str, int]]:
 
 # ----------------------------------------------------------------------------- counts
 
+
 @pytest.mark.parametrize("per_block", [1, 2, 5])
 @pytest.mark.parametrize(
     "options, extra_gathers",
@@ -94,7 +95,8 @@ def test_collectives_per_step(per_block: int, options: dict, extra_gathers: int)
             counts = _counts(_step(model, opt, x))
             assert counts == {
                 "forward": {"all_gather": groups},
-                "backward": {"all_gather": extra_gathers, "reduce_scatter": groups} if extra_gathers
+                "backward": {"all_gather": extra_gathers, "reduce_scatter": groups}
+                if extra_gathers
                 else {"reduce_scatter": groups},
                 "optimizer": {},
             }, f"step {step}"
@@ -138,13 +140,13 @@ def _padded_numel(module: nn.Module) -> int:
     names = fully_shard.state(module).param_names
     params = dict(module.named_parameters())
     per_rank = sum(
-        math.ceil(p.shape[0] / WORLD) * math.prod(p.shape[1:]) if p.dim() else 1
-        for p in (params[n] for n in names)
+        math.ceil(p.shape[0] / WORLD) * math.prod(p.shape[1:]) if p.dim() else 1 for p in (params[n] for n in names)
     )
     return WORLD * per_rank
 
 
 # ----------------------------------------------------------------------------- exact trace
+
 
 class TraceNet(nn.Module):
     """Three blocks and a root with different, uneven sizes, so each group's size is unique.
@@ -202,7 +204,9 @@ class TestTrace(expecttest.TestCase):
     """
 
     def test_full_shard_fp32(self) -> None:
-        self.assertExpectedInline(_trace_one_step(), """\
+        self.assertExpectedInline(
+            _trace_one_step(),
+            """\
 forward:
   all_gather(g[0,1,2,3,4,5,6,7], float32, 248)
   all_gather(g[0,1,2,3,4,5,6,7], float32, 80)
@@ -217,12 +221,15 @@ backward:
   reduce_scatter(g[0,1,2,3,4,5,6,7], float32, 272)
   reduce_scatter(g[0,1,2,3,4,5,6,7], float32, 96)
 optimizer:
-""")
+""",
+        )
 
     def test_shard_grad_op_bf16_params_fp32_reduce(self) -> None:
         # Gathers move bf16 (half the bytes); gradients are reduced in fp32; nothing re-gathers.
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        self.assertExpectedInline(_trace_one_step(strategy=ShardingStrategy.SHARD_GRAD_OP, mp_policy=mp), """\
+        self.assertExpectedInline(
+            _trace_one_step(strategy=ShardingStrategy.SHARD_GRAD_OP, mp_policy=mp),
+            """\
 forward:
   all_gather(g[0,1,2,3,4,5,6,7], bfloat16, 248)
   all_gather(g[0,1,2,3,4,5,6,7], bfloat16, 80)
@@ -234,12 +241,15 @@ backward:
   reduce_scatter(g[0,1,2,3,4,5,6,7], float32, 272)
   reduce_scatter(g[0,1,2,3,4,5,6,7], float32, 96)
 optimizer:
-""")
+""",
+        )
 
     def test_hsdp_2x4(self) -> None:
         # HSDP on a (replicate 2, shard 4) mesh: gathers and reduce-scatters within the shard
         # group of rank 0 (ranks 0-3), then one all-reduce per group across replicas (0 and 4).
-        self.assertExpectedInline(_trace_one_step((2, 4)), """\
+        self.assertExpectedInline(
+            _trace_one_step((2, 4)),
+            """\
 forward:
   all_gather(g[0,1,2,3], float32, 204)
   all_gather(g[0,1,2,3], float32, 60)
@@ -258,7 +268,8 @@ backward:
   reduce_scatter(g[0,1,2,3], float32, 68)
   all_reduce(g[0,4], float32, 17)
 optimizer:
-""")
+""",
+        )
 
 
 @pytest.mark.parametrize(
@@ -272,7 +283,9 @@ optimizer:
         ("fake", "cpu", torch.float32, False),
     ],
 )
-def test_when_collectives_average(monkeypatch: pytest.MonkeyPatch, backend: str, device: str, dtype: torch.dtype, expected: bool) -> None:
+def test_when_collectives_average(
+    monkeypatch: pytest.MonkeyPatch, backend: str, device: str, dtype: torch.dtype, expected: bool
+) -> None:
     """Which reductions use ReduceOp.AVG instead of SUM and a division (only the decision:
     CI has no NCCL; the GPU suite checks the numbers against references)."""
     from composable._engine import collectives as _collectives

@@ -15,13 +15,19 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
+from _harness import assert_close_tensors, requires_gpus, run_on_ranks
+from _models import TinyTransformer, batch_for, lm_loss
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from _harness import assert_close_tensors, requires_gpus, run_on_ranks
-from _models import TinyTransformer, batch_for, lm_loss
 from composable import (
-    CPUOffloadPolicy, MixedPrecisionPolicy, ShardingStrategy, checkpoint, fully_shard, no_sync, replicate,
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    ShardingStrategy,
+    checkpoint,
+    fully_shard,
+    no_sync,
+    replicate,
 )
 
 STEPS = 3
@@ -39,7 +45,8 @@ def _apply(variant: str, module: nn.Module, mesh: DeviceMesh) -> None:
     if variant == "checkpoint" and module.__class__.__name__ == "Block":
         checkpoint(module)
     options: dict[str, Any] = {
-        "full_shard": {}, "checkpoint": {},
+        "full_shard": {},
+        "checkpoint": {},
         "shard_grad_op": {"strategy": ShardingStrategy.SHARD_GRAD_OP},
         "no_shard": {"strategy": ShardingStrategy.NO_SHARD},
         "bf16": {"mp_policy": BF16},
@@ -71,17 +78,24 @@ def _mesh(variant: str, world: int, device: torch.device) -> DeviceMesh:
 
 
 def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().cpu() for n, p in model.named_parameters()}
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().cpu()
+        for n, p in model.named_parameters()
+    }
 
 
-def _compiled_matches_eager(rank: int, world: int, variant: str, order: str, backend: str = "aot_eager", device: str = "cpu") -> None:
+def _compiled_matches_eager(
+    rank: int, world: int, variant: str, order: str, backend: str = "aot_eager", device: str = "cpu"
+) -> None:
     dev = torch.device(device, rank) if device == "cuda" else torch.device("cpu")
     if device == "cuda":
         torch.cuda.set_device(dev)
     torch._dynamo.reset()
     mesh = _mesh(variant, world, dev)
     eager, compiled = _build(variant, None, backend, mesh, dev), _build(variant, order, backend, mesh, dev)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, compiled)]  # Adam would amplify rounding in ~0 grads
+    opts = [
+        torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, compiled)
+    ]  # Adam would amplify rounding in ~0 grads
     tol = BF16_INDUCTOR_TOL if variant == "bf16" and backend == "inductor" else TOL[backend]
     for step in range(STEPS):
         tokens = batch_for(step, world, rank).to(dev)
@@ -93,7 +107,9 @@ def _compiled_matches_eager(rank: int, world: int, variant: str, order: str, bac
             opt.zero_grad()
             losses.append(loss.detach().float())
         assert_close_tensors(losses[1], losses[0], **tol, msg=f"{variant}/{order} step {step} loss")
-        assert_close_tensors(_full_params(compiled), _full_params(eager), **tol, msg=f"{variant}/{order} step {step} params")
+        assert_close_tensors(
+            _full_params(compiled), _full_params(eager), **tol, msg=f"{variant}/{order} step {step} params"
+        )
     counters = torch._dynamo.utils.counters
     assert counters["stats"]["unique_graphs"] >= 1, "nothing was compiled"
     assert not counters["graph_break"], dict(counters["graph_break"])
@@ -117,7 +133,10 @@ def test_inductor_compiled_blocks_train_like_eager() -> None:
 def _whole_model_compiled(rank: int, world: int) -> None:
     torch._dynamo.reset()
     mesh = init_device_mesh("cpu", (world,))
-    eager, inner = _build("full_shard", None, "aot_eager", mesh, torch.device("cpu")), _build("full_shard", None, "aot_eager", mesh, torch.device("cpu"))
+    eager, inner = (
+        _build("full_shard", None, "aot_eager", mesh, torch.device("cpu")),
+        _build("full_shard", None, "aot_eager", mesh, torch.device("cpu")),
+    )
     compiled = torch.compile(inner, backend="aot_eager")  # graph breaks at our hooks are allowed here
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, inner)]
     for step in range(STEPS):
@@ -187,8 +206,15 @@ def _hf_llama_compiled_matches_eager(rank: int, world: int, device: str = "cpu",
         torch.cuda.set_device(dev)
     torch._dynamo.reset()
     mesh = init_device_mesh(dev.type, (world,))
-    config = LlamaConfig(vocab_size=37, hidden_size=24, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=32)
+    config = LlamaConfig(
+        vocab_size=37,
+        hidden_size=24,
+        intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
 
     def build(compiled: bool) -> nn.Module:
         torch.manual_seed(0)
@@ -211,7 +237,9 @@ def _hf_llama_compiled_matches_eager(rank: int, world: int, device: str = "cpu",
             opt.zero_grad()
             losses.append(loss.detach())
         assert_close_tensors(losses[1], losses[0], **TOL[backend], msg=f"step {step} loss")
-        assert_close_tensors(_full_params(models[1]), _full_params(models[0]), **TOL[backend], msg=f"step {step} params")
+        assert_close_tensors(
+            _full_params(models[1]), _full_params(models[0]), **TOL[backend], msg=f"step {step} params"
+        )
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
 
 

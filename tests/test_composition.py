@@ -19,9 +19,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from _harness import assert_close_tensors, count_collectives, fake_process_group, requires_gpus, run_on_ranks
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from _harness import assert_close_tensors, count_collectives, fake_process_group, requires_gpus, run_on_ranks
 from composable import checkpoint, fully_shard, no_sync, replicate, set_requires_gradient_sync
 
 DIM = 6
@@ -29,6 +29,7 @@ STEPS = 3
 
 
 # ----------------------------------------------------------------------------- model
+
 
 class Leaf(nn.Module):
     """Bottom level: two linears (targets for a `{nn.Linear}` policy) and a bare parameter
@@ -117,6 +118,7 @@ def which_api(model: nn.Module) -> dict[str, str]:
 
 
 # ----------------------------------------------------------------------------- rank functions
+
 
 def _pattern_parity(rank: int, world_size: int, pattern: str, device: str = "cpu") -> dict[str, str]:
     torch.manual_seed(5)
@@ -207,8 +209,13 @@ PATTERNS = {
     "1r,1fa": {"kids.0": "replicate", "": "fully_shard"},
     "1r1fm,1fm": {"kids.0": "replicate", "kids.1": "fully_shard", "": "fully_shard"},
     "1r1fa,1fm": {"kids.0": "replicate", "kids.1": "fully_shard", "": "fully_shard"},
-    "1fm1fm,1r1r,1fm": {"kids.0.kids.0": "fully_shard", "kids.1.kids.0": "fully_shard",
-                        "kids.0": "replicate", "kids.1": "replicate", "": "fully_shard"},
+    "1fm1fm,1r1r,1fm": {
+        "kids.0.kids.0": "fully_shard",
+        "kids.1.kids.0": "fully_shard",
+        "kids.0": "replicate",
+        "kids.1": "replicate",
+        "": "fully_shard",
+    },
 }
 
 
@@ -217,7 +224,9 @@ def test_nested_patterns_match_replicate_reference(pattern: str) -> None:
     managed = run_on_ranks(_pattern_parity, 2, pattern=pattern)[0]
     # Bottom-up claiming: a parameter belongs to the API on its deepest managed ancestor.
     for name, api in managed.items():
-        owner = max((prefix for prefix in PATTERNS[pattern] if name.startswith(prefix + "." if prefix else "")), key=len)
+        owner = max(
+            (prefix for prefix in PATTERNS[pattern] if name.startswith(prefix + "." if prefix else "")), key=len
+        )
         assert api == PATTERNS[pattern][owner], (pattern, name, api)
 
 
@@ -233,6 +242,7 @@ def test_no_sync_over_mixed_tree_defers_all_communication(use_context: bool, res
 
 
 # -- forbidden compositions: one process on a fake world of 2 (no numerics needed) --------
+
 
 def _tree() -> nn.Module:
     return build(2)
@@ -280,7 +290,11 @@ def test_allowed_nesting_and_checkpoint_anywhere() -> None:
         # replicate on kids.0 manages its subtree minus what fully_shard on kids.0.kids.0 took.
         names = [n for n, _ in model.kids[0].named_parameters()]
         assert replicate.state(model.kids[0]).param_names == [n for n in names if not n.startswith("kids.0.")]
-        assert fully_shard.state(model.kids[0].kids[0]).param_names == [n.removeprefix("kids.0.") for n in names if n.startswith("kids.0.")]
+        assert fully_shard.state(model.kids[0].kids[0]).param_names == [
+            n.removeprefix("kids.0.") for n in names if n.startswith("kids.0.")
+        ]
         # The root takes the rest: its own, kids.1's and kids.1.kids.0's parameters.
         names = [n for n, _ in model.named_parameters()]
-        assert fully_shard.state(model).param_names == [n for n in names if not n.startswith(("kids.0.", "kids.1.kids.1."))]
+        assert fully_shard.state(model).param_names == [
+            n for n in names if not n.startswith(("kids.0.", "kids.1.kids.1."))
+        ]

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from _harness import run_on_ranks
 from torch.distributed.tensor import DTensor
 
-from _harness import run_on_ranks
 from composable import MixedPrecisionPolicy, fully_shard
 
 TIMEOUT = 120
@@ -41,6 +41,7 @@ def _check_grads(model: nn.Module, ref: nn.Module) -> None:
 
 
 # ----------------------------------------------------------------------------- dataclass outputs / inputs
+
 
 @dataclass
 class _Output:
@@ -102,6 +103,7 @@ def test_dataclass_input_is_cast_to_param_dtype() -> None:
 
 
 # ----------------------------------------------------------------------------- requires_grad changed after fully_shard
+
 
 def _requires_grad_changed_after_wrap(rank: int, world_size: int, mode: str) -> None:
     model = _mlp()

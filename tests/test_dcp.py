@@ -19,9 +19,22 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import test_tensor_parallel as tp  # the TP x FSDP model, plan and data
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from _harness import assert_close_tensors, run_on_ranks
+from _training import (
+    FULL,
+    adamw,
+    assert_same_params,
+    expected_placements,
+    full_state,
+    param_groups,
+    shard_layers,
+    tied_net,
+    train,
+)
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -31,17 +44,13 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-import test_tensor_parallel as tp  # the TP x FSDP model, plan and data
-from _harness import assert_close_tensors, run_on_ranks
-from _training import (
-    FULL, adamw, assert_same_params, expected_placements, full_state, param_groups, shard_layers, tied_net, train,
-)
 from composable import fully_shard
 
 ADAM_KEYS = {"step", "exp_avg", "exp_avg_sq"}
 
 
 # ----------------------------------------------------------------------------- DCP save/load
+
 
 def _dcp_model_and_optimizer(rank: int, world: int, path: str) -> None:
     model = shard_layers(tied_net(0), "fsdp")
@@ -83,6 +92,7 @@ def test_dcp_save_load_model_and_optimizer(tmp_path: Any) -> None:
 
 # ----------------------------------------------------------------------------- resharding
 
+
 def _save_world4(rank: int, world: int, path: str) -> dict[str, Any]:
     model = shard_layers(tied_net(0), "fsdp")
     opt = adamw(model)
@@ -114,6 +124,7 @@ def test_checkpoint_from_world_4_loads_at_world_2_and_into_hsdp(tmp_path: Any) -
 
 
 # ----------------------------------------------------------------------------- resume
+
 
 def _resume_is_bit_exact(rank: int, world: int, path: str) -> None:
     steps = 4
@@ -160,8 +171,14 @@ def _tp_model(seed: int, dims: tuple[int, int, int], mesh: DeviceMesh, local_out
     return tp._parallelize(tp._Stack(*dims[:2]), mesh, local_outputs)
 
 
-def _tp_train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, dims: tuple[int, int, int],
-              mesh: DeviceMesh, local_outputs: bool) -> list[torch.Tensor]:
+def _tp_train(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    steps: range,
+    dims: tuple[int, int, int],
+    mesh: DeviceMesh,
+    local_outputs: bool,
+) -> list[torch.Tensor]:
     losses = []
     for step in steps:
         _, x = tp._batch(step, dims, mesh, local_outputs)
@@ -181,7 +198,9 @@ def _1d_model(seed: int, dims: tuple[int, int, int]) -> nn.Module:
     return fully_shard(model)
 
 
-def _tp_save(rank: int, world: int, path: str, dims: tuple[int, int, int], local_outputs: bool) -> dict[str, torch.Tensor]:
+def _tp_save(
+    rank: int, world: int, path: str, dims: tuple[int, int, int], local_outputs: bool
+) -> dict[str, torch.Tensor]:
     """TP x FSDP: state dict layout, full state dict == reference, DCP round trip + resume."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
@@ -218,8 +237,9 @@ def _tp_save(rank: int, world: int, path: str, dims: tuple[int, int, int], local
     return expected
 
 
-def _tp_checkpoint_into_1d(rank: int, world: int, path: str, dims: tuple[int, int, int],
-                           expected: dict[str, torch.Tensor], out_path: str) -> dict[str, torch.Tensor]:
+def _tp_checkpoint_into_1d(
+    rank: int, world: int, path: str, dims: tuple[int, int, int], expected: dict[str, torch.Tensor], out_path: str
+) -> dict[str, torch.Tensor]:
     """Load the 2D checkpoint into plain 1D FSDP at world 2; save one of its own."""
     model = _1d_model(1, dims)
     msd = get_model_state_dict(model)
@@ -234,8 +254,9 @@ def _tp_checkpoint_into_1d(rank: int, world: int, path: str, dims: tuple[int, in
     return full_state(msd)
 
 
-def _1d_checkpoint_into_tp(rank: int, world: int, path: str, dims: tuple[int, int, int], local_outputs: bool,
-                           expected: dict[str, torch.Tensor]) -> None:
+def _1d_checkpoint_into_tp(
+    rank: int, world: int, path: str, dims: tuple[int, int, int], local_outputs: bool, expected: dict[str, torch.Tensor]
+) -> None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = _tp_model(2, dims, mesh, local_outputs)
     msd = get_model_state_dict(model)
@@ -247,7 +268,9 @@ def _1d_checkpoint_into_tp(rank: int, world: int, path: str, dims: tuple[int, in
 
 
 @pytest.mark.parametrize("dims, local_outputs", TP_CASES)
-def test_tensor_parallel_fsdp_state_dict_and_dcp(tmp_path: Any, dims: tuple[int, int, int], local_outputs: bool) -> None:
+def test_tensor_parallel_fsdp_state_dict_and_dcp(
+    tmp_path: Any, dims: tuple[int, int, int], local_outputs: bool
+) -> None:
     tp_path, one_d_path = str(tmp_path / "ckpt_tp"), str(tmp_path / "ckpt_1d")
     expected = run_on_ranks(_tp_save, 4, tp_path, dims, local_outputs)[0]
     expected = run_on_ranks(_tp_checkpoint_into_1d, 2, tp_path, dims, expected, one_d_path)[0]

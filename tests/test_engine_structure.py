@@ -68,7 +68,7 @@ def test_import_graph_has_no_cycles() -> None:
         state[node] = 1
         for dep in sorted(graph.get(node, ())):
             if state.get(dep) == 1:
-                cycle = stack[stack.index(dep):] + [dep] if dep in stack else [node, dep]
+                cycle = stack[stack.index(dep) :] + [dep] if dep in stack else [node, dep]
                 raise AssertionError("import cycle: " + " -> ".join(cycle))
             if dep not in state:
                 visit(dep, stack + [dep])
@@ -82,8 +82,10 @@ def test_import_graph_has_no_cycles() -> None:
 def test_engine_imports_nothing_above_it() -> None:
     bad = {
         (mod, dep)
-        for mod, deps in _graph().items() if mod.startswith("composable._engine")
-        for dep in deps if not dep.startswith("composable._engine") and dep not in LEAVES
+        for mod, deps in _graph().items()
+        if mod.startswith("composable._engine")
+        for dep in deps
+        if not dep.startswith("composable._engine") and dep not in LEAVES
     }
     assert not bad, f"the engine imports upward: {sorted(bad)}"
 
@@ -125,6 +127,16 @@ def test_steps_show_by_name_in_profiles() -> None:
         names = {e.name for e in prof.events() if e.name.startswith("composable::")}
     finally:
         dist.destroy_process_group()
-    expected = {"pre_forward", "post_forward", "pre_backward", "post_backward", "final_callback", "unshard",
-                "reshard", "reduce_grads", "finish_reduce", "flush_buckets"}
+    expected = {
+        "pre_forward",
+        "post_forward",
+        "pre_backward",
+        "post_backward",
+        "final_callback",
+        "unshard",
+        "reshard",
+        "reduce_grads",
+        "finish_reduce",
+        "flush_buckets",
+    }
     assert {f"composable::{n}" for n in expected} <= names, sorted(names)

@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from _harness import fake_process_group
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from _harness import fake_process_group
 from composable import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
@@ -33,8 +33,8 @@ from composable import (
     set_requires_gradient_sync,
 )
 
-
 # ----------------------------------------------------------------------------- helpers
+
 
 @pytest.fixture
 def world2() -> Iterator[DeviceMesh]:
@@ -70,13 +70,16 @@ def _untouched(module: nn.Module) -> Iterator[None]:
             assert api.state(sub) is None, f"a failed call left a {api.__name__} state on {type(sub).__name__}"
 
 
-def _raises(exc: type[BaseException] | tuple, match: str, module: nn.Module, fn: Any, *args: Any, **kwargs: Any) -> None:
+def _raises(
+    exc: type[BaseException] | tuple, match: str, module: nn.Module, fn: Any, *args: Any, **kwargs: Any
+) -> None:
     """`fn(*args, **kwargs)` raises `exc` matching `match` and leaves `module` untouched."""
     with _untouched(module), pytest.raises(exc, match=match):
         fn(*args, **kwargs)
 
 
 # ----------------------------------------------------------------------------- fully_shard
+
 
 @pytest.mark.parametrize("api", [fully_shard, replicate, checkpoint], ids=lambda f: f.__name__)
 @pytest.mark.parametrize("bad", [None, 3, "model", [nn.Linear(2, 2)], torch.zeros(2), nn.Linear], ids=repr)
@@ -89,7 +92,14 @@ def test_mesh_not_1d_or_2d() -> None:
     with fake_process_group(8):
         mesh3d = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("a", "b", "c"))
         m = _model()
-        _raises(ValueError, r"fully_shard: 'mesh' must be 1D or 2D, got a 3D mesh of shape \(2, 2, 2\)", m, fully_shard, m, mesh=mesh3d)
+        _raises(
+            ValueError,
+            r"fully_shard: 'mesh' must be 1D or 2D, got a 3D mesh of shape \(2, 2, 2\)",
+            m,
+            fully_shard,
+            m,
+            mesh=mesh3d,
+        )
         # replicate takes only 1D meshes.
         mesh2d = init_device_mesh("cpu", (2, 4), mesh_dim_names=("x", "y"))
         _raises(ValueError, r"replicate: 'mesh' must be 1D, got a 2D mesh", m, replicate, m, mesh=mesh2d)
@@ -100,8 +110,17 @@ def test_mesh_not_1d_or_2d() -> None:
 def test_mesh_wrong_type(world2: DeviceMesh, bad: Any) -> None:
     bad = dist.group.WORLD if bad == "group" else bad  # a ProcessGroup is a common mix-up
     m = _model()
-    _raises(TypeError, r"fully_shard: 'mesh' must be a torch\.distributed\.device_mesh\.DeviceMesh", m, fully_shard, m, mesh=bad)
-    _raises(TypeError, r"replicate: 'mesh' must be a torch\.distributed\.device_mesh\.DeviceMesh", m, replicate, m, mesh=bad)
+    _raises(
+        TypeError,
+        r"fully_shard: 'mesh' must be a torch\.distributed\.device_mesh\.DeviceMesh",
+        m,
+        fully_shard,
+        m,
+        mesh=bad,
+    )
+    _raises(
+        TypeError, r"replicate: 'mesh' must be a torch\.distributed\.device_mesh\.DeviceMesh", m, replicate, m, mesh=bad
+    )
 
 
 @pytest.mark.parametrize(
@@ -112,36 +131,80 @@ def test_mesh_wrong_type(world2: DeviceMesh, bad: Any) -> None:
 def test_contradicting_strategy_and_reshard(world2: DeviceMesh, strategy: ShardingStrategy, reshard: bool) -> None:
     m = _model()
     _raises(
-        ValueError, rf"fully_shard: reshard_after_forward={reshard} contradicts strategy={strategy.name}",
-        m, fully_shard, m, mesh=world2, strategy=strategy, reshard_after_forward=reshard,
+        ValueError,
+        rf"fully_shard: reshard_after_forward={reshard} contradicts strategy={strategy.name}",
+        m,
+        fully_shard,
+        m,
+        mesh=world2,
+        strategy=strategy,
+        reshard_after_forward=reshard,
     )
 
 
 def test_consistent_strategy_and_reshard_are_accepted(world2: DeviceMesh) -> None:
     """The counterpart of the contradiction test: agreeing values are fine."""
-    for strategy, reshard in [(ShardingStrategy.FULL_SHARD, True), (ShardingStrategy.SHARD_GRAD_OP, False), (ShardingStrategy.NO_SHARD, False)]:
+    for strategy, reshard in [
+        (ShardingStrategy.FULL_SHARD, True),
+        (ShardingStrategy.SHARD_GRAD_OP, False),
+        (ShardingStrategy.NO_SHARD, False),
+    ]:
         m = fully_shard(_model(), mesh=world2, strategy=strategy, reshard_after_forward=reshard)
         assert fully_shard.state(m).strategy is strategy
 
 
 def test_strategy_and_reshard_wrong_types(world2: DeviceMesh) -> None:
     m = _model()
-    _raises(TypeError, r"fully_shard: 'strategy' must be a ShardingStrategy or None, got 'FULL_SHARD'", m, fully_shard, m, mesh=world2, strategy="FULL_SHARD")
+    _raises(
+        TypeError,
+        r"fully_shard: 'strategy' must be a ShardingStrategy or None, got 'FULL_SHARD'",
+        m,
+        fully_shard,
+        m,
+        mesh=world2,
+        strategy="FULL_SHARD",
+    )
     # An int is a group size since API.md took FSDP2's int reshard_after_forward (see test_fsdp2_extras).
-    _raises(TypeError, r"fully_shard: 'reshard_after_forward' must be a bool or an int, got 'yes'", m, fully_shard, m, mesh=world2, reshard_after_forward="yes")
+    _raises(
+        TypeError,
+        r"fully_shard: 'reshard_after_forward' must be a bool or an int, got 'yes'",
+        m,
+        fully_shard,
+        m,
+        mesh=world2,
+        reshard_after_forward="yes",
+    )
 
 
 def test_hybrid_shard_needs_2d_mesh(world4: tuple[DeviceMesh, DeviceMesh]) -> None:
     mesh1d, _ = world4
     m = _model()
-    _raises(ValueError, r"fully_shard: strategy=HYBRID_SHARD needs a 2D mesh.*got a 1D mesh", m, fully_shard, m, mesh=mesh1d, strategy=ShardingStrategy.HYBRID_SHARD)
+    _raises(
+        ValueError,
+        r"fully_shard: strategy=HYBRID_SHARD needs a 2D mesh.*got a 1D mesh",
+        m,
+        fully_shard,
+        m,
+        mesh=mesh1d,
+        strategy=ShardingStrategy.HYBRID_SHARD,
+    )
 
 
-@pytest.mark.parametrize("strategy", [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP], ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    "strategy", [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP], ids=lambda s: s.name
+)
 def test_1d_strategies_reject_2d_mesh(world4: tuple[DeviceMesh, DeviceMesh], strategy: ShardingStrategy) -> None:
     _, mesh2d = world4
     m = _model()
-    _raises(ValueError, rf"fully_shard: strategy={strategy.name} shards over a 1D mesh, got a 2D mesh", m, fully_shard, m, mesh=mesh2d, strategy=strategy)
+    _raises(
+        ValueError,
+        rf"fully_shard: strategy={strategy.name} shards over a 1D mesh, got a 2D mesh",
+        m,
+        fully_shard,
+        m,
+        mesh=mesh2d,
+        strategy=strategy,
+    )
 
 
 @pytest.mark.parametrize("api", [fully_shard, replicate, checkpoint], ids=lambda f: f.__name__)
@@ -166,7 +229,15 @@ def test_policy_wrong_type(world2: DeviceMesh, bad: Any) -> None:
 def test_ignored_params_wrong_type(world2: DeviceMesh, bad: str) -> None:
     m = _model()
     value = {"list": [m[0].weight], "tensors": {1, 2}, "ints": {3}, "param": m[0].weight}[bad]
-    _raises(TypeError, r"fully_shard: 'ignored_params' must be a set of nn\.Parameter or None", m, fully_shard, m, mesh=world2, ignored_params=value)
+    _raises(
+        TypeError,
+        r"fully_shard: 'ignored_params' must be a set of nn\.Parameter or None",
+        m,
+        fully_shard,
+        m,
+        mesh=world2,
+        ignored_params=value,
+    )
 
 
 @pytest.mark.parametrize("api", [fully_shard, replicate], ids=lambda f: f.__name__)
@@ -174,7 +245,14 @@ def test_parameters_on_different_devices(world2: DeviceMesh, api: Any) -> None:
     m = _model()
     with torch.device("meta"):
         m[2] = nn.Linear(6, 3)
-    _raises(ValueError, rf"{api.__name__}: all managed parameters must be on one device, got \['cpu', 'meta'\]", m, api, m, mesh=world2)
+    _raises(
+        ValueError,
+        rf"{api.__name__}: all managed parameters must be on one device, got \['cpu', 'meta'\]",
+        m,
+        api,
+        m,
+        mesh=world2,
+    )
 
 
 def test_mixed_dtypes_in_one_group_not_supported(world2: DeviceMesh) -> None:
@@ -195,25 +273,39 @@ def test_mixed_dtypes_in_one_group_not_supported(world2: DeviceMesh) -> None:
 @pytest.mark.parametrize("bad", [None, torch.float16, MixedPrecisionPolicy, {"param_dtype": torch.bfloat16}], ids=repr)
 def test_mp_policy_wrong_type(world2: DeviceMesh, api: Any, bad: Any) -> None:
     m = _model()
-    _raises(TypeError, rf"{api.__name__}: 'mp_policy' must be a MixedPrecisionPolicy", m, api, m, mesh=world2, mp_policy=bad)
+    _raises(
+        TypeError, rf"{api.__name__}: 'mp_policy' must be a MixedPrecisionPolicy", m, api, m, mesh=world2, mp_policy=bad
+    )
 
 
 @pytest.mark.parametrize("bad", [CPUOffloadPolicy, True, "cpu", MixedPrecisionPolicy()], ids=repr)
 def test_offload_policy_wrong_type(world2: DeviceMesh, bad: Any) -> None:
     # The class instead of an instance is the typical slip.
     m = _model()
-    _raises(TypeError, r"fully_shard: 'offload_policy' must be an OffloadPolicy", m, fully_shard, m, mesh=world2, offload_policy=bad)
+    _raises(
+        TypeError,
+        r"fully_shard: 'offload_policy' must be an OffloadPolicy",
+        m,
+        fully_shard,
+        m,
+        mesh=world2,
+        offload_policy=bad,
+    )
 
 
 @pytest.mark.parametrize("field", ["param_dtype", "reduce_dtype", "output_dtype"])
 @pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.complex64], ids=str)
 def test_mixed_precision_non_floating_dtype(field: str, dtype: torch.dtype) -> None:
-    with pytest.raises(ValueError, match=rf"MixedPrecisionPolicy: '{field}' must be a floating-point dtype, got {dtype}"):
+    with pytest.raises(
+        ValueError, match=rf"MixedPrecisionPolicy: '{field}' must be a floating-point dtype, got {dtype}"
+    ):
         MixedPrecisionPolicy(**{field: dtype})
 
 
 def test_mixed_precision_wrong_types() -> None:
-    with pytest.raises(TypeError, match=r"MixedPrecisionPolicy: 'param_dtype' must be a torch\.dtype or None, got 'bfloat16'"):
+    with pytest.raises(
+        TypeError, match=r"MixedPrecisionPolicy: 'param_dtype' must be a torch\.dtype or None, got 'bfloat16'"
+    ):
         MixedPrecisionPolicy(param_dtype="bfloat16")
     with pytest.raises(TypeError, match=r"MixedPrecisionPolicy: 'cast_forward_inputs' must be a bool"):
         MixedPrecisionPolicy(cast_forward_inputs=None)
@@ -227,6 +319,7 @@ def test_policies_are_accepted(world2: DeviceMesh) -> None:
 
 
 # ----------------------------------------------------------------------------- compositions
+
 
 def test_replicate_on_fully_shard_module_and_converse(world2: DeviceMesh) -> None:
     m = fully_shard(_model(), mesh=world2)
@@ -248,7 +341,12 @@ def test_replicate_on_fully_shard_module_and_converse(world2: DeviceMesh) -> Non
 
 def test_checkpoint_composes_on_the_same_module(world2: DeviceMesh) -> None:
     """Not an error: checkpoint + fully_shard/replicate on one module, either order."""
-    for first, second in [(checkpoint, fully_shard), (fully_shard, checkpoint), (checkpoint, replicate), (replicate, checkpoint)]:
+    for first, second in [
+        (checkpoint, fully_shard),
+        (fully_shard, checkpoint),
+        (checkpoint, replicate),
+        (replicate, checkpoint),
+    ]:
         m = _model()
         first(m)
         second(m)
@@ -257,23 +355,51 @@ def test_checkpoint_composes_on_the_same_module(world2: DeviceMesh) -> None:
 
 # ----------------------------------------------------------------------------- replicate
 
+
 def test_replicate_mesh_and_process_group(world2: DeviceMesh) -> None:
     m = _model()
-    _raises(ValueError, r"replicate: pass 'mesh' or 'process_group', not both", m, replicate, m, mesh=world2, process_group=dist.group.WORLD)
+    _raises(
+        ValueError,
+        r"replicate: pass 'mesh' or 'process_group', not both",
+        m,
+        replicate,
+        m,
+        mesh=world2,
+        process_group=dist.group.WORLD,
+    )
 
 
 def test_replicate_process_group_wrong_type(world2: DeviceMesh) -> None:
     m = _model()
-    _raises(TypeError, r"replicate: 'process_group' must be a torch\.distributed\.ProcessGroup", m, replicate, m, process_group=world2)
+    _raises(
+        TypeError,
+        r"replicate: 'process_group' must be a torch\.distributed\.ProcessGroup",
+        m,
+        replicate,
+        m,
+        process_group=world2,
+    )
 
 
-@pytest.mark.parametrize("bad, exc", [(0, ValueError), (-1.5, ValueError), (float("nan"), ValueError), ("25", TypeError), (True, TypeError), (None, TypeError)], ids=repr)
+@pytest.mark.parametrize(
+    "bad, exc",
+    [
+        (0, ValueError),
+        (-1.5, ValueError),
+        (float("nan"), ValueError),
+        ("25", TypeError),
+        (True, TypeError),
+        (None, TypeError),
+    ],
+    ids=repr,
+)
 def test_replicate_bad_bucket_cap(world2: DeviceMesh, bad: Any, exc: type[Exception]) -> None:
     m = _model()
-    _raises(exc, rf"replicate: 'bucket_cap_mb' must be", m, replicate, m, mesh=world2, bucket_cap_mb=bad)
+    _raises(exc, r"replicate: 'bucket_cap_mb' must be", m, replicate, m, mesh=world2, bucket_cap_mb=bad)
 
 
 # ----------------------------------------------------------------------------- checkpoint
+
 
 def test_checkpoint_bad_preserve_rng_state() -> None:
     m = _model()
@@ -281,6 +407,7 @@ def test_checkpoint_bad_preserve_rng_state() -> None:
 
 
 # ----------------------------------------------------------------------------- state methods
+
 
 @pytest.mark.parametrize("which", ["set_modules_to_forward_prefetch", "set_modules_to_backward_prefetch"])
 def test_prefetch_module_without_fully_shard(world2: DeviceMesh, which: str) -> None:
@@ -318,6 +445,7 @@ def test_no_sync_raises_at_the_call(world2: DeviceMesh) -> None:
 
 # ----------------------------------------------------------------------------- issue 13 point 12
 
+
 @pytest.mark.parametrize("api", [fully_shard, replicate, checkpoint], ids=lambda f: f.__name__)
 @pytest.mark.parametrize("bad", [123, None, "model", [nn.Linear(2, 2)]], ids=repr)
 def test_state_of_a_non_module_is_a_type_error(api: Any, bad: Any) -> None:
@@ -332,7 +460,10 @@ def test_meta_parameters_at_forward_name_what_to_materialise(world2: DeviceMesh,
     with torch.device("meta"):
         m = _model()
     api(m, mesh=world2)
-    with pytest.raises(RuntimeError, match=rf"{api.__name__}: parameters '0\.weight', '0\.bias', '2\.weight', '2\.bias' are still on the meta device .*to_empty"):
+    with pytest.raises(
+        RuntimeError,
+        match=rf"{api.__name__}: parameters '0\.weight', '0\.bias', '2\.weight', '2\.bias' are still on the meta device .*to_empty",
+    ):
         m(torch.randn(2, 4))
     m = api(_model(), mesh=world2)
     m(torch.randn(2, 4))  # forward kept the root's parameters unsharded for a backward
@@ -346,6 +477,20 @@ def test_rank_not_in_mesh(api: Any) -> None:
     with fake_process_group(2, rank=1):
         mesh = DeviceMesh("cpu", torch.tensor([0]))  # rank 1 is not in it
         m = _model()
-        _raises(ValueError, rf"{api.__name__}: 'mesh' does not contain this rank \(global rank 1\); mesh ranks \[0\]", m, api, m, mesh=mesh)
+        _raises(
+            ValueError,
+            rf"{api.__name__}: 'mesh' does not contain this rank \(global rank 1\); mesh ranks \[0\]",
+            m,
+            api,
+            m,
+            mesh=mesh,
+        )
         group = dist.new_group([0])
-        _raises(ValueError, r"replicate: 'process_group' does not contain this rank \(global rank 1\)", m, replicate, m, process_group=group)
+        _raises(
+            ValueError,
+            r"replicate: 'process_group' does not contain this rank \(global rank 1\)",
+            m,
+            replicate,
+            m,
+            process_group=group,
+        )

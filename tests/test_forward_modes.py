@@ -18,18 +18,27 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
-
 from _harness import assert_close_tensors, run_on_ranks
 from _models import TinyTransformer, batch_for, lm_loss
 from _training import (
-    STEPS, TIMEOUT, TOL, assert_sharded_registered, lm_steps, mse, registered, sgd, shard_transformer,
-    train_step, xy,
+    STEPS,
+    TIMEOUT,
+    TOL,
+    assert_sharded_registered,
+    lm_steps,
+    mse,
+    registered,
+    sgd,
+    shard_transformer,
+    train_step,
+    xy,
 )
+from torch.distributed.tensor import DTensor
+
 from composable import fully_shard
 
-
 # ----------------------------------------------------------------------------- several forwards, one backward
+
 
 class _UsesTwice(nn.Module):
     """`inner` runs twice per forward (weight sharing across depth)."""
@@ -55,7 +64,9 @@ def _module_used_twice(rank: int, world_size: int, reshard: bool) -> None:
     fully_shard(model, reshard_after_forward=reshard)
     opt, ref_opt = sgd(model), sgd(ref)
     for step in range(STEPS):
-        train_step(model, ref, opt, ref_opt, mse, xy(step, world_size, rank), xy(step, world_size, None), f"twice step {step}")
+        train_step(
+            model, ref, opt, ref_opt, mse, xy(step, world_size, rank), xy(step, world_size, None), f"twice step {step}"
+        )
 
 
 def _two_model_calls_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -85,6 +96,7 @@ def test_model_called_twice_before_backward(reshard: bool) -> None:
 
 
 # ----------------------------------------------------------------------------- no_grad / eval forwards
+
 
 def _no_grad_and_eval(rank: int, world_size: int) -> None:
     model = TinyTransformer()
@@ -125,6 +137,7 @@ def test_no_grad_and_eval_forward_between_steps() -> None:
 
 # ----------------------------------------------------------------------------- unused parameters
 
+
 class _Branchy(nn.Module):
     """`b` (in the root group, next to used parameters) and `extra` (its own group) are only
     used on some steps; `never` is never used."""
@@ -160,7 +173,16 @@ def _unused(rank: int, world_size: int) -> None:
     fully_shard(model)
     opt, ref_opt = sgd(model), sgd(ref)
     for step in range(4):  # b: unused, used, unused, used; extra: unused, used, unused, used
-        train_step(model, ref, opt, ref_opt, _branchy_loss(step), xy(step, world_size, rank), xy(step, world_size, None), f"unused step {step}")
+        train_step(
+            model,
+            ref,
+            opt,
+            ref_opt,
+            _branchy_loss(step),
+            xy(step, world_size, rank),
+            xy(step, world_size, None),
+            f"unused step {step}",
+        )
         assert model.never.weight.grad is None and model.never.bias.grad is None
         if step % 2 == 0:
             assert model.b.weight.grad is None and model.extra[0].weight.grad is None

@@ -13,11 +13,11 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+from _harness import assert_close_tensors, count_collectives, run_on_ranks, trace_collectives
+from _models import TinyTransformer, batch_for, lm_loss
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from _harness import assert_close_tensors, count_collectives, run_on_ranks, trace_collectives
-from _models import TinyTransformer, batch_for, lm_loss
 from composable import MixedPrecisionPolicy, fully_shard, register_forward_method, replicate
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -49,14 +49,20 @@ def _steps(models: list[nn.Module], rank: int, world: int, steps: int = 3, exact
 
 # ----------------------------------------------------------------------------- int reshard_after_forward
 
+
 def _int_reshard(rank: int, world: int, mesh_shape: tuple[int, ...], mp: bool) -> None:
     mesh = init_device_mesh("cpu", mesh_shape)
     options = {"mesh": mesh, "mp_policy": BF16 if mp else MixedPrecisionPolicy()}
     base = TinyTransformer()
-    full, partial = _shard(copy.deepcopy(base), reshard_after_forward=True, **options), _shard(copy.deepcopy(base), reshard_after_forward=2, **options)
+    full, partial = (
+        _shard(copy.deepcopy(base), reshard_after_forward=True, **options),
+        _shard(copy.deepcopy(base), reshard_after_forward=2, **options),
+    )
     assert fully_shard.state(partial.layers[0]).reshard_after_forward == 2
     # Backward gathers every block within its pair of ranks; forward over the whole shard dim.
-    shard_ranks = [str(r) for r in mesh.mesh.reshape(-1, mesh.size(mesh.ndim - 1)).tolist()[rank // mesh.size(mesh.ndim - 1)]]
+    shard_ranks = [
+        str(r) for r in mesh.mesh.reshape(-1, mesh.size(mesh.ndim - 1)).tolist()[rank // mesh.size(mesh.ndim - 1)]
+    ]
     tokens = batch_for(0, world, rank)
     loss = lm_loss(partial, tokens)
     with trace_collectives() as t:
@@ -71,13 +77,19 @@ def _int_reshard(rank: int, world: int, mesh_shape: tuple[int, ...], mp: bool) -
     _steps([full, partial], rank, world)
 
 
-@pytest.mark.parametrize("mesh_shape, mp", [((4,), False), ((4,), True), ((1, 4), True)], ids=["fsdp", "fsdp-bf16", "hsdp-bf16"])
-def test_int_reshard_after_forward_gathers_within_n_ranks_and_trains_the_same(mesh_shape: tuple[int, ...], mp: bool) -> None:
+@pytest.mark.parametrize(
+    "mesh_shape, mp", [((4,), False), ((4,), True), ((1, 4), True)], ids=["fsdp", "fsdp-bf16", "hsdp-bf16"]
+)
+def test_int_reshard_after_forward_gathers_within_n_ranks_and_trains_the_same(
+    mesh_shape: tuple[int, ...], mp: bool
+) -> None:
     run_on_ranks(_int_reshard, 4, mesh_shape, mp)
 
 
 def _int_reshard_errors(rank: int, world: int) -> None:
-    with pytest.raises(ValueError, match=r"fully_shard: 'reshard_after_forward' must be .* divides the shard world size 4, got 3"):
+    with pytest.raises(
+        ValueError, match=r"fully_shard: 'reshard_after_forward' must be .* divides the shard world size 4, got 3"
+    ):
         fully_shard(nn.Linear(4, 4), reshard_after_forward=3)
     with pytest.raises(ValueError, match=r"got 0"):
         fully_shard(nn.Linear(4, 4), reshard_after_forward=0)
@@ -94,6 +106,7 @@ def test_int_reshard_after_forward_errors() -> None:
 
 
 # ----------------------------------------------------------------------------- async unshard
+
 
 def _async_unshard(rank: int, world: int) -> None:
     base = TinyTransformer()
@@ -128,6 +141,7 @@ def test_async_unshard_returns_a_handle_and_the_forward_reuses_it() -> None:
 
 # ----------------------------------------------------------------------------- setters
 
+
 def _setters(rank: int, world: int) -> None:
     base = TinyTransformer()
     plain, tuned = _shard(copy.deepcopy(base)), _shard(copy.deepcopy(base))
@@ -150,7 +164,9 @@ def _setters(rank: int, world: int) -> None:
     assert c.counts["all_gather"] == 0, c.render()
     tuned.zero_grad()
     _steps([plain, tuned], rank, world, steps=3)
-    with pytest.raises(TypeError, match="set_reshard_after_backward: 'reshard_after_backward' must be a bool, got 'no'"):
+    with pytest.raises(
+        TypeError, match="set_reshard_after_backward: 'reshard_after_backward' must be a bool, got 'no'"
+    ):
         root.set_reshard_after_backward("no")
     with pytest.raises(ValueError, match="set_reshard_after_forward: 'reshard_after_forward' must be .* got 3"):
         root.set_reshard_after_forward(3)
@@ -201,6 +217,7 @@ def test_is_last_backward_false_leaves_reductions_for_later() -> None:
 
 
 # ----------------------------------------------------------------------------- register_forward_method
+
 
 class Generator(TinyTransformer):
     def generate(self, tokens: torch.Tensor, new: int) -> torch.Tensor:

@@ -23,11 +23,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from _harness import assert_close_tensors, requires_gpus, run_on_ranks, shutdown_pool
+from _models import Block, TinyTransformer, batch_for, lm_loss
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from _harness import assert_close_tensors, requires_gpus, run_on_ranks, shutdown_pool
-from _models import Block, TinyTransformer, batch_for, lm_loss
 from composable import ShardingStrategy, fully_shard
 
 STEPS = 4
@@ -40,6 +40,7 @@ GPU_RTOL, GPU_ATOL = 1e-4, 1e-5
 
 
 # ----------------------------------------------------------------------------- helpers
+
 
 def _shard(model: TinyTransformer, wrap: str, strategy: ShardingStrategy) -> None:
     """Apply fully_shard per block + root ("manual") or through the auto-wrap policy."""
@@ -86,8 +87,9 @@ def _split_inert(name: str, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return t, t[:0]
 
 
-def _compare_params(model: nn.Module, ref: nn.Module, step: int, exact: bool, grads: bool,
-                    rtol: float = RTOL, atol: float = ATOL) -> None:
+def _compare_params(
+    model: nn.Module, ref: nn.Module, step: int, exact: bool, grads: bool, rtol: float = RTOL, atol: float = ATOL
+) -> None:
     for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
         mine, theirs = (p.grad, r.grad) if grads else (p, r)
         what = f"step {step}: {'grad of ' if grads else ''}{name}"
@@ -106,7 +108,10 @@ def _compare_params(model: nn.Module, ref: nn.Module, step: int, exact: bool, gr
 
 # ----------------------------------------------------------------------------- vs a single process
 
-def _parity_with_reference(rank: int, world: int, wrap: str, strategy: ShardingStrategy, device: str = "cpu") -> list[float]:
+
+def _parity_with_reference(
+    rank: int, world: int, wrap: str, strategy: ShardingStrategy, device: str = "cpu"
+) -> list[float]:
     dev = torch.device(device, rank) if device == "cuda" else torch.device("cpu")
     ref = TinyTransformer().to(dev)
     model = copy.deepcopy(ref)
@@ -145,12 +150,14 @@ def _parity_with_reference(rank: int, world: int, wrap: str, strategy: ShardingS
     return losses
 
 
-@pytest.mark.parametrize("strategy", [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP], ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    "strategy", [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP], ids=lambda s: s.name
+)
 @pytest.mark.parametrize("wrap", ["manual", "policy"])
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_parity_with_single_process(world_size: int, wrap: str, strategy: ShardingStrategy) -> None:
     losses = run_on_ranks(_parity_with_reference, world_size, wrap, strategy)
-    assert all(l == losses[0] for l in losses)
+    assert all(rank_losses == losses[0] for rank_losses in losses)
     assert losses[0][-1] < losses[0][0], f"training should make progress: {losses[0]}"
 
 
@@ -160,6 +167,7 @@ def test_parity_with_single_process_nccl() -> None:
 
 
 # ----------------------------------------------------------------------------- vs PyTorch FSDP2
+
 
 def _parity_with_torch_fsdp(rank: int, world: int, reshard_after_forward: bool | int) -> None:
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -189,7 +197,9 @@ def _parity_with_torch_fsdp(rank: int, world: int, reshard_after_forward: bool |
         their_loss.backward()
         for (name, a), (_, b) in zip(ours.named_parameters(), theirs.named_parameters()):
             assert a.grad.placements == b.grad.placements, name
-            assert_close_tensors(a.grad.to_local(), b.grad.to_local(), exact=True, msg=f"step {step}: local grad of {name}")
+            assert_close_tensors(
+                a.grad.to_local(), b.grad.to_local(), exact=True, msg=f"step {step}: local grad of {name}"
+            )
         our_opt.step()
         their_opt.step()
         our_opt.zero_grad()

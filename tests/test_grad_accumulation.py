@@ -17,15 +17,26 @@ import contextlib
 import pytest
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
-
 from _harness import assert_close_tensors, count_collectives, requires_gpus, run_on_ranks
 from _models import TinyTransformer, batch_for, lm_loss
 from _training import step_and_compare
-from composable import CPUOffloadPolicy, OffloadPolicy, ShardingStrategy, fully_shard, no_sync, set_requires_gradient_sync
+from torch.distributed.device_mesh import init_device_mesh
 
-FULL, GRAD_OP, NO_SHARD, HYBRID = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP,
-                                   ShardingStrategy.NO_SHARD, ShardingStrategy.HYBRID_SHARD)
+from composable import (
+    CPUOffloadPolicy,
+    OffloadPolicy,
+    ShardingStrategy,
+    fully_shard,
+    no_sync,
+    set_requires_gradient_sync,
+)
+
+FULL, GRAD_OP, NO_SHARD, HYBRID = (
+    ShardingStrategy.FULL_SHARD,
+    ShardingStrategy.SHARD_GRAD_OP,
+    ShardingStrategy.NO_SHARD,
+    ShardingStrategy.HYBRID_SHARD,
+)
 PATTERNS = {  # True: a synced micro-step
     "sync3-nosync3-sync3": [True] * 3 + [False] * 3 + [True] * 3,
     "nosync3-sync3-nosync3-sync1": [False] * 3 + [True] * 3 + [False] * 3 + [True],
@@ -62,8 +73,15 @@ def _micro_step(model: nn.Module, method: str, sync: bool, tokens: torch.Tensor)
     return loss.detach(), dict(comm.counts)
 
 
-def _accumulate(rank: int, world_size: int, strategy: ShardingStrategy, offload: bool, pattern: str, method: str,
-                device: str = "cpu") -> None:
+def _accumulate(
+    rank: int,
+    world_size: int,
+    strategy: ShardingStrategy,
+    offload: bool,
+    pattern: str,
+    method: str,
+    device: str = "cpu",
+) -> None:
     model = _build(strategy, offload, world_size, device)
     torch.manual_seed(0)
     ref = TinyTransformer().to(device)
@@ -91,7 +109,11 @@ def _accumulate(rank: int, world_size: int, strategy: ShardingStrategy, offload:
         for name, p in model.named_parameters():
             home = "cpu" if offload else device
             assert p.grad.device.type == home and p.device.type == home, name
-            assert_close_tensors(p.grad.full_tensor().to(device), ref.get_parameter(name).grad, msg=f"step {step} accumulated grad {name}")
+            assert_close_tensors(
+                p.grad.full_tensor().to(device),
+                ref.get_parameter(name).grad,
+                msg=f"step {step} accumulated grad {name}",
+            )
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad()
@@ -117,7 +139,9 @@ def test_interleaved_accumulation_matches_reference(strategy: ShardingStrategy, 
 def test_interleaved_accumulation_gpu(pattern: str, offload: bool) -> None:
     """FULL_SHARD on 2 GPUs (NCCL), sharded parameters and gradients on the CPU with offload."""
     # A CPU backend next to NCCL for DTensor ops on the offloaded shards (full_tensor).
-    run_on_ranks(_accumulate, 2, FULL, offload, pattern, "no_sync", "cuda", backend="cpu:gloo,cuda:nccl" if offload else "nccl")
+    run_on_ranks(
+        _accumulate, 2, FULL, offload, pattern, "no_sync", "cuda", backend="cpu:gloo,cuda:nccl" if offload else "nccl"
+    )
 
 
 @pytest.mark.parametrize("method", ["no_sync", "set_requires_gradient_sync", "state"])
@@ -158,6 +182,7 @@ def test_toggle_scope_and_restore() -> None:
 
 
 # ----------------------------------------------------------------------------- HSDP: defer all-reduce
+
 
 def _hsdp_defer_all_reduce(rank: int, world_size: int, offload: bool) -> None:
     model = _build(HYBRID, offload, world_size)
@@ -221,8 +246,15 @@ def test_hsdp_defer_all_reduce_with_no_sync() -> None:
 
 # ----------------------------------------------------------------------------- mixed precision
 
-def _no_sync_mixed_precision(rank: int, world_size: int, param_dtype: torch.dtype, reduce_dtype: torch.dtype | None,
-                             pattern: str, api: str = "fully_shard") -> None:
+
+def _no_sync_mixed_precision(
+    rank: int,
+    world_size: int,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype | None,
+    pattern: str,
+    api: str = "fully_shard",
+) -> None:
     """Against PyTorch FSDP2 with the same policy and the same sync pattern, bit for bit.
     With bf16 compute and fp32 reduction, no-sync gradients must accumulate in fp32 (as
     FSDP2 does), not be rounded to bf16 every micro-step. NO_SHARD and `replicate` are
@@ -241,7 +273,11 @@ def _no_sync_mixed_precision(rank: int, world_size: int, param_dtype: torch.dtyp
             replicate(m, mp_policy=mp)
         else:
             fully_shard(m, mp_policy=mp, strategy=NO_SHARD if api == "NO_SHARD" else None)
-    mesh = init_device_mesh("cpu", (world_size,) if api == "fully_shard" else (world_size, 1), mesh_dim_names=("dp",) if api == "fully_shard" else ("replicate", "shard"))
+    mesh = init_device_mesh(
+        "cpu",
+        (world_size,) if api == "fully_shard" else (world_size, 1),
+        mesh_dim_names=("dp",) if api == "fully_shard" else ("replicate", "shard"),
+    )
     torch.manual_seed(0)
     theirs = TinyTransformer()
     for m in [*theirs.layers, theirs]:
@@ -264,13 +300,20 @@ def _no_sync_mixed_precision(rank: int, world_size: int, param_dtype: torch.dtyp
             o.step()
             o.zero_grad()
         for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
-            assert_close_tensors(p, q, exact=exact, msg=f"step {step} param {name}", **({} if exact else {"rtol": 1e-5, "atol": 1e-6}))
+            assert_close_tensors(
+                p, q, exact=exact, msg=f"step {step} param {name}", **({} if exact else {"rtol": 1e-5, "atol": 1e-6})
+            )
 
 
 @pytest.mark.parametrize("pattern", list(PATTERNS))
-@pytest.mark.parametrize("param_dtype, reduce_dtype", [(torch.bfloat16, torch.float32), (torch.bfloat16, None), (torch.float16, torch.float32)],
-                         ids=["bf16-reduce-fp32", "bf16", "fp16-reduce-fp32"])
-def test_no_sync_mixed_precision_matches_torch_fsdp2(param_dtype: torch.dtype, reduce_dtype: torch.dtype | None, pattern: str) -> None:
+@pytest.mark.parametrize(
+    "param_dtype, reduce_dtype",
+    [(torch.bfloat16, torch.float32), (torch.bfloat16, None), (torch.float16, torch.float32)],
+    ids=["bf16-reduce-fp32", "bf16", "fp16-reduce-fp32"],
+)
+def test_no_sync_mixed_precision_matches_torch_fsdp2(
+    param_dtype: torch.dtype, reduce_dtype: torch.dtype | None, pattern: str
+) -> None:
     run_on_ranks(_no_sync_mixed_precision, 2, param_dtype, reduce_dtype, pattern)
 
 
@@ -290,8 +333,14 @@ ZERO_PLANS = {  # (kind, micro-batch): "nosync"/"sync" backward, "zero" optimize
 }
 
 
-def _zero_grad_after_no_sync(rank: int, world_size: int, plan: str, set_to_none: bool, strategy: ShardingStrategy,
-                             param_dtype: torch.dtype | None) -> None:
+def _zero_grad_after_no_sync(
+    rank: int,
+    world_size: int,
+    plan: str,
+    set_to_none: bool,
+    strategy: ShardingStrategy,
+    param_dtype: torch.dtype | None,
+) -> None:
     """The model runs `plan`; a twin of it runs only what follows the last zero_grad and must
     end bit for bit equal; a single-process fp32 reference runs `plan` too (fp32 only)."""
     from composable import MixedPrecisionPolicy
@@ -347,8 +396,11 @@ def test_zero_grad_after_no_sync_drops_the_accumulated_sums(plan: str, set_to_no
     run_on_ranks(_zero_grad_after_no_sync, 2, plan, set_to_none, FULL, None)
 
 
-@pytest.mark.parametrize("strategy, param_dtype", [(GRAD_OP, None), (FULL, torch.bfloat16), (NO_SHARD, None)],
-                         ids=["SHARD_GRAD_OP", "bf16-reduce-fp32", "NO_SHARD"])
+@pytest.mark.parametrize(
+    "strategy, param_dtype",
+    [(GRAD_OP, None), (FULL, torch.bfloat16), (NO_SHARD, None)],
+    ids=["SHARD_GRAD_OP", "bf16-reduce-fp32", "NO_SHARD"],
+)
 def test_zero_grad_after_no_sync_other_layouts(strategy: ShardingStrategy, param_dtype: torch.dtype | None) -> None:
     """The same with stashed (widened) sums and with replicated groups."""
     for set_to_none in (True, False):

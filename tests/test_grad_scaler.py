@@ -30,6 +30,7 @@ def _skipped(scaler: ShardedGradScaler, opt: torch.optim.Optimizer) -> bool:
 
 # --- arguments --------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     "kwargs,name",
     [
@@ -53,6 +54,7 @@ def test_bad_arguments(kwargs: dict, name: str) -> None:
 
 
 # --- scale ------------------------------------------------------------------------------
+
 
 def test_scale_nested_outputs_keeps_structure_and_dtype() -> None:
     scaler = ShardedGradScaler(init_scale=4.0)
@@ -88,6 +90,7 @@ def test_step_before_scale_raises() -> None:
 
 # --- unscale_ paths ---------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_unscale_plain_grads(dtype: torch.dtype) -> None:
     scaler = ShardedGradScaler(init_scale=8.0)
@@ -111,7 +114,9 @@ def test_sparse_grads_fp32_and_fp16_overflow_when_coalesced() -> None:
     # fp32: unscaled correctly, duplicates or not.
     scaler = ShardedGradScaler(init_scale=4.0)
     scaler.scale(torch.tensor(1.0))
-    (p,) = _params_with_grads([torch.sparse_coo_tensor(idx, torch.tensor([4.0, 8.0, 12.0]), (5,), check_invariants=True)])
+    (p,) = _params_with_grads(
+        [torch.sparse_coo_tensor(idx, torch.tensor([4.0, 8.0, 12.0]), (5,), check_invariants=True)]
+    )
     opt = torch.optim.SGD([p], lr=1.0)
     assert scaler.step(opt) is None and not _skipped(scaler, opt)
     assert p.detach().tolist() == [0.0, -3.0, 0.0, -3.0, 0.0]
@@ -145,6 +150,7 @@ def test_grads_on_another_device_than_the_scale() -> None:
 
 # --- skip, backoff, growth, state_dict ----------------------------------------------------
 
+
 def test_backoff_on_inf_and_growth_after_interval() -> None:
     scaler = ShardedGradScaler(init_scale=16.0, growth_factor=4.0, backoff_factor=0.25, growth_interval=3)
     (p,) = _params_with_grads([torch.zeros(2)])
@@ -173,8 +179,13 @@ def test_state_dict_round_trip_and_torch_compatibility() -> None:
         scaler.step(opt)
         scaler.update()
     state = scaler.state_dict()
-    assert state == {"scale": 16.0, "growth_factor": 2.0, "backoff_factor": 0.5,
-                     "growth_interval": 5, "_growth_tracker": 2}
+    assert state == {
+        "scale": 16.0,
+        "growth_factor": 2.0,
+        "backoff_factor": 0.5,
+        "growth_interval": 5,
+        "_growth_tracker": 2,
+    }
     fresh = ShardedGradScaler()
     fresh.load_state_dict(state)
     assert fresh.state_dict() == state and fresh.get_scale() == 16.0
@@ -191,15 +202,37 @@ _GOOD_STATE = {"scale": 16.0, "growth_factor": 2.0, "backoff_factor": 0.5, "grow
     [
         # issue 13 point 12: this one raised KeyError 'growth_factor'
         ({"scale": "x"}, TypeError, r"state_dict\['scale'\] must be a finite number > 0, got 'x' \(str\)"),
-        ({"scale": 8.0}, ValueError, (r"state_dict is missing key\(s\) 'growth_factor', 'backoff_factor', "
-                                      r"'growth_interval', '_growth_tracker' \(it has \['scale'\]\)")),
-        ({**_GOOD_STATE, "growth_interval": 2.5}, TypeError, r"state_dict\['growth_interval'\] must be an int > 0, got 2.5"),
+        (
+            {"scale": 8.0},
+            ValueError,
+            (
+                r"state_dict is missing key\(s\) 'growth_factor', 'backoff_factor', "
+                r"'growth_interval', '_growth_tracker' \(it has \['scale'\]\)"
+            ),
+        ),
+        (
+            {**_GOOD_STATE, "growth_interval": 2.5},
+            TypeError,
+            r"state_dict\['growth_interval'\] must be an int > 0, got 2.5",
+        ),
         ({**_GOOD_STATE, "_growth_tracker": None}, TypeError, r"state_dict\['_growth_tracker'\] .*got None"),
         ({**_GOOD_STATE, "scale": True}, TypeError, r"state_dict\['scale'\] .*got True"),
         ({**_GOOD_STATE, "scale": math.nan}, ValueError, r"state_dict\['scale'\] must be a finite number > 0, got nan"),
-        ({**_GOOD_STATE, "growth_factor": 0.5}, ValueError, r"state_dict\['growth_factor'\] must be a finite number > 1, got 0.5"),
-        ({**_GOOD_STATE, "backoff_factor": 2}, ValueError, r"state_dict\['backoff_factor'\] must be a number in \(0, 1\), got 2"),
-        ({**_GOOD_STATE, "_growth_tracker": -1}, ValueError, r"state_dict\['_growth_tracker'\] must be an int >= 0, got -1"),
+        (
+            {**_GOOD_STATE, "growth_factor": 0.5},
+            ValueError,
+            r"state_dict\['growth_factor'\] must be a finite number > 1, got 0.5",
+        ),
+        (
+            {**_GOOD_STATE, "backoff_factor": 2},
+            ValueError,
+            r"state_dict\['backoff_factor'\] must be a number in \(0, 1\), got 2",
+        ),
+        (
+            {**_GOOD_STATE, "_growth_tracker": -1},
+            ValueError,
+            r"state_dict\['_growth_tracker'\] must be an int >= 0, got -1",
+        ),
         ([("scale", 1.0)], TypeError, r"state_dict must be a dict .*got \[\('scale', 1.0\)\] \(list\)"),
         ({}, RuntimeError, r"state_dict is empty"),
     ],
@@ -221,6 +254,7 @@ def test_load_state_dict_takes_numbers_of_any_kind_and_ignores_extra_keys() -> N
 
 
 # --- several ranks --------------------------------------------------------------------------
+
 
 def _inf_on_one_rank(rank: int, world_size: int, n_params: int) -> list[float]:
     """DTensor (fp32 and fp16) and plain grads; rank 1 alone gets an inf in its shard."""
@@ -244,9 +278,13 @@ def _inf_on_one_rank(rank: int, world_size: int, n_params: int) -> list[float]:
             assert scaler.step(opt) is None
         # One all_reduce for found_inf, whatever the number of parameters and dtypes.
         assert comms.counts["all_reduce"] == comms.total == 1, comms.events
-        stepped = [not torch.equal(b._local_tensor if isinstance(b, DTensor) else b,
-                                   p._local_tensor if isinstance(p, DTensor) else p.detach())
-                   for b, p in zip(before, params)]
+        stepped = [
+            not torch.equal(
+                b._local_tensor if isinstance(b, DTensor) else b,
+                p._local_tensor if isinstance(p, DTensor) else p.detach(),
+            )
+            for b, p in zip(before, params)
+        ]
         assert all(stepped) if step != 1 else not any(stepped), (step, stepped)
         scaler.update()
         scales.append(scaler.get_scale())
@@ -279,6 +317,7 @@ def test_fused_optimizer_skips_on_every_rank() -> None:
 
 
 # --- fp16 training tracks fp32 training ---------------------------------------------------
+
 
 def test_fp16_training_with_scaler_tracks_fp32() -> None:
     torch.manual_seed(0)

@@ -6,16 +6,20 @@ import faulthandler
 import time
 import warnings
 
+import _harness
 import pytest
 import torch
 import torch.distributed as dist
-from expecttest import assert_expected_inline
-
-import _harness
 from _harness import (
-    RankError, assert_close_tensors, count_collectives, fake_process_group, requires_gpus,
-    run_on_ranks, trace_collectives,
+    RankError,
+    assert_close_tensors,
+    count_collectives,
+    fake_process_group,
+    requires_gpus,
+    run_on_ranks,
+    trace_collectives,
 )
+from expecttest import assert_expected_inline
 
 # torch 2.13 renamed the tensor collectives to *_single; torch 2.11 only has the old names.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -24,6 +28,7 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 
 # ----------------------------------------------------------------------------- rank functions
 # Module level, so that the workers can unpickle them.
+
 
 def _whoami(rank: int, world_size: int, tag: str = "", *, suffix: str = "") -> tuple:
     return rank, world_size, dist.get_rank(), dist.get_world_size(), tag + suffix
@@ -96,7 +101,7 @@ def _counts_on_gloo(rank: int, world_size: int) -> tuple[dict, list[str]]:
         out = torch.empty(2 * world_size)
         all_gather_single(out, torch.full((2,), float(rank)))
         dt = distribute_tensor(full, mesh, [Shard(0)])  # a scatter
-        assert_close_tensors(dt, full, exact=True)      # full_tensor(): an all-gather
+        assert_close_tensors(dt, full, exact=True)  # full_tensor(): an all-gather
     assert out.tolist() == [0.0, 0.0, 1.0, 1.0]
     return dict(c.counts), c.events
 
@@ -108,6 +113,7 @@ def _nccl_all_reduce(rank: int, world_size: int) -> float:
 
 
 # ----------------------------------------------------------------------------- pool
+
 
 def test_results_in_rank_order_with_args() -> None:
     assert run_on_ranks(_whoami, 2, "a", suffix="b") == [(0, 2, 0, 2, "ab"), (1, 2, 1, 2, "ab")]
@@ -138,8 +144,11 @@ def test_all_failing_ranks_are_named() -> None:
 
 
 def test_root_cause_first_when_peer_fails_in_collective() -> None:
-    with pytest.raises(RankError, match=r"^rank 1 failed: RuntimeError: rank 1 gives up\n"
-                                        r"rank 0 failed: .*Connection (closed|reset) by peer"):
+    with pytest.raises(
+        RankError,
+        match=r"^rank 1 failed: RuntimeError: rank 1 gives up\n"
+        r"rank 0 failed: .*Connection (closed|reset) by peer",
+    ):
         run_on_ranks(_rank1_raises_rank0_in_collective, 2)
 
 
@@ -159,8 +168,11 @@ def test_rank_skipping_a_collective_is_named() -> None:
 
 def test_hang_times_out_and_pool_recovers() -> None:
     start = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"(?s)ranks \[0, 1\] of 2 did not finish within "
-                                           r"1.0 s.*stack of hung rank 0.*in all_reduce") as info:
+    with pytest.raises(
+        TimeoutError,
+        match=r"(?s)ranks \[0, 1\] of 2 did not finish within "
+        r"1.0 s.*stack of hung rank 0.*in all_reduce",
+    ) as info:
         run_on_ranks(_rank1_skips_collective_and_hangs, 2, timeout=1.0)
     assert "stack of hung rank 1" in str(info.value)
     assert time.monotonic() - start < 10
@@ -206,6 +218,7 @@ def test_nccl() -> None:
 
 # ----------------------------------------------------------------------------- collectives
 
+
 def test_count_collectives_on_gloo() -> None:
     for counts, events in run_on_ranks(_counts_on_gloo, 2):
         assert counts == {"all_reduce": 1, "all_gather": 2, "scatter": 1}
@@ -217,13 +230,15 @@ def test_fake_pg_counts_and_trace_world_8() -> None:
         assert (dist.get_rank(), dist.get_world_size()) == (3, 8)
         with count_collectives() as c, trace_collectives() as t:
             all_gather_single(torch.empty(24), torch.ones(3))
-            reduce_scatter_single(torch.empty(3, dtype=torch.bfloat16),
-                                  torch.ones(24, dtype=torch.bfloat16))
+            reduce_scatter_single(torch.empty(3, dtype=torch.bfloat16), torch.ones(24, dtype=torch.bfloat16))
         assert c.counts == {"all_gather": 1, "reduce_scatter": 1} and c.total == 2
         assert c.counts["all_reduce"] == 0
-        assert_expected_inline(t.render(), """\
+        assert_expected_inline(
+            t.render(),
+            """\
 all_gather(g[0,1,2,3,4,5,6,7], float32, 24)
-reduce_scatter(g[0,1,2,3,4,5,6,7], bfloat16, 24)""")
+reduce_scatter(g[0,1,2,3,4,5,6,7], bfloat16, 24)""",
+        )
     assert not dist.is_initialized()
 
 
@@ -237,21 +252,24 @@ def test_trace_merges_eager_functional_and_dtensor_collectives() -> None:
         x = distribute_tensor(torch.zeros(8, 4), mesh, [Replicate(), Shard(0)])
         with trace_collectives() as t, warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # the old names, on purpose
-            dist.all_gather_into_tensor(torch.empty(16), torch.ones(2))   # c10d
+            dist.all_gather_into_tensor(torch.empty(16), torch.ones(2))  # c10d
             dist.reduce_scatter_tensor(torch.empty(2), torch.ones(16))
-            funcol.all_gather_tensor(torch.ones(2), 0, world).wait()      # functional
+            funcol.all_gather_tensor(torch.ones(2), 0, world).wait()  # functional
             funcol.reduce_scatter_tensor(torch.ones(16), "sum", 0, world).wait()
             funcol.all_reduce(torch.ones(5), "avg", mesh.get_group("dp")).wait()
-            x.redistribute(mesh, [Replicate(), Replicate()])             # DTensor, tp group
+            x.redistribute(mesh, [Replicate(), Replicate()])  # DTensor, tp group
             dist.broadcast(torch.ones(2, dtype=torch.int64), src=0)
-        assert_expected_inline(t.render(), """\
+        assert_expected_inline(
+            t.render(),
+            """\
 all_gather(g[0,1,2,3,4,5,6,7], float32, 16)
 reduce_scatter(g[0,1,2,3,4,5,6,7], float32, 16)
 all_gather(g[0,1,2,3,4,5,6,7], float32, 16)
 reduce_scatter(g[0,1,2,3,4,5,6,7], float32, 16)
 all_reduce(g[1,5], float32, 5)
 all_gather(g[4,5,6,7], float32, 32)
-broadcast(g[0,1,2,3,4,5,6,7], int64, 2)""")
+broadcast(g[0,1,2,3,4,5,6,7], int64, 2)""",
+        )
 
 
 def test_fake_process_group_refuses_nesting() -> None:
@@ -263,14 +281,14 @@ def test_fake_process_group_refuses_nesting() -> None:
 
 # ----------------------------------------------------------------------------- assertions
 
+
 def test_assert_close_tensors() -> None:
     a = torch.tensor([1.0, 2.0, 3.0])
     assert_close_tensors(a, a.clone(), exact=True)
     assert_close_tensors(a, a + 1e-7)
     assert_close_tensors({"w": [a]}, {"w": [a + 0.01]}, rtol=0, atol=0.02)
     with pytest.raises(AssertionError, match=r"step 3 at \['w'\]\[0\]: not equal; 1 of 3"):
-        assert_close_tensors({"w": [a]}, {"w": [a + torch.tensor([0, 0, 1e-6])]}, exact=True,
-                             msg="step 3")
+        assert_close_tensors({"w": [a]}, {"w": [a + torch.tensor([0, 0, 1e-6])]}, exact=True, msg="step 3")
     with pytest.raises(AssertionError, match="torch.float32.*torch.float64"):
         assert_close_tensors(a, a.double(), exact=True)
     with pytest.raises(AssertionError):

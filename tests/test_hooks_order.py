@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from _harness import assert_close_tensors, run_on_ranks
 from torch.distributed.tensor import DTensor
 
-from _harness import assert_close_tensors, run_on_ranks
 from composable import MixedPrecisionPolicy, checkpoint, fully_shard, replicate
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
@@ -62,7 +62,10 @@ def _hooks_see_the_forward(rank: int, world_size: int, api_name: str, ckpt: str)
         assert seen[tag] == (*unsharded, torch.bfloat16), (tag, seen[tag])
     for tag in ("post-before", "post-after"):
         assert seen[tag] == (*unsharded, None), (tag, seen[tag])
-    return {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone() for n, p in model.named_parameters()}
+    return {
+        n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+        for n, p in model.named_parameters()
+    }
 
 
 @pytest.mark.parametrize("ckpt", ["none", "before", "after"], ids=lambda c: f"checkpoint-{c}")

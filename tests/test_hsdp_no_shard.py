@@ -14,12 +14,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-
 from _harness import assert_close_tensors, fake_process_group, run_on_ranks, trace_collectives
 from _models import TinyTransformer, batch_for, lm_loss
 from _training import step_and_compare
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
 from composable import MixedPrecisionPolicy, ShardingStrategy, fully_shard
 
 STEPS = 3
@@ -54,6 +54,7 @@ def _train_against_reference(model: nn.Module, rank: int, world_size: int, check
 
 
 # ----------------------------------------------------------------------------- NO_SHARD
+
 
 def _no_shard(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
@@ -104,6 +105,7 @@ def test_no_shard_mixed_precision() -> None:
 
 # ----------------------------------------------------------------------------- HSDP
 
+
 def _hsdp(rank: int, world_size: int, how: str) -> None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
@@ -118,7 +120,11 @@ def _hsdp(rank: int, world_size: int, how: str) -> None:
 
     def check(step: int, t: object) -> None:
         groups = {(r.kind, r.group) for r in t.records}
-        assert groups == {("all_gather", shard_group), ("reduce_scatter", shard_group), ("all_reduce", replica_group)}, t.render()
+        assert groups == {
+            ("all_gather", shard_group),
+            ("reduce_scatter", shard_group),
+            ("all_reduce", replica_group),
+        }, t.render()
         assert t.counts["reduce_scatter"] == t.counts["all_reduce"] == 3, t.render()
         # Each all-reduce takes exactly the preceding reduce-scatter's output (half of it).
         rs = [r.numel for r in t.records if r.kind == "reduce_scatter"]
@@ -171,6 +177,7 @@ def test_hsdp_matches_torch_fsdp2() -> None:
 
 
 # ----------------------------------------------------------------------------- bad meshes
+
 
 def test_bad_meshes_raise() -> None:
     """HYBRID_SHARD needs a 2D mesh; FULL_SHARD/SHARD_GRAD_OP need a 1D one; 3D is refused."""

@@ -17,13 +17,15 @@ from typing import Callable
 import pytest
 import torch
 import torch.nn as nn
-
 from _harness import fake_process_group
 from _models import TinyTransformer, batch_for, lm_loss
+
 from composable import checkpoint, fully_shard, replicate
 
 
-def _apply(block_apis: tuple[Callable[[nn.Module], object], ...], root_api: Callable[[nn.Module], object]) -> Callable[[TinyTransformer], None]:
+def _apply(
+    block_apis: tuple[Callable[[nn.Module], object], ...], root_api: Callable[[nn.Module], object]
+) -> Callable[[TinyTransformer], None]:
     """Apply `block_apis` (in order) to every block, then `root_api` to the model."""
 
     def apply(model: TinyTransformer) -> None:

@@ -13,17 +13,25 @@ from __future__ import annotations
 import copy
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
-
 from _harness import assert_close_tensors, run_on_ranks
 from _models import TinyTransformer, batch_for, lm_loss
 from _training import (
-    STEPS, TIMEOUT, assert_sharded_registered, lm_steps, rank_mean, reference_of, registered, sgd, shard_transformer,
+    STEPS,
+    TIMEOUT,
+    assert_sharded_registered,
+    lm_steps,
+    rank_mean,
+    reference_of,
+    registered,
+    sgd,
+    shard_transformer,
 )
+from torch.distributed.tensor import DTensor, Shard
+
 from composable import fully_shard
 
-
 # ----------------------------------------------------------------------------- meta-device construction
+
 
 def _meta_init(rank: int, world_size: int) -> None:
     with torch.device("meta"):
@@ -44,7 +52,9 @@ def _meta_init(rank: int, world_size: int) -> None:
     with torch.no_grad():
         for (name, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
             full = p.full_tensor()
-            assert torch.isfinite(full).all() and full.abs().sum() > 0 or name.endswith("bias"), f"{name} not initialised"
+            assert torch.isfinite(full).all() and full.abs().sum() > 0 or name.endswith("bias"), (
+                f"{name} not initialised"
+            )
             rp.copy_(full)
     assert torch.equal(ref.norm.weight, torch.ones(10)) and torch.equal(ref.layers[0].norm1.bias, torch.zeros(10))
     assert ref.tok.weight is ref.head.weight and model.tok.weight is model.head.weight
@@ -56,6 +66,7 @@ def test_meta_device_construction() -> None:
 
 
 # ----------------------------------------------------------------------------- deepcopy
+
 
 def _deepcopy(rank: int, world_size: int) -> None:
     model = TinyTransformer()
@@ -93,6 +104,7 @@ def test_deepcopy_of_a_sharded_model() -> None:
 
 # ----------------------------------------------------------------------------- model.half() after fully_shard
 
+
 def _half_after(rank: int, world_size: int) -> None:
     model = TinyTransformer()
     shard_transformer(model)
@@ -117,7 +129,13 @@ def _half_after(rank: int, world_size: int) -> None:
         assert_close_tensors(rank_mean(loss), ref_loss.detach(), rtol=2e-3, atol=2e-3, msg=f"half loss {step}")
         for name, p in model.named_parameters():
             assert isinstance(p.grad, DTensor) and p.grad.dtype == torch.float16, name
-            assert_close_tensors(p.grad.float(), dict(ref.named_parameters())[name].grad.float(), rtol=2e-2, atol=2e-3, msg=f"half grad {name} {step}")
+            assert_close_tensors(
+                p.grad.float(),
+                dict(ref.named_parameters())[name].grad.float(),
+                rtol=2e-2,
+                atol=2e-3,
+                msg=f"half grad {name} {step}",
+            )
         opt.step()
         ref_opt.step()
         for (name, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters(), strict=True):

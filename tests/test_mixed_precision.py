@@ -18,18 +18,19 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from _harness import count_collectives, run_on_ranks, trace_collectives
 from _models import TinyTransformer, batch_for, lm_loss
 from _training import shard_transformer
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from composable import MixedPrecisionPolicy, fully_shard
 
 bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
 
 
 # ----------------------------------------------------------------------------- dtypes
+
 
 class _CastCounter(TorchDispatchMode):
     """Counts ops that turn a floating tensor of another dtype into a `dtype` tensor (casts)."""
@@ -41,8 +42,11 @@ class _CastCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
         ins = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-        if (isinstance(out, torch.Tensor) and out.dtype == self.dtype
-                and any(t.is_floating_point() and t.dtype != self.dtype for t in ins)):
+        if (
+            isinstance(out, torch.Tensor)
+            and out.dtype == self.dtype
+            and any(t.is_floating_point() and t.dtype != self.dtype for t in ins)
+        ):
             self.casts += 1
         return out
 
@@ -149,6 +153,7 @@ def test_reduce_dtype_semantics(model_dtype: torch.dtype) -> None:
 
 # ----------------------------------------------------------------------------- inputs / outputs
 
+
 class _Recorder(nn.Module):
     """Records the dtype of every leaf of its (nested) inputs and of its parameter."""
 
@@ -191,6 +196,7 @@ def _inputs_and_outputs(rank: int, world_size: int) -> None:
     # Without param_dtype nothing is cast.
     seen, out = run(MixedPrecisionPolicy(reduce_dtype=bf16))
     assert seen == [fp32, fp32, f64, i64, fp32, "str", fp32, i32, b, "float"] and out.dtype == fp32
+
     # Tuple, dict and non-tensor outputs: floating tensors cast, the rest left alone.
     class Multi(nn.Module):
         def __init__(self) -> None:
@@ -265,6 +271,7 @@ def test_nested_policies_apply_to_their_own_module() -> None:
 
 
 # ----------------------------------------------------------------------------- bad input
+
 
 @pytest.mark.parametrize("arg", ["param_dtype", "reduce_dtype", "output_dtype"])
 @pytest.mark.parametrize("value", [torch.int32, torch.int64, torch.bool, torch.complex64])

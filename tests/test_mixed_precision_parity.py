@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
-
 from _harness import assert_close_tensors, requires_gpus, run_on_ranks, trace_collectives
 from _models import TinyTransformer, batch_for, lm_loss
 from _training import shard_transformer
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
 from composable import CPUOffloadPolicy, MixedPrecisionPolicy
 
 bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
@@ -30,16 +30,22 @@ STEPS = 3
 
 # ----------------------------------------------------------------------------- helpers
 
-def _shard_torch(model: TinyTransformer, mp: MixedPrecisionPolicy, layer_mp: MixedPrecisionPolicy | None = None,
-                 **kwargs: Any) -> TinyTransformer:
+
+def _shard_torch(
+    model: TinyTransformer, mp: MixedPrecisionPolicy, layer_mp: MixedPrecisionPolicy | None = None, **kwargs: Any
+) -> TinyTransformer:
     """`shard_transformer(model, layer_mp, mp_policy=mp)` with PyTorch FSDP2 and its own
     MixedPrecisionPolicy."""
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     def conv(p: MixedPrecisionPolicy) -> TorchMP:
-        return TorchMP(param_dtype=p.param_dtype, reduce_dtype=p.reduce_dtype, output_dtype=p.output_dtype,
-                       cast_forward_inputs=p.cast_forward_inputs)
+        return TorchMP(
+            param_dtype=p.param_dtype,
+            reduce_dtype=p.reduce_dtype,
+            output_dtype=p.output_dtype,
+            cast_forward_inputs=p.cast_forward_inputs,
+        )
 
     for layer in model.layers:
         torch_fully_shard(layer, mp_policy=conv(layer_mp or mp), **kwargs)
@@ -48,8 +54,10 @@ def _shard_torch(model: TinyTransformer, mp: MixedPrecisionPolicy, layer_mp: Mix
 
 # ----------------------------------------------------------------------------- parity with FSDP2
 
-def _parity_with_fsdp2(rank: int, world_size: int, mp: MixedPrecisionPolicy, layer_mp: MixedPrecisionPolicy | None,
-                       device: str = "cpu") -> None:
+
+def _parity_with_fsdp2(
+    rank: int, world_size: int, mp: MixedPrecisionPolicy, layer_mp: MixedPrecisionPolicy | None, device: str = "cpu"
+) -> None:
     # An explicit mesh: FSDP2's default is a CUDA mesh wherever CUDA exists, even under gloo.
     mesh = init_device_mesh(device, (world_size,))
     torch.manual_seed(0)
@@ -85,11 +93,22 @@ def _parity_with_fsdp2(rank: int, world_size: int, mp: MixedPrecisionPolicy, lay
         (MixedPrecisionPolicy(param_dtype=fp16, reduce_dtype=fp32), None),
         (MixedPrecisionPolicy(reduce_dtype=bf16), None),  # fp32 compute, bf16 reduction
         # output_dtype on the root only (blocks feeding bf16 to a bf16 root norm).
-        (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32, output_dtype=fp32), MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)),
+        (
+            MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32, output_dtype=fp32),
+            MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32),
+        ),
         # Nested: fp32 root (embeddings, norm, head) around fp16 blocks.
         (MixedPrecisionPolicy(), MixedPrecisionPolicy(param_dtype=fp16, reduce_dtype=fp32, output_dtype=fp32)),
     ],
-    ids=["bf16", "bf16-reduce-fp32", "fp16", "fp16-reduce-fp32", "reduce-bf16-only", "bf16-output-fp32", "nested-fp16-in-fp32"],
+    ids=[
+        "bf16",
+        "bf16-reduce-fp32",
+        "fp16",
+        "fp16-reduce-fp32",
+        "reduce-bf16-only",
+        "bf16-output-fp32",
+        "nested-fp16-in-fp32",
+    ],
 )
 def test_parity_with_torch_fsdp2(mp: MixedPrecisionPolicy, layer_mp: MixedPrecisionPolicy | None) -> None:
     """Same losses, gradients and parameters as FSDP2 with the same policy, bit for bit."""
@@ -100,13 +119,17 @@ def test_parity_with_torch_fsdp2(mp: MixedPrecisionPolicy, layer_mp: MixedPrecis
 @pytest.mark.parametrize("dtype", [bf16, fp16])
 def test_parity_with_torch_fsdp2_gpu(dtype: torch.dtype) -> None:
     """The same on 2 GPUs with NCCL (which averages natively where gloo cannot)."""
-    run_on_ranks(_parity_with_fsdp2, 2, MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=fp32), None, "cuda", backend="nccl")
+    run_on_ranks(
+        _parity_with_fsdp2, 2, MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=fp32), None, "cuda", backend="nccl"
+    )
 
 
 # ----------------------------------------------------------------------------- pure fp16
 
-def _reference_step(ref: nn.Module, step: int, world_size: int, param_dtype: torch.dtype | None,
-                    reduce_dtype: torch.dtype | None) -> list[torch.Tensor]:
+
+def _reference_step(
+    ref: nn.Module, step: int, world_size: int, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None
+) -> list[torch.Tensor]:
     """One step of single-process data parallelism as the policy prescribes: per-rank forward/
     backward on `param_dtype` copies of `ref`'s parameters, gradients cast to the reduce dtype,
     averaged, cast back to `ref`'s dtype and set as `ref`'s gradients. Returns the losses."""
@@ -129,8 +152,14 @@ def _reference_step(ref: nn.Module, step: int, world_size: int, param_dtype: tor
     return losses
 
 
-def _pure_fp16(rank: int, world_size: int, when: str, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
-               offload: bool) -> None:
+def _pure_fp16(
+    rank: int,
+    world_size: int,
+    when: str,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+    offload: bool,
+) -> None:
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     torch.manual_seed(0)
     ref = TinyTransformer().half()

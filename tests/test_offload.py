@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from _harness import assert_close_tensors, count_collectives, requires_gpus, run_on_ranks
+from _models import TinyTransformer, batch_for, lm_loss
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from _harness import assert_close_tensors, count_collectives, requires_gpus, run_on_ranks
-from _models import TinyTransformer, batch_for, lm_loss
 from composable import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy, fully_shard
 
 STEPS = 3
@@ -29,8 +29,14 @@ def _wrap(model: TinyTransformer, **kwargs: object) -> TinyTransformer:
     return fully_shard(model, **kwargs)
 
 
-def _train_pair(rank: int, world_size: int, device: str, mp: MixedPrecisionPolicy, strategy: ShardingStrategy,
-                pin_memory: bool = True) -> None:
+def _train_pair(
+    rank: int,
+    world_size: int,
+    device: str,
+    mp: MixedPrecisionPolicy,
+    strategy: ShardingStrategy,
+    pin_memory: bool = True,
+) -> None:
     """The same model with and without offload: identical losses, gradients and parameters
     over several SGD steps; with offload everything the optimizer touches is on the CPU."""
     mesh = init_device_mesh(device, (world_size,))
@@ -55,7 +61,13 @@ def _train_pair(rank: int, world_size: int, device: str, mp: MixedPrecisionPolic
     # optimizer steps on the CPU and the other on the GPU, 1-ulp apart, and Adam would blow that
     # up on the exactly-zero key-bias gradients. On the CPU the kernels are the same: identical.
     opts = [torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for m in models]
-    tol = {"exact": True} if device == "cpu" else {"rtol": 1e-4, "atol": 1e-5} if mp.param_dtype is None else {"rtol": 2e-2, "atol": 2e-3}
+    tol = (
+        {"exact": True}
+        if device == "cpu"
+        else {"rtol": 1e-4, "atol": 1e-5}
+        if mp.param_dtype is None
+        else {"rtol": 2e-2, "atol": 2e-3}
+    )
     for step in range(STEPS):
         tokens = batch_for(step, world_size, rank).to(device)
         losses = []
@@ -71,7 +83,12 @@ def _train_pair(rank: int, world_size: int, device: str, mp: MixedPrecisionPolic
         for (name, p), q in zip(offloaded.named_parameters(), plain.parameters()):
             assert p.grad.device.type == "cpu" and p.grad.dtype == p.dtype, name
             assert isinstance(p.grad, DTensor) and p.grad.placements == p.placements, name
-            assert_close_tensors(p.grad.full_tensor().to(device), q.grad, **(tol if step else {"exact": True}), msg=f"step {step} grad {name}")
+            assert_close_tensors(
+                p.grad.full_tensor().to(device),
+                q.grad,
+                **(tol if step else {"exact": True}),
+                msg=f"step {step} grad {name}",
+            )
         for opt in opts:
             opt.step()
             opt.zero_grad()
@@ -85,10 +102,16 @@ def _train_pair(rank: int, world_size: int, device: str, mp: MixedPrecisionPolic
                 assert value.device.type == "cpu" and isinstance(value, DTensor)
 
 
-@pytest.mark.parametrize("strategy", [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD],
-                         ids=lambda s: s.name)
-@pytest.mark.parametrize("mp", [MixedPrecisionPolicy(), MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)],
-                         ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "strategy",
+    [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD],
+    ids=lambda s: s.name,
+)
+@pytest.mark.parametrize(
+    "mp",
+    [MixedPrecisionPolicy(), MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)],
+    ids=["fp32", "bf16"],
+)
 def test_offload_parity_cpu(mp: MixedPrecisionPolicy, strategy: ShardingStrategy) -> None:
     """CPU offload with the default pin_memory=True on a machine without an accelerator:
     no failure, no pinning, parameters/grads/optimizer state on the CPU, identical training."""
@@ -141,9 +164,13 @@ def test_wrong_offload_policy_type_raises() -> None:
 
 # ----------------------------------------------------------------------------- GPU
 
+
 @requires_gpus(2)
-@pytest.mark.parametrize("mp", [MixedPrecisionPolicy(), MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)],
-                         ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "mp",
+    [MixedPrecisionPolicy(), MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)],
+    ids=["fp32", "bf16"],
+)
 def test_offload_parity_gpu(mp: MixedPrecisionPolicy) -> None:
     """Parameters and gradients pinned on the CPU, compute on CUDA; identical to no offload.
     The process group has a CPU backend too (as with PyTorch FSDP2's offload), so that DTensor

@@ -16,19 +16,33 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
-
 from _harness import assert_close_tensors, fake_process_group, run_on_ranks
 from _models import MLP, Block, TinyTransformer, batch_for, lm_loss
 from _training import (
-    BLOCK_PARAMS, ROOT_PARAMS, STEPS, TIMEOUT, TOL, assert_sharded_registered, check_params, lm_steps, mse,
-    reference_of, registered, sgd, shard_transformer, states, train_step, xy,
+    BLOCK_PARAMS,
+    ROOT_PARAMS,
+    STEPS,
+    TIMEOUT,
+    TOL,
+    assert_sharded_registered,
+    check_params,
+    lm_steps,
+    mse,
+    reference_of,
+    registered,
+    sgd,
+    shard_transformer,
+    states,
+    train_step,
+    xy,
 )
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
 from composable import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy, fully_shard
 
-
 # ----------------------------------------------------------------------------- nested application and policy
+
 
 @pytest.mark.parametrize("kind", ["set", "callable"])
 def test_policy_auto_wrap_matches_nested_application(kind: str) -> None:
@@ -37,7 +51,9 @@ def test_policy_auto_wrap_matches_nested_application(kind: str) -> None:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
         policy = {Block} if kind == "set" else (lambda m: isinstance(m, Block))
         auto = TinyTransformer()
-        assert fully_shard(auto, mesh=mesh, policy=policy, strategy=ShardingStrategy.SHARD_GRAD_OP, mp_policy=mp) is auto
+        assert (
+            fully_shard(auto, mesh=mesh, policy=policy, strategy=ShardingStrategy.SHARD_GRAD_OP, mp_policy=mp) is auto
+        )
         manual = shard_transformer(TinyTransformer(), mesh=mesh, strategy=ShardingStrategy.SHARD_GRAD_OP, mp_policy=mp)
         expected = {"": ROOT_PARAMS, "layers.0": BLOCK_PARAMS, "layers.1": BLOCK_PARAMS}
         assert states(auto) == states(manual) == expected
@@ -72,7 +88,11 @@ def test_policy_is_applied_bottom_up() -> None:
         everything = nn.Sequential(MLP(4), nn.LayerNorm(4))
         fully_shard(everything, policy=lambda m: True)
         assert states(everything) == {
-            "": [], "0": [], "0.fc1": ["weight", "bias"], "0.fc2": ["weight", "bias"], "1": ["weight", "bias"],
+            "": [],
+            "0": [],
+            "0.fc1": ["weight", "bias"],
+            "0.fc2": ["weight", "bias"],
+            "1": ["weight", "bias"],
         }
 
 
@@ -90,6 +110,7 @@ def test_policy_auto_wrap_trains() -> None:
 
 # ----------------------------------------------------------------------------- the state object
 
+
 def _state_fields(rank: int, world_size: int) -> None:
     # Defaults.
     model = shard_transformer(TinyTransformer())
@@ -106,7 +127,9 @@ def _state_fields(rank: int, world_size: int) -> None:
     mesh = init_device_mesh("cpu", (world_size,))
     mp = MixedPrecisionPolicy(reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=False)
-    other = fully_shard(nn.Linear(3, 3), mesh=mesh, mp_policy=mp, offload_policy=offload, strategy=ShardingStrategy.SHARD_GRAD_OP)
+    other = fully_shard(
+        nn.Linear(3, 3), mesh=mesh, mp_policy=mp, offload_policy=offload, strategy=ShardingStrategy.SHARD_GRAD_OP
+    )
     st = fully_shard.state(other)
     assert st.mesh is mesh and st.mp_policy is mp and st.offload_policy is offload
     assert st.strategy is ShardingStrategy.SHARD_GRAD_OP and st.param_names == ["weight", "bias"]
@@ -143,10 +166,10 @@ def test_state_fields_and_unshard_reshard() -> None:
 
 # ----------------------------------------------------------------------------- explicit prefetching
 
+
 def _prefetch(rank: int, world_size: int, reshard: bool) -> None:
     plain = TinyTransformer(layers=3)
     prefetched = copy.deepcopy(plain)
-    ref = copy.deepcopy(plain)
     shard_transformer(plain, reshard_after_forward=reshard)
     shard_transformer(prefetched, reshard_after_forward=reshard)
     layers = list(prefetched.layers)
@@ -155,7 +178,7 @@ def _prefetch(rank: int, world_size: int, reshard: bool) -> None:
         state = fully_shard.state(layer)
         state.set_modules_to_forward_prefetch(layers[i + 1 : i + 3])  # two ahead
         state.set_modules_to_backward_prefetch(layers[max(0, i - 1) : i][::-1])
-    opt_plain, opt_pre, ref_opt = sgd(plain), sgd(prefetched), sgd(ref)
+    opt_plain, opt_pre = sgd(plain), sgd(prefetched)
     for step in range(STEPS):
         local = batch_for(step, world_size, rank)
         for m, o in ((plain, opt_plain), (prefetched, opt_pre)):
@@ -169,8 +192,14 @@ def _prefetch(rank: int, world_size: int, reshard: bool) -> None:
         assert all(isinstance(p, DTensor) for p in prefetched.parameters())
     check_params(plain, prefetched, "prefetch vs plain")
     # And both still train like the single-process reference (fresh optimizers on both sides).
-    lm_steps(prefetched, reference_of(prefetched, {n: p.full_tensor() for n, p in prefetched.named_parameters()}),
-              rank, world_size, range(STEPS, STEPS + 1), "prefetch vs reference")
+    lm_steps(
+        prefetched,
+        reference_of(prefetched, {n: p.full_tensor() for n, p in prefetched.named_parameters()}),
+        rank,
+        world_size,
+        range(STEPS, STEPS + 1),
+        "prefetch vs reference",
+    )
 
 
 @pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
@@ -179,6 +208,7 @@ def test_prefetch_gives_identical_results(reshard: bool) -> None:
 
 
 # ----------------------------------------------------------------------------- ignored_params
+
 
 def _ignored(rank: int, world_size: int) -> None:
     model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 3))
@@ -228,6 +258,7 @@ def test_ignored_params_stay_plain_tensors() -> None:
 
 
 # ----------------------------------------------------------------------------- principles
+
 
 def test_identity_class_and_names_unchanged() -> None:
     with fake_process_group(2):

@@ -17,18 +17,19 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from _harness import assert_close_tensors, count_collectives, requires_gpus, run_on_ranks
+from _models import TinyTransformer, batch_for, lm_loss
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from _harness import assert_close_tensors, count_collectives, requires_gpus, run_on_ranks
-from _models import TinyTransformer, batch_for, lm_loss
 from composable import MixedPrecisionPolicy, fully_shard, no_sync, replicate
 
 STEPS = 4
 
 
 # ----------------------------------------------------------------------------- models and data
+
 
 class Chain(nn.Module):
     """Four linear layers of uneven widths; layer i's backward runs after layer i+1's."""
@@ -80,6 +81,7 @@ def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
 
 # ----------------------------------------------------------------------------- rank functions
 
+
 def _placements_and_identity(rank: int, world_size: int) -> None:
     model = Chain()
     names = [n for n, _ in model.named_parameters()]
@@ -114,8 +116,10 @@ def _ddp_parity(rank: int, world_size: int, variant: str, opt: str, bucket_cap_m
         pg = dist.new_group(list(range(world_size)))
         replicate(model, process_group=pg, bucket_cap_mb=bucket_cap_mb)
         assert replicate.state(model).mesh.get_group() is not None
-    make = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
-            "adam": lambda ps: torch.optim.AdamW(ps, lr=0.01)}[opt]
+    make = {
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+        "adam": lambda ps: torch.optim.AdamW(ps, lr=0.01),
+    }[opt]
     optim, ref_optim = make(model.parameters()), make(ref.parameters())
     for step in range(STEPS):
         batch = tuple(t.to(device) for t in data(step, rank))
@@ -304,6 +308,7 @@ def _root_over_sharded_children(rank: int, world_size: int) -> None:
 
 # ----------------------------------------------------------------------------- tests
 
+
 def test_parameters_are_replicate_dtensors_and_fqns_unchanged() -> None:
     run_on_ranks(_placements_and_identity, 2)
 
@@ -400,10 +405,13 @@ def _unused_parameters(rank: int, world_size: int, used_on: str) -> None:
         assert_close_tensors(params_of(model), dict(ref.module.named_parameters()), exact=True, msg=f"step {step}")
 
 
-@pytest.mark.parametrize("used_on", [
-    "none",  # unused everywhere: gradients stay None, as with DDP
-    "rank1",
-])
+@pytest.mark.parametrize(
+    "used_on",
+    [
+        "none",  # unused everywhere: gradients stay None, as with DDP
+        "rank1",
+    ],
+)
 def test_unused_parameters_match_ddp_find_unused(used_on: str) -> None:
     run_on_ranks(_unused_parameters, 2, used_on=used_on)
 
@@ -469,6 +477,7 @@ def test_replicate_casts_into_one_persistent_replica_buffer() -> None:
 
 # ----------------------------------------------------------------------------- issue 13 point 8: replicas start equal
 
+
 class WithBuffers(nn.Module):
     """Parameters in fp32, a BatchNorm's fp32 running stats and int64 step count."""
 
@@ -533,15 +542,28 @@ def _shape_mismatch(rank: int, world_size: int, which: str) -> str:
     return str(info.value)
 
 
-@pytest.mark.parametrize("which, expected", [
-    ("shape", r"replicate: parameter 'layers\.1\.weight' differs across ranks: shape \(7, 9\) on ranks \[0\] but shape \(8, 9\) on ranks \[1\]"),
-    ("missing", r"replicate: parameter 'layers\.3\.weight' differs across ranks: shape \(3, 5\) on ranks \[0\] but missing on ranks \[1\]"),
-    ("dtype", r"replicate: buffer 'norm\.running_var' differs across ranks: shape \(3,\) torch\.float32 on ranks \[0\] but shape \(3,\) torch\.float64 on ranks \[1\]"),
-])
+@pytest.mark.parametrize(
+    "which, expected",
+    [
+        (
+            "shape",
+            r"replicate: parameter 'layers\.1\.weight' differs across ranks: shape \(7, 9\) on ranks \[0\] but shape \(8, 9\) on ranks \[1\]",
+        ),
+        (
+            "missing",
+            r"replicate: parameter 'layers\.3\.weight' differs across ranks: shape \(3, 5\) on ranks \[0\] but missing on ranks \[1\]",
+        ),
+        (
+            "dtype",
+            r"replicate: buffer 'norm\.running_var' differs across ranks: shape \(3,\) torch\.float32 on ranks \[0\] but shape \(3,\) torch\.float64 on ranks \[1\]",
+        ),
+    ],
+)
 def test_replicate_shape_mismatch_across_ranks_names_the_parameter(which: str, expected: str) -> None:
     messages = run_on_ranks(_shape_mismatch, 2, which)
     assert messages[0] == messages[1]  # the same message on every rank
     import re
+
     assert re.match(expected, messages[0]), messages[0]
 
 

@@ -8,9 +8,9 @@ import copy
 
 import torch
 import torch.nn as nn
-
 from _harness import assert_close_tensors, run_on_ranks
 from _models import Block, TinyTransformer, batch_for, lm_loss
+
 from composable import MixedPrecisionPolicy, ShardedGradScaler, fully_shard, replicate
 
 FP16 = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)

@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from _harness import assert_close_tensors, run_on_ranks
+from _models import TinyTransformer, batch_for, lm_loss
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from _harness import assert_close_tensors, run_on_ranks
-from _models import TinyTransformer, batch_for, lm_loss
 from composable import clip_grad_norm_, fully_shard
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -126,11 +126,18 @@ def test_dcp_save_and_load_across_shard_dims(tmp_path) -> None:  # type: ignore[
 
 
 def _errors(rank: int, world: int) -> None:
-    with pytest.raises(TypeError, match=r"fully_shard: 'shard_placement_fn' must be a callable\(param\) -> Shard \| None, got 3"):
+    with pytest.raises(
+        TypeError, match=r"fully_shard: 'shard_placement_fn' must be a callable\(param\) -> Shard \| None, got 3"
+    ):
         fully_shard(nn.Linear(4, 4), shard_placement_fn=3)
-    with pytest.raises(TypeError, match=r"fully_shard: 'shard_placement_fn' must return a Shard or None, got 1 for 'weight'"):
+    with pytest.raises(
+        TypeError, match=r"fully_shard: 'shard_placement_fn' must return a Shard or None, got 1 for 'weight'"
+    ):
         fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: 1)
-    with pytest.raises(ValueError, match=r"fully_shard: 'shard_placement_fn' returned Shard\(dim=2\) for 'weight' of shape \(4, 4\): no such dim"):
+    with pytest.raises(
+        ValueError,
+        match=r"fully_shard: 'shard_placement_fn' returned Shard\(dim=2\) for 'weight' of shape \(4, 4\): no such dim",
+    ):
         fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(2))
 
 

@@ -21,12 +21,10 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
+from _harness import assert_close_tensors, fake_process_group, run_on_ranks
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from _harness import assert_close_tensors, fake_process_group, run_on_ranks
 from composable import fully_shard
 
 hypothesis = pytest.importorskip("hypothesis")
@@ -86,6 +84,7 @@ def _expected_placement(p: torch.Tensor) -> tuple:
 
 # ----------------------------------------------------------------------------- fake process group
 
+
 @settings(max_examples=25)
 @given(shapes=_shapes, world=st.integers(1, 8), dtype=st.sampled_from(DTYPES), nested=st.booleans())
 def test_layout_matches_dtensor(shapes: list[tuple[int, ...]], world: int, dtype: torch.dtype, nested: bool) -> None:
@@ -106,7 +105,9 @@ def test_layout_matches_dtensor(shapes: list[tuple[int, ...]], world: int, dtype
                 assert p.placements == _expected_placement(full), (name, p.placements)
                 # No communication (src_data_rank=None): DTensor's own local chunk of `full`.
                 expected = distribute_tensor(full, mesh, _expected_placement(full), src_data_rank=None).to_local()
-                assert_close_tensors(p.to_local(), expected, exact=True, msg=f"world {world} rank {rank}: local shard of {name}")
+                assert_close_tensors(
+                    p.to_local(), expected, exact=True, msg=f"world {world} rank {rank}: local shard of {name}"
+                )
                 locals_by_rank[-1][name] = p.to_local().clone()
             flat_sizes.append([_flat_numel(s) for s in _states(bag)])
     # The flat all-gather input has the same size on every rank: the padded regions.
@@ -141,7 +142,10 @@ def _padded_numel(shapes: list[torch.Size], world: int) -> int:
 
 # ----------------------------------------------------------------------------- real ranks
 
-def _roundtrip(rank: int, world: int, shapes: list, dtype: torch.dtype, nested: bool, reshard_after_forward: bool) -> None:
+
+def _roundtrip(
+    rank: int, world: int, shapes: list, dtype: torch.dtype, nested: bool, reshard_after_forward: bool
+) -> None:
     bag = Bag(shapes, dtype, seed=0, nested=nested)
     originals = {n: p.detach().clone() for n, p in bag.named_parameters()}
     _shard(bag, reshard_after_forward=reshard_after_forward)
@@ -166,8 +170,13 @@ def _roundtrip(rank: int, world: int, shapes: list, dtype: torch.dtype, nested: 
     # Forward sees the originals; backward returns the exact average of per-rank gradients.
     # Per-rank gradients are small integers: sums are exact in any order, so the only rounding
     # is the final division by the world size, the same on both sides.
-    weights = [{n: torch.randint(-8, 9, t.shape, generator=torch.Generator().manual_seed(100 * r + i)).to(dtype)
-                for i, (n, t) in enumerate(originals.items())} for r in range(world)]
+    weights = [
+        {
+            n: torch.randint(-8, 9, t.shape, generator=torch.Generator().manual_seed(100 * r + i)).to(dtype)
+            for i, (n, t) in enumerate(originals.items())
+        }
+        for r in range(world)
+    ]
     for step in range(2):  # the second step runs after lazy init, with gradients accumulating
         bag(weights[rank]).backward()
         seen = bag.all_seen()
@@ -182,9 +191,16 @@ def _roundtrip(rank: int, world: int, shapes: list, dtype: torch.dtype, nested: 
 
 
 @settings(max_examples=30)
-@given(shapes=_shapes, world=st.sampled_from([2, 3]), dtype=st.sampled_from(DTYPES), nested=st.booleans(),
-       reshard_after_forward=st.booleans())
-def test_roundtrip_on_gloo(shapes: list, world: int, dtype: torch.dtype, nested: bool, reshard_after_forward: bool) -> None:
+@given(
+    shapes=_shapes,
+    world=st.sampled_from([2, 3]),
+    dtype=st.sampled_from(DTYPES),
+    nested=st.booleans(),
+    reshard_after_forward=st.booleans(),
+)
+def test_roundtrip_on_gloo(
+    shapes: list, world: int, dtype: torch.dtype, nested: bool, reshard_after_forward: bool
+) -> None:
     run_on_ranks(_roundtrip, world, shapes, dtype, nested, reshard_after_forward)
 
 

@@ -14,8 +14,8 @@ import copy
 
 import torch
 import torch.nn as nn
-
 from _harness import run_on_ranks
+
 from composable import fully_shard, no_sync, replicate
 
 

@@ -22,6 +22,21 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _harness import assert_close_tensors, run_on_ranks
+from _models import batch_for, lm_loss
+from _training import (
+    FULL,
+    TOL,
+    TiedNet,
+    adamw,
+    assert_same_params,
+    expected_placements,
+    full_state,
+    param_groups,
+    shard_layers,
+    tied_net,
+    train,
+)
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -31,16 +46,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, Shard
 
-from _harness import assert_close_tensors, run_on_ranks
-from _models import batch_for, lm_loss
-from _training import (
-    FULL, TOL, TiedNet, adamw, assert_same_params, expected_placements, full_state, param_groups,
-    shard_layers, tied_net, train,
-)
 from composable import MixedPrecisionPolicy, fully_shard
 
-
 # ----------------------------------------------------------------------------- sharded state dicts
+
 
 def _sharded_state_dict_roundtrip(rank: int, world: int, layout: str) -> None:
     ref = tied_net(0)
@@ -107,6 +116,7 @@ def test_mixed_precision_state_dict_is_fp32() -> None:
 
 # ----------------------------------------------------------------------------- half precision
 
+
 def _half_state_dict(rank: int, world: int, path: str) -> None:
     ref = tied_net(0).half()
     model = shard_layers(tied_net(0), "fsdp").half()  # .half() after fully_shard
@@ -134,6 +144,7 @@ def test_half_model_state_dict_and_dcp(tmp_path: Any) -> None:
 
 
 # ----------------------------------------------------------------------------- full state dicts
+
 
 def _full_state_dict_matches_reference(rank: int, world: int) -> None:
     ref = tied_net(0)
@@ -173,7 +184,11 @@ def _broadcast_from_rank0(rank: int, world: int, init: str) -> None:
     # Copies: DCP may adopt the given tensors (the 0-d `step`s), and the reference's
     # optimizer must not share them with ours.
     full = copy.deepcopy(ref.state_dict()) if rank == 0 else {}
-    full_osd = copy.deepcopy(get_optimizer_state_dict(ref, ref_opt, options=StateDictOptions(full_state_dict=True))) if rank == 0 else {}
+    full_osd = (
+        copy.deepcopy(get_optimizer_state_dict(ref, ref_opt, options=StateDictOptions(full_state_dict=True)))
+        if rank == 0
+        else {}
+    )
 
     if init == "cpu":
         model = shard_layers(tied_net(1), "fsdp")

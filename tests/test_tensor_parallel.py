@@ -29,13 +29,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from _harness import assert_close_tensors, run_on_ranks
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from _harness import assert_close_tensors, run_on_ranks
 from composable import ShardingStrategy, fully_shard
 
 # PyTorch 2.11's tensor parallelism itself fails on uneven TP shards (F.linear raises "view
@@ -54,6 +54,7 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------- model
+
 
 class _Block(nn.Module):
     def __init__(self, dim: int, hidden: int) -> None:
@@ -99,6 +100,7 @@ def _parallelize(model: _Stack, mesh: DeviceMesh, local_outputs: bool) -> _Stack
 
 # ----------------------------------------------------------------------------- expectations
 
+
 def _chunk(t: torch.Tensor, n: int, i: int, dim: int) -> torch.Tensor:
     """Piece `i` of `n` of torch.chunk (DTensor's Shard semantics); empty past the last one."""
     pieces = t.chunk(n, dim=dim)
@@ -134,9 +136,13 @@ def _check_layout(model: nn.Module, ref: nn.Module, mesh: DeviceMesh) -> None:
         assert p.placements == _expected_placements(name), f"{name}: {p.placements}"
         assert p.shape == r.shape and p.requires_grad, name
         local = p.to_local()
-        assert torch.equal(local, _expected_local(name, r.detach(), dp, tp)), f"{name}: local shard holds the wrong values"
+        assert torch.equal(local, _expected_local(name, r.detach(), dp, tp)), (
+            f"{name}: local shard holds the wrong values"
+        )
         dtensor_shape, _ = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-        assert tuple(local.shape) == tuple(dtensor_shape), f"{name}: local {tuple(local.shape)}, DTensor says {dtensor_shape}"
+        assert tuple(local.shape) == tuple(dtensor_shape), (
+            f"{name}: local {tuple(local.shape)}, DTensor says {dtensor_shape}"
+        )
         assert_close_tensors(p, r, exact=True, msg=f"full_tensor of {name}")
 
 
@@ -144,14 +150,19 @@ def _check_grads(model: nn.Module, ref: nn.Module, step: int) -> None:
     for (name, p), r in zip(model.named_parameters(), ref.parameters()):
         g = p.grad
         assert isinstance(g, DTensor), f"step {step}: grad of {name} is {type(g).__name__}"
-        assert g.device_mesh == p.device_mesh and g.placements == p.placements, f"step {step}: grad of {name}: {g.placements}"
+        assert g.device_mesh == p.device_mesh and g.placements == p.placements, (
+            f"step {step}: grad of {name}: {g.placements}"
+        )
         assert g.to_local().shape == p.to_local().shape, f"step {step}: local grad shape of {name}"
         assert_close_tensors(g, r.grad, **TOL, msg=f"step {step}: grad of {name}")
 
 
 # ----------------------------------------------------------------------------- training
 
-def _batch(step: int, dims: tuple[int, int, int], mesh: DeviceMesh, local_outputs: bool) -> tuple[torch.Tensor, torch.Tensor]:
+
+def _batch(
+    step: int, dims: tuple[int, int, int], mesh: DeviceMesh, local_outputs: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(all rows for the reference, this rank's input): dp picks rows, tp a sequence piece."""
     dim, _, seq = dims
     dp, tp = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
@@ -161,7 +172,9 @@ def _batch(step: int, dims: tuple[int, int, int], mesh: DeviceMesh, local_output
     if local_outputs:
         return full, piece
     # DTensor input with the true global shape: correct for uneven sequence pieces too.
-    return full, DTensor.from_local(piece, mesh["tp"], [Shard(1)], run_check=False, shape=rows.shape, stride=rows.stride())
+    return full, DTensor.from_local(
+        piece, mesh["tp"], [Shard(1)], run_check=False, shape=rows.shape, stride=rows.stride()
+    )
 
 
 def _local_loss(out: torch.Tensor, rows_numel: int) -> torch.Tensor:
@@ -234,6 +247,7 @@ def test_tp_fsdp_parity_with_single_process(dims: tuple[int, int, int], local_ou
 
 
 # ----------------------------------------------------------------------------- unsupported
+
 
 def _unsupported(rank: int, world: int) -> None:
     mesh = _mesh()

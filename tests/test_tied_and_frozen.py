@@ -13,15 +13,15 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
-
 from _harness import fake_process_group, run_on_ranks
 from _models import TinyTransformer
 from _training import STEPS, TIMEOUT, lm_steps, mse, sgd, shard_transformer, train_step, xy
+from torch.distributed.tensor import DTensor
+
 from composable import fully_shard
 
-
 # ----------------------------------------------------------------------------- tied parameters
+
 
 def _tied(rank: int, world_size: int) -> None:
     model = TinyTransformer()
@@ -54,6 +54,7 @@ def test_tied_parameter_across_groups_is_refused_clearly() -> None:
 
 # ----------------------------------------------------------------------------- frozen parameters
 
+
 def _frozen_model() -> nn.Sequential:
     """Frozen and trainable parameters mixed inside modules, and one wholly frozen module."""
     model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 4), nn.Tanh(), nn.Linear(4, 3))
@@ -77,7 +78,9 @@ def _frozen(rank: int, world_size: int) -> None:
         assert isinstance(p, DTensor) and p.requires_grad == (name not in FROZEN), name
     opt, ref_opt = sgd(model), sgd(ref)
     for step in range(STEPS):
-        train_step(model, ref, opt, ref_opt, mse, xy(step, world_size, rank), xy(step, world_size, None), f"frozen step {step}")
+        train_step(
+            model, ref, opt, ref_opt, mse, xy(step, world_size, rank), xy(step, world_size, None), f"frozen step {step}"
+        )
         for name, p in model.named_parameters():
             if name in FROZEN:
                 assert p.grad is None and not p.requires_grad, name

@@ -30,9 +30,29 @@ import train as train_script  # noqa: E402
 from model import ModelConfig, Transformer, apply_rope, count_parameters, get_config, rope_tables  # noqa: E402
 
 # A model small enough that a 6-step run takes well under a second per rank.
-SMALL = ["--preset", "tiny", "--dim", "32", "--n-layers", "2", "--n-heads", "2", "--ffn-dim", "64",
-         "--seq-len", "32", "--batch-size", "4", "--lr", "1e-2", "--warmup-steps", "2",
-         "--eval-batches", "1", "--quiet"]
+SMALL = [
+    "--preset",
+    "tiny",
+    "--dim",
+    "32",
+    "--n-layers",
+    "2",
+    "--n-heads",
+    "2",
+    "--ffn-dim",
+    "64",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "4",
+    "--lr",
+    "1e-2",
+    "--warmup-steps",
+    "2",
+    "--eval-batches",
+    "1",
+    "--quiet",
+]
 
 
 class SimulatedCrash(BaseException):
@@ -80,7 +100,9 @@ def _run(argv: list[str], world_size: int = 2, **kwargs: object) -> dict:
 @cache
 def _reference(out: str, steps: int = 4, extra: tuple[str, ...] = ()) -> tuple[float, ...]:
     """Losses of the plain fsdp fp32 run everything else is compared with (cached)."""
-    return tuple(_losses(_run(SMALL + ["--steps", str(steps), "--eval-every", "0", "--ckpt-every", "0", "--out", out, *extra])))
+    return tuple(
+        _losses(_run(SMALL + ["--steps", str(steps), "--eval-every", "0", "--ckpt-every", "0", "--out", out, *extra]))
+    )
 
 
 # ----------------------------------------------------------------------------- training
@@ -95,7 +117,9 @@ def test_loss_falls_and_outputs_are_written(tmp_path: Path) -> None:
     assert sum(losses[-4:]) / 4 < losses[0] - 1.5, losses  # and clearly learns
     vals = [h["val_loss"] for h in result["history"] if h["val_loss"] is not None]
     assert len(vals) == 2 and vals[1] < losses[0] - 1.0
-    assert result["params"] == count_parameters(Transformer(get_config("tiny", dim=32, n_layers=2, n_heads=2, ffn_dim=64)))
+    assert result["params"] == count_parameters(
+        Transformer(get_config("tiny", dim=32, n_layers=2, n_heads=2, ffn_dim=64))
+    )
     assert result["tokens_per_s"] > 0 and result["final_val_loss"] == vals[-1]
 
     run_dir = Path(result["run_dir"])
@@ -107,19 +131,25 @@ def test_loss_falls_and_outputs_are_written(tmp_path: Path) -> None:
     assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("flags", [
-    ["--parallel", "replicate"],
-    ["--parallel", "hsdp"],                                   # 2 replicas x shard groups of 1
-    ["--parallel", "hsdp", "--hsdp-shard-size", "2"],         # 1 replica x shard group of 2
-    ["--activation-checkpointing"],
-    ["--cpu-offload"],
-    ["--max-norm", "0.05"],                                   # clipping active on every step
-], ids=lambda f: " ".join(f))
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--parallel", "replicate"],
+        ["--parallel", "hsdp"],  # 2 replicas x shard groups of 1
+        ["--parallel", "hsdp", "--hsdp-shard-size", "2"],  # 1 replica x shard group of 2
+        ["--activation-checkpointing"],
+        ["--cpu-offload"],
+        ["--max-norm", "0.05"],  # clipping active on every step
+    ],
+    ids=lambda f: " ".join(f),
+)
 def test_parallelism_flags_train_the_same_model(tmp_path: Path, flags: list[str]) -> None:
     """Every data-parallel layout computes the same math on the same global batch."""
     extra = ("--max-norm", "0.05") if "--max-norm" in flags else ()
     expected = _reference(str(tmp_path / "ref"), 4, extra)
-    got = _losses(_run(SMALL + ["--steps", "4", "--eval-every", "0", "--ckpt-every", "0", "--out", str(tmp_path / "run"), *flags]))
+    got = _losses(
+        _run(SMALL + ["--steps", "4", "--eval-every", "0", "--ckpt-every", "0", "--out", str(tmp_path / "run"), *flags])
+    )
     assert_close_tensors(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=1e-5, msg=" ".join(flags))
 
 
@@ -139,7 +169,12 @@ def test_gradient_accumulation_matches_the_large_batch(tmp_path: Path, parallel:
 def test_mixed_precision_trains(tmp_path: Path, mp: str) -> None:
     """bf16 params / fp32 reduce, and fp16 with ShardedGradScaler, follow the fp32 curve."""
     expected = _reference(str(tmp_path / "ref"), 4)
-    got = _losses(_run(SMALL + ["--steps", "4", "--eval-every", "0", "--ckpt-every", "0", "--mp", mp, "--out", str(tmp_path / "run")]))
+    got = _losses(
+        _run(
+            SMALL
+            + ["--steps", "4", "--eval-every", "0", "--ckpt-every", "0", "--mp", mp, "--out", str(tmp_path / "run")]
+        )
+    )
     assert all(math.isfinite(v) for v in got)
     assert_close_tensors(torch.tensor(got), torch.tensor(expected), rtol=0, atol=0.05, msg=mp)
 
@@ -190,9 +225,24 @@ def test_crash_during_save_leaves_previous_checkpoint_loadable(tmp_path: Path) -
 
 def test_command_line_spawns_ranks_and_reports(tmp_path: Path) -> None:
     """`python examples/train.py` with no launcher spawns --nproc gloo ranks by itself."""
-    cmd = [sys.executable, str(EXAMPLES / "train.py"), *[a for a in SMALL if a != "--quiet"], "--steps", "3",
-           "--eval-every", "0", "--ckpt-every", "3", "--out", str(tmp_path)]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    cmd = [
+        sys.executable,
+        str(EXAMPLES / "train.py"),
+        *[a for a in SMALL if a != "--quiet"],
+        "--steps",
+        "3",
+        "--eval-every",
+        "0",
+        "--ckpt-every",
+        "3",
+        "--out",
+        str(tmp_path),
+    ]
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "summary" in proc.stdout and "train loss" in proc.stdout and "tokens/s" in proc.stdout, proc.stdout
@@ -210,7 +260,9 @@ def _reference_forward(model: Transformer, tokens: torch.Tensor) -> torch.Tensor
     B, T = tokens.shape
     H, hd = cfg.n_heads, cfg.head_dim
     freqs = 1.0 / cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
-    cis = torch.polar(torch.ones(T, hd // 2, dtype=torch.float64), torch.outer(torch.arange(T, dtype=torch.float64), freqs))
+    cis = torch.polar(
+        torch.ones(T, hd // 2, dtype=torch.float64), torch.outer(torch.arange(T, dtype=torch.float64), freqs)
+    )
 
     def rope(x: torch.Tensor) -> torch.Tensor:
         xc = torch.view_as_complex(x.reshape(B, T, H, hd // 2, 2).contiguous())
@@ -243,7 +295,10 @@ def test_model_matches_handwritten_llama(tie: bool) -> None:
     assert_close_tensors(model(tokens).double(), _reference_forward(model, tokens), rtol=1e-4, atol=1e-4)
     if tie:
         assert model.output.weight is model.tok_embeddings.weight
-        assert count_parameters(model) == count_parameters(Transformer(ModelConfig(dim=32, n_layers=2, n_heads=4, ffn_dim=48))) - 256 * 32
+        assert (
+            count_parameters(model)
+            == count_parameters(Transformer(ModelConfig(dim=32, n_layers=2, n_heads=4, ffn_dim=48))) - 256 * 32
+        )
 
 
 def test_model_is_causal() -> None:

@@ -105,10 +105,12 @@ def test_resume_skips_a_run_in_use_and_refuses_a_taken_run_id(tmp_path: Path) ->
 def test_resume_refuses_another_model_or_seed_and_reshards_another_layout(tmp_path: Path) -> None:
     argv = BASE + ["--steps", "6", "--ckpt-every", "3", "--out", str(tmp_path), "--run-id", "r"]
     first = _run(argv + ["--stop-after", "3"])
-    for flags, named in [(["--n-layers", "3"], "--n-layers 3 (checkpoint: 2)"),
-                         (["--n-heads", "4"], "--n-heads 4 (checkpoint: 2)"),
-                         (["--seed", "7"], "--seed 7 (checkpoint: 0)"),
-                         (["--steps", "2"], "--steps 2 is below the step of checkpoint")]:
+    for flags, named in [
+        (["--n-layers", "3"], "--n-layers 3 (checkpoint: 2)"),
+        (["--n-heads", "4"], "--n-heads 4 (checkpoint: 2)"),
+        (["--seed", "7"], "--seed 7 (checkpoint: 0)"),
+        (["--steps", "2"], "--steps 2 is below the step of checkpoint"),
+    ]:
         got = _try(argv + ["--resume", *flags])
         assert got.get("error") == "UsageError" and named in got["message"], (flags, got)
         assert "\n" not in got["message"]
@@ -134,12 +136,19 @@ def _flip_byte(path: Path) -> None:
 
 
 DAMAGE = {
-    "flipped byte in weights": (lambda d: _flip_byte(next(d.glob("__1_*.distcp"))), "checksum mismatch in __1_0.distcp"),
+    "flipped byte in weights": (
+        lambda d: _flip_byte(next(d.glob("__1_*.distcp"))),
+        "checksum mismatch in __1_0.distcp",
+    ),
     "truncated metadata": (lambda d: os.truncate(d / ".metadata", 10), ".metadata has 10 bytes"),
     "missing shard": (lambda d: os.remove(next(d.glob("__0_*.distcp"))), "__0_0.distcp is missing"),
     "garbled state file": (lambda d: (d / checkpointing.STATE_FILE).write_text('{"step": 6,'), "unreadable"),
-    "edited state file": (lambda d: (d / checkpointing.STATE_FILE).write_text(
-        (d / checkpointing.STATE_FILE).read_text().replace('"step": 6', '"step": 5', 1)), "checksum mismatch in trainer_state"),
+    "edited state file": (
+        lambda d: (d / checkpointing.STATE_FILE).write_text(
+            (d / checkpointing.STATE_FILE).read_text().replace('"step": 6', '"step": 5', 1)
+        ),
+        "checksum mismatch in trainer_state",
+    ),
 }
 
 
@@ -183,15 +192,23 @@ def test_disk_full_is_reported_as_no_space_left(tmp_path: Path) -> None:
     finally:
         checkpointing._free_bytes = old
     assert message.startswith("no space left on device while writing checkpoint step 3"), message
-    assert "no space left" in checkpointing.describe_write_failure(OSError(errno.ENOSPC, "No space left on device"), str(tmp_path), 3)
-    assert checkpointing.describe_write_failure(pos, str(tmp_path), 3).startswith("could not write checkpoint step 3")  # disk not full
+    assert "no space left" in checkpointing.describe_write_failure(
+        OSError(errno.ENOSPC, "No space left on device"), str(tmp_path), 3
+    )
+    assert checkpointing.describe_write_failure(pos, str(tmp_path), 3).startswith(
+        "could not write checkpoint step 3"
+    )  # disk not full
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or os.geteuid() != 0, reason="mounting a tiny tmpfs needs root")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or os.geteuid() != 0, reason="mounting a tiny tmpfs needs root"
+)
 def test_disk_full_for_real_on_a_tiny_tmpfs(tmp_path: Path) -> None:
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160k", "tmpfs", str(mnt)], capture_output=True, check=False).returncode:
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=160k", "tmpfs", str(mnt)], capture_output=True, check=False
+    ).returncode:
         pytest.skip("mount not permitted here")
     try:
         got = _try(BASE + ["--steps", "2", "--ckpt-every", "2", "--out", str(mnt)])
@@ -206,9 +223,23 @@ def test_disk_full_for_real_on_a_tiny_tmpfs(tmp_path: Path) -> None:
 
 
 def _command(tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedProcess, float]:
-    cmd = [sys.executable, str(EXAMPLES / "train.py"), *BASE, "--steps", "6", "--ckpt-every", "0",
-           "--out", str(tmp_path), *flags]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    cmd = [
+        sys.executable,
+        str(EXAMPLES / "train.py"),
+        *BASE,
+        "--steps",
+        "6",
+        "--ckpt-every",
+        "0",
+        "--out",
+        str(tmp_path),
+        *flags,
+    ]
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     t0 = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, check=False)
     return proc, time.monotonic() - t0
@@ -228,8 +259,12 @@ def test_a_stopped_rank_surfaces_within_the_timeout_naming_it(tmp_path: Path) ->
     proc, elapsed = _command(tmp_path, "--fault", "1:STOP:2", "--timeout", "4")
     assert proc.returncode == 1, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert any(ln.startswith("train.py: rank 0: a collective timed out after --timeout 4 s")
-               and "rank 1 (pid" in ln and "is stopped" in ln for ln in lines), proc.stderr
+    assert any(
+        ln.startswith("train.py: rank 0: a collective timed out after --timeout 4 s")
+        and "rank 1 (pid" in ln
+        and "is stopped" in ln
+        for ln in lines
+    ), proc.stderr
     assert any("rank 1 (pid" in ln and "was stopped" in ln for ln in lines), proc.stderr
     assert "Traceback" not in proc.stderr
     assert elapsed < 150  # not torch's 30 minutes (startup on a loaded 2-core machine is most of it)
@@ -241,8 +276,12 @@ def test_watchdog_names_a_silent_rank_on_another_host() -> None:
 
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
     now = time.time()
-    store.set("hb/1", json.dumps({"time": now - 30, "pid": 4242, "host": "elsewhere", "step": 3, "phase": "evaluation"}))
-    store.set("hb/2", json.dumps({"time": now, "pid": 4243, "host": "elsewhere", "step": 5, "phase": "forward/backward"}))
+    store.set(
+        "hb/1", json.dumps({"time": now - 30, "pid": 4242, "host": "elsewhere", "step": 3, "phase": "evaluation"})
+    )
+    store.set(
+        "hb/2", json.dumps({"time": now, "pid": 4243, "host": "elsewhere", "step": 5, "phase": "forward/backward"})
+    )
     store.set("failed/3", "ValueError: bad batch")
     dog = Watchdog(store, rank=0, world=4, timeout=10)
     dog.progress(5, "forward/backward")
@@ -273,14 +312,36 @@ def test_metrics_are_written_as_the_run_goes(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- 6: nonsense flags
 
 
-@pytest.mark.parametrize("flag,value", [
-    ("--ckpt-every", "-1"), ("--eval-every", "-1"), ("--max-norm", "-1"), ("--max-norm", "nan"),
-    ("--seq-len", "0"), ("--seq-len", "-4"), ("--seq-len", "2000000"), ("--warmup-steps", "-10"),
-    ("--ffn-dim", "0"), ("--hsdp-shard-size", "0"), ("--hsdp-shard-size", "-1"), ("--dim", "0"),
-    ("--n-layers", "0"), ("--n-layers", "-2"), ("--n-heads", "0"), ("--lr", "nan"), ("--lr", "-1"),
-    ("--lr", "inf"), ("--weight-decay", "-0.1"), ("--timeout", "0"), ("--run-id", "../x"), ("--steps", "0"),
-])
-def test_nonsense_flag_values_are_refused_with_one_line(flag: str, value: str, capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--ckpt-every", "-1"),
+        ("--eval-every", "-1"),
+        ("--max-norm", "-1"),
+        ("--max-norm", "nan"),
+        ("--seq-len", "0"),
+        ("--seq-len", "-4"),
+        ("--seq-len", "2000000"),
+        ("--warmup-steps", "-10"),
+        ("--ffn-dim", "0"),
+        ("--hsdp-shard-size", "0"),
+        ("--hsdp-shard-size", "-1"),
+        ("--dim", "0"),
+        ("--n-layers", "0"),
+        ("--n-layers", "-2"),
+        ("--n-heads", "0"),
+        ("--lr", "nan"),
+        ("--lr", "-1"),
+        ("--lr", "inf"),
+        ("--weight-decay", "-0.1"),
+        ("--timeout", "0"),
+        ("--run-id", "../x"),
+        ("--steps", "0"),
+    ],
+)
+def test_nonsense_flag_values_are_refused_with_one_line(
+    flag: str, value: str, capsys: pytest.CaptureFixture, tmp_path: Path
+) -> None:
     with pytest.raises(SystemExit) as e:
         options.parse_args(["--out", str(tmp_path), flag, value])
     err = capsys.readouterr().err
@@ -330,13 +391,19 @@ def _units_and_compile(rank: int, world_size: int, argv: list[str]) -> dict:
     model = Transformer(options.model_config(args))
     mesh = init_device_mesh("cpu", (world_size,))
     parallelize(model, args, mesh, mesh)
-    return {"sharded": sorted(name for name, m in model.named_modules() if fully_shard.state(m) is not None),
-            "compiled": [block._compiled_call_impl is not None for block in model.layers]}
+    return {
+        "sharded": sorted(name for name, m in model.named_modules() if fully_shard.state(m) is not None),
+        "compiled": [block._compiled_call_impl is not None for block in model.layers],
+    }
 
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_embeddings_and_head_are_their_own_fully_shard_groups(tie: bool, tmp_path: Path) -> None:
-    argv = BASE + ["--out", str(tmp_path), "--compile", "--compile-backend", "aot_eager"] + (["--tie-embeddings"] if tie else [])
+    argv = (
+        BASE
+        + ["--out", str(tmp_path), "--compile", "--compile-backend", "aot_eager"]
+        + (["--tie-embeddings"] if tie else [])
+    )
     got = run_on_ranks(_units_and_compile, 2, argv)[0]
     ends = [] if tie else ["output", "tok_embeddings"]  # tied: one parameter at both ends stays with the root
     assert got["sharded"] == sorted(["", "layers.0", "layers.1", *ends]), got

@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from _harness import assert_close_tensors, run_on_ranks
+
 from composable import fully_shard, replicate
 
 
@@ -53,7 +53,9 @@ def _train(rank: int, world_size: int, api: str) -> None:
     for step in range(3):
         x, y = _batch(step, rank)
         F.mse_loss(model(x, _uses_extra(step, rank)), y).backward()
-        losses = [F.mse_loss(ref(*_batch(step, r)[:1], _uses_extra(step, r)), _batch(step, r)[1]) for r in range(world_size)]
+        losses = [
+            F.mse_loss(ref(*_batch(step, r)[:1], _uses_extra(step, r)), _batch(step, r)[1]) for r in range(world_size)
+        ]
         (sum(losses) / world_size).backward()
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             assert p.grad is not None, f"{api}: rank {rank} has no gradient for {name} at step {step}"

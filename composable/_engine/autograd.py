@@ -11,13 +11,13 @@ import torch
 from torch.distributed.utils import _apply_to_tensors
 
 
-
 class BackwardHooks(Protocol):
     """What the autograd plumbing calls back (a module's state)."""
 
     def _pre_backward(self) -> None: ...
 
     def _post_backward(self) -> None: ...
+
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from .reduce import GradReducer, ReduceSpec
 from .profiling import labelled
+from .reduce import GradReducer, ReduceSpec
 from .streams import CommStreams
 
 if TYPE_CHECKING:
@@ -24,7 +24,9 @@ FIRST_BUCKET_CAP_BYTES = 1 << 20  # as DDP's first bucket
 class BucketedReducer(GradReducer):
     """A `GradReducer` for replicated groups that all-reduces in buckets during backward."""
 
-    def __init__(self, params: list["ManagedParam"], spec: ReduceSpec, streams: CommStreams | None, bucket_cap_bytes: int) -> None:
+    def __init__(
+        self, params: list["ManagedParam"], spec: ReduceSpec, streams: CommStreams | None, bucket_cap_bytes: int
+    ) -> None:
         super().__init__(params, spec, streams)
         self.bucket_cap_bytes = bucket_cap_bytes
         self._buckets: list[list["ManagedParam"]] | None = None

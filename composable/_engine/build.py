@@ -36,7 +36,9 @@ class GroupOptions:
     sync_replicas: bool = False  # check shapes across ranks and broadcast rank 0's values (replicate)
 
 
-def build_group(api: str, module: nn.Module, mesh: DeviceMesh, ignored: set[nn.Parameter], options: GroupOptions) -> ParamGroup | None:
+def build_group(
+    api: str, module: nn.Module, mesh: DeviceMesh, ignored: set[nn.Parameter], options: GroupOptions
+) -> ParamGroup | None:
     """Manage the parameters of `module`'s subtree that no API applied to a descendant manages
     (minus `ignored`): register their sharded DTensors in every slot and return the group, or
     None when there is nothing to manage. Buffers move to the compute device. Raises
@@ -50,15 +52,25 @@ def build_group(api: str, module: nn.Module, mesh: DeviceMesh, ignored: set[nn.P
     move_buffers(module, device)
     sources = [_local_on_device(p, device) for p in originals]
     if options.sync_replicas:
-        sync_replicas(api, module, [(fqn, src) for (fqn, _, _), src in zip(claimed, sources)], mesh.get_group(0), device)
+        sync_replicas(
+            api, module, [(fqn, src) for (fqn, _, _), src in zip(claimed, sources)], mesh.get_group(0), device
+        )
     if not claimed:
         return None
     layout = DataParallelLayout.make(mesh, options.sharded)
     config = GroupConfig(
-        layout=layout, device=device, param_dtype=options.param_dtype, reduce_dtype=options.reduce_dtype,
-        offload=options.offload, pin_memory=options.pin_memory, bucket_cap_bytes=options.bucket_cap_bytes, api=api,
+        layout=layout,
+        device=device,
+        param_dtype=options.param_dtype,
+        reduce_dtype=options.reduce_dtype,
+        offload=options.offload,
+        pin_memory=options.pin_memory,
+        bucket_cap_bytes=options.bucket_cap_bytes,
+        api=api,
     )
-    params = [make_managed_param(fqn, slots, p, layout, _shard_dim(api, fqn, p, layout, options)) for fqn, slots, p in claimed]
+    params = [
+        make_managed_param(fqn, slots, p, layout, _shard_dim(api, fqn, p, layout, options)) for fqn, slots, p in claimed
+    ]
     group = ParamGroup(params, sources, config)
     for mp in params:
         mp.register(mp.sharded_param)
@@ -79,13 +91,19 @@ def _shard_dim(api: str, fqn: str, param: torch.Tensor, layout: DataParallelLayo
         raise TypeError(f"{api}: 'shard_placement_fn' must return a Shard or None, got {placement!r} for '{fqn}'")
     dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
     if not 0 <= dim < param.dim():
-        raise ValueError(f"{api}: 'shard_placement_fn' returned {placement!r} for '{fqn}' of shape {tuple(param.shape)}: no such dim")
+        raise ValueError(
+            f"{api}: 'shard_placement_fn' returned {placement!r} for '{fqn}' of shape {tuple(param.shape)}: no such dim"
+        )
     if dim != 0 and isinstance(param, DTensor):
-        raise NotImplementedError(f"{api}: 'shard_placement_fn' with a dim other than 0 for the tensor-parallel parameter '{fqn}'")
+        raise NotImplementedError(
+            f"{api}: 'shard_placement_fn' with a dim other than 0 for the tensor-parallel parameter '{fqn}'"
+        )
     return dim
 
 
-def make_managed_param(fqn: str, slots: list[tuple[nn.Module, str]], param: torch.Tensor, layout: DataParallelLayout, dim: int = 0) -> ManagedParam:
+def make_managed_param(
+    fqn: str, slots: list[tuple[nn.Module, str]], param: torch.Tensor, layout: DataParallelLayout, dim: int = 0
+) -> ManagedParam:
     """Layout and DTensor specs of one parameter. A tensor-parallel DTensor parameter on a
     mesh `tp` is sharded (its TP-local tensor, on dim 0) over the data-parallel mesh; the
     sharded parameter lives on the 2D parent mesh of the two, the unsharded one stays a TP
@@ -98,7 +116,9 @@ def make_managed_param(fqn: str, slots: list[tuple[nn.Module, str]], param: torc
     spmd_mesh, placements = tp_parent_placements(fqn, param, layout)
     param_layout = ParamLayout.make(param._local_tensor.shape, world, rank, replicated=param.dim() == 0)
     tp = DTensorSpecLite(param.device_mesh, tuple(param.placements), param.shape)
-    return ManagedParam(fqn, slots, param_layout, param.requires_grad, spec=DTensorSpecLite(spmd_mesh, placements, param.shape), tp=tp)
+    return ManagedParam(
+        fqn, slots, param_layout, param.requires_grad, spec=DTensorSpecLite(spmd_mesh, placements, param.shape), tp=tp
+    )
 
 
 def tp_parent_placements(fqn: str, param: DTensor, layout: DataParallelLayout) -> tuple[DeviceMesh, tuple]:

@@ -9,14 +9,15 @@ import torch.nn as nn
 
 from .contract import iter_param_states
 
-
 # Set on every sharded parameter a parameter-owning API registers (`mark_managed`): a
 # parameter that carries it and is not claimed by a descendant is managed by an ancestor.
 MANAGED_BY_ATTR = "_composable_managed_by"
 REPLACED_BY_ATTR = "_composable_replaced_by"
 
 
-def claim_parameters(module: nn.Module, ignored: set[nn.Parameter], api: str = "composable") -> list[tuple[str, list[tuple[nn.Module, str]], nn.Parameter]]:
+def claim_parameters(
+    module: nn.Module, ignored: set[nn.Parameter], api: str = "composable"
+) -> list[tuple[str, list[tuple[nn.Module, str]], nn.Parameter]]:
     """[(fqn, slots, parameter)] in registration order, one entry per distinct parameter.
 
     Raises `RuntimeError` ("Cannot apply `api` ...") if one of them is already managed by an

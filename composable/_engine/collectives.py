@@ -26,7 +26,9 @@ def _op(average: bool) -> dist.ReduceOp:
     return dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, average: bool, async_op: bool) -> dist.Work | None:
+def reduce_scatter(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, average: bool, async_op: bool
+) -> dist.Work | None:
     """Sum (or, where `supports_average`, average) the 1D `input` over ranks; rank r keeps
     region r in `output`."""
     return _reduce_scatter_single(output, input, op=_op(average), group=group, async_op=async_op)
@@ -43,7 +45,9 @@ def supports_average(group: dist.ProcessGroup, device: torch.device, dtype: torc
     return device.type == "cuda" and dtype in (torch.float32, torch.float64) and "nccl" in str(dist.get_backend(group))
 
 
-def copy_out(all_gather_output: torch.Tensor, world: int, region_numels: Sequence[int], outputs: Sequence[torch.Tensor]) -> None:
+def copy_out(
+    all_gather_output: torch.Tensor, world: int, region_numels: Sequence[int], outputs: Sequence[torch.Tensor]
+) -> None:
     """Scatter the rank-major all-gather output into per-parameter padded storages.
 
     `outputs[i]` is parameter i's padded unsharded storage (world * region_numels[i]
@@ -103,3 +107,17 @@ def pack_regions(storages: Sequence[torch.Tensor], world: int, first: int, last:
     out = torch.empty((last - first, sum(r.shape[1] for r in rows)), dtype=storages[0].dtype, device=storages[0].device)
     torch.cat(rows, dim=1, out=out)
     return out.view(-1)
+
+
+def divide_factors(world: float, dtype: torch.dtype) -> tuple[float, float]:
+    """(pre, post): divide by `pre` before summing and by `post` after, `pre * post == world`.
+    In half precision the division is split in powers of two so that neither the summands
+    underflow nor the sum overflows."""
+    if world == 1:
+        return 1.0, 1.0
+    if dtype in (torch.float16, torch.bfloat16):
+        pre = 1
+        while world % (pre * 2) == 0 and world // pre > pre:
+            pre *= 2
+        return float(pre), world / pre
+    return 1.0, float(world)

@@ -77,7 +77,9 @@ def check_composable(api: str, module: nn.Module) -> None:
 def check_not_applied(api: str, module: nn.Module) -> None:
     """Applying one API twice to a module is a `RuntimeError`."""
     if get_state(module, api) is not None:
-        raise RuntimeError(f"{api} has already been applied to this {type(module).__name__}; apply each API at most once per module")
+        raise RuntimeError(
+            f"{api} has already been applied to this {type(module).__name__}; apply each API at most once per module"
+        )
 
 
 def state_of(api: str, module: object) -> Any | None:
@@ -91,6 +93,7 @@ def state_of(api: str, module: object) -> Any | None:
 # fully_shard's or replicate's (unshard, cast inputs), the user's]. So user pre-hooks, even
 # those registered before the API, see what the forward sees: unsharded parameters in
 # `param_dtype` and cast inputs. (User post-hooks: the state keeps its own post-hook last.)
+
 
 def register_outermost_pre_hook(module: nn.Module, hook: Callable[..., Any]) -> RemovableHandle:
     """A pre-hook (with kwargs) that runs before every other, present or future API hook."""

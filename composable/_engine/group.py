@@ -70,8 +70,11 @@ class ParamGroup:
         self._replica_flat: torch.Tensor | None = None
         self.streams = streams_for(config.device)
         spec = ReduceSpec(self.layout, config.device, config.offload, self.dtypes)
-        self.reducer = GradReducer(params, spec, self.streams) if config.bucket_cap_bytes is None else \
-            BucketedReducer(params, spec, self.streams, config.bucket_cap_bytes)
+        self.reducer = (
+            GradReducer(params, spec, self.streams)
+            if config.bucket_cap_bytes is None
+            else BucketedReducer(params, spec, self.streams, config.bucket_cap_bytes)
+        )
         self._build_flat_shard(originals, fresh=True)
 
     # Process groups and CUDA streams are handles to shared runtime objects: a deep copy of
@@ -136,7 +139,10 @@ class ParamGroup:
                     mp.point_local_shard_at(local)
                 mp.local_registered = mp.sharded_param._local_tensor
         self._unsharded_aliases_shard = (
-            not self.layout.sharded and not self.config.offload and self.unsharded_dtype == dtype and device.type != "meta"
+            not self.layout.sharded
+            and not self.config.offload
+            and self.unsharded_dtype == dtype
+            and device.type != "meta"
         )
 
     def _local_rows(self, mp: ManagedParam, full: torch.Tensor) -> torch.Tensor:
@@ -155,7 +161,9 @@ class ParamGroup:
             registered = mp.registered()
             if registered is not mp.sharded_param and not self._unsharded_registered:
                 if not isinstance(registered, DTensor) or registered.shape != mp.spec.shape:
-                    raise RuntimeError(f"fully_shard: parameter '{mp.fqn}' was replaced by a {type(registered).__name__} of shape {tuple(registered.shape)}; expected a DTensor of shape {tuple(mp.spec.shape)}")
+                    raise RuntimeError(
+                        f"fully_shard: parameter '{mp.fqn}' was replaced by a {type(registered).__name__} of shape {tuple(registered.shape)}; expected a DTensor of shape {tuple(mp.spec.shape)}"
+                    )
                 mp.sharded_param = registered
                 mp.register(registered)
             if mp.sharded_param._local_tensor is not mp.local_registered:
@@ -300,7 +308,9 @@ class ParamGroup:
             if mp.unsharded_param is None or mp.unsharded_alias_of is not flat:
                 view = mp.local_view(flat)
                 mp.unsharded_padded = view.view(-1)
-                mp.unsharded_param = nn.Parameter(view if mp.tp is None else mp.tp.wrap(view), requires_grad=mp.wants_grad)
+                mp.unsharded_param = nn.Parameter(
+                    view if mp.tp is None else mp.tp.wrap(view), requires_grad=mp.wants_grad
+                )
                 mp.unsharded_alias_of = flat
 
     @labelled("composable::wait_for_unshard")
@@ -321,8 +331,11 @@ class ParamGroup:
             for mp in self.params:
                 mp.alloc_unsharded(world, gathered.dtype, self.config.device)
             # dim > 0 parameters go through a rank-major staging buffer into their natural layout.
-            staged = {id(mp): torch.empty(world * mp.layout.region_numel, dtype=gathered.dtype, device=gathered.device)
-                      for mp in self.params if mp.layout.dim != 0}
+            staged = {
+                id(mp): torch.empty(world * mp.layout.region_numel, dtype=gathered.dtype, device=gathered.device)
+                for mp in self.params
+                if mp.layout.dim != 0
+            }
             targets = [staged.get(id(mp), mp.unsharded_padded) for mp in self.params]
             comm.copy_out(gathered, world, [mp.layout.region_numel for mp in self.params], targets)  # type: ignore[arg-type]
             for mp in self.params:

@@ -17,7 +17,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-
 _POST_FORWARD_GROUPS: dict[tuple[int, int], tuple[dist.ProcessGroup, dist.ProcessGroup, int]] = {}
 
 

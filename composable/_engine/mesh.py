@@ -23,14 +23,18 @@ def infer_device_type(module: nn.Module) -> str:
 def default_mesh(api: str, module: nn.Module) -> DeviceMesh:
     """A 1D mesh over the whole default process group."""
     if not dist.is_initialized():
-        raise RuntimeError(f"{api}: torch.distributed is not initialised; call dist.init_process_group() or pass 'mesh'")
+        raise RuntimeError(
+            f"{api}: torch.distributed is not initialised; call dist.init_process_group() or pass 'mesh'"
+        )
     return init_device_mesh(infer_device_type(module), (dist.get_world_size(),))
 
 
 def check_mesh(api: str, mesh: object, allowed_ndims: tuple[int, ...]) -> DeviceMesh:
     """Raise `TypeError`/`ValueError` naming `api` unless `mesh` is a DeviceMesh of an allowed rank."""
     if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"{api}: 'mesh' must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}: {mesh!r:.80}")
+        raise TypeError(
+            f"{api}: 'mesh' must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}: {mesh!r:.80}"
+        )
     if mesh.ndim not in allowed_ndims:
         dims = " or ".join(f"{n}D" for n in allowed_ndims)
         raise ValueError(f"{api}: 'mesh' must be {dims}, got a {mesh.ndim}D mesh of shape {tuple(mesh.shape)}")

@@ -143,7 +143,12 @@ class ManagedParam:
         """Whether the visible `.grad` was replaced, cleared or modified since `mark_visible_grad`."""
         ref, version, local_version = self.grad_marker  # type: ignore[misc]
         grad = self.sharded_param.grad
-        return grad is None or grad is not ref() or grad._version != version or grad._local_tensor._version != local_version
+        return (
+            grad is None
+            or grad is not ref()
+            or grad._version != version
+            or grad._local_tensor._version != local_version
+        )
 
     def take_grad_is_unreduced(self) -> bool:
         """Whether the visible `.grad` holds unreduced no-sync sums; cleared by asking."""
@@ -192,11 +197,17 @@ class ManagedParam:
         lay = self.layout
         # dim > 0: the natural layout, unpadded (filled by `fill_from_rank_major`).
         numel = world * lay.region_numel if lay.dim == 0 else lay.rows * lay.row_numel
-        if self.unsharded_padded is None or self.unsharded_padded.dtype != dtype or self.unsharded_padded.device != device:
+        if (
+            self.unsharded_padded is None
+            or self.unsharded_padded.dtype != dtype
+            or self.unsharded_padded.device != device
+        ):
             self.unsharded_padded = torch.empty(numel, dtype=dtype, device=device)
             view = self.unsharded_padded[: lay.rows * lay.row_numel].view(lay.shape)
             # With tensor parallelism the module computes with TP DTensors.
-            self.unsharded_param = nn.Parameter(view if self.tp is None else self.tp.wrap(view), requires_grad=self.wants_grad)
+            self.unsharded_param = nn.Parameter(
+                view if self.tp is None else self.tp.wrap(view), requires_grad=self.wants_grad
+            )
             return
         storage = self.unsharded_padded.untyped_storage()
         nbytes = numel * self.unsharded_padded.element_size()

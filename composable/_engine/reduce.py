@@ -52,17 +52,6 @@ def _offsets(params: list["ManagedParam"]) -> list[int]:
     return offsets
 
 
-def _divide_factors(world: float, dtype: torch.dtype) -> tuple[float, float]:
-    if world == 1:
-        return 1.0, 1.0
-    if dtype in (torch.float16, torch.bfloat16):
-        pre = 1
-        while world % (pre * 2) == 0 and world // pre > pre:
-            pre *= 2
-        return float(pre), world / pre
-    return 1.0, float(world)
-
-
 @dataclass
 class GroupDtypes:
     """A group's dtypes. `orig` is the sharded parameters' own dtype, which `module.half()`
@@ -118,7 +107,9 @@ class GradReducer:
         decided = self._collectives_average.get(dtype)
         if decided is None:
             groups = ([lay.shard_group] if lay.shard_group is not None else []) + list(lay.replicate_groups)
-            decided = self._collectives_average[dtype] = bool(groups) and all(comm.supports_average(pg, self.spec.device, dtype) for pg in groups)
+            decided = self._collectives_average[dtype] = bool(groups) and all(
+                comm.supports_average(pg, self.spec.device, dtype) for pg in groups
+            )
         return decided
 
     @property
@@ -248,19 +239,23 @@ class GradReducer:
         else:
             self._launch_all_reduce(params, grads, present)
 
-    def _launch_reduce_scatter(self, params: list["ManagedParam"], grads: list[torch.Tensor], present: list[bool]) -> None:
+    def _launch_reduce_scatter(
+        self, params: list["ManagedParam"], grads: list[torch.Tensor], present: list[bool]
+    ) -> None:
         lay, device = self.spec.layout, self.spec.device
         world, dtype = lay.shard_world, self.spec.dtypes.reduce
         average = self.collectives_average
-        pre = 1.0 if average else _divide_factors(self.dp_world, dtype)[0]
+        pre = 1.0 if average else comm.divide_factors(self.dp_world, dtype)[0]
         # Copy-in on the compute stream, so the unsharded gradients are freed in stream order.
         # 0-d parameters are replicated in every rank region: feed each region a copy. So are
         # the presence flags (one per parameter, at the end of every region): after the sum,
         # a rank knows which gradients any rank produced, even for its own missing ones.
         flags = self._presence_flags(present, grads[0].dtype)
         # dim > 0 parameters are chunked in the moved layout (a permuted view: _chunk_cat copies).
-        pieces = [gr.expand(world) if gr.dim() == 0 else gr.movedim(mp.layout.dim, 0) if mp.layout.dim else gr
-                  for mp, gr in zip(params, grads)] + [flags.expand(world, len(present)).contiguous()]
+        pieces = [
+            gr.expand(world) if gr.dim() == 0 else gr.movedim(mp.layout.dim, 0) if mp.layout.dim else gr
+            for mp, gr in zip(params, grads)
+        ] + [flags.expand(world, len(present)).contiguous()]
         flat_in = comm.chunk_cat(pieces, world, dtype, device)
         if pre != 1.0:
             flat_in.div_(pre)
@@ -270,7 +265,15 @@ class GradReducer:
             streams.before_reduce()
         # CPU: gloo works run asynchronously and need their input until `finish`. CUDA: the
         # streams keep it alive only until the next reduce-scatter (memory stays bounded).
-        red = _Reduction(params, present, _offsets(params), flat_in, keep_alive=[flat_in] if streams is None else [], with_presence=True, divided=average)
+        red = _Reduction(
+            params,
+            present,
+            _offsets(params),
+            flat_in,
+            keep_alive=[flat_in] if streams is None else [],
+            with_presence=True,
+            divided=average,
+        )
         with stream_context(streams.reduce if streams is not None else None):
             out = torch.empty(flat_in.numel() // world, dtype=dtype, device=device)
             red.output = out
@@ -295,10 +298,12 @@ class GradReducer:
         self._assign_early(red)
         self.pending.append(red)
 
-    def _launch_all_reduce(self, params: list["ManagedParam"], grads: list[torch.Tensor], present: list[bool], with_presence: bool = False) -> None:
+    def _launch_all_reduce(
+        self, params: list["ManagedParam"], grads: list[torch.Tensor], present: list[bool], with_presence: bool = False
+    ) -> None:
         dtype = self.spec.dtypes.reduce
         average = self.collectives_average
-        pre = 1.0 if average else _divide_factors(self.dp_world, dtype)[0]
+        pre = 1.0 if average else comm.divide_factors(self.dp_world, dtype)[0]
         pieces = [gr.reshape(-1) for gr in grads]
         if with_presence:  # one flag per parameter: after the sum, > 0 where any rank had a gradient
             pieces.append(self._presence_flags(present, dtype))
@@ -325,7 +330,7 @@ class GradReducer:
         """Apply the post-division of the average, once. On CUDA it runs on the reduce stream
         right after the collectives, so the end of backward has less left to do."""
         if red.all_reduced and not red.divided:
-            _, post = _divide_factors(self.dp_world, red.output.dtype)
+            _, post = comm.divide_factors(self.dp_world, red.output.dtype)
             if post != 1.0:
                 red.output.div_(post)
             red.divided = True
@@ -361,7 +366,7 @@ class GradReducer:
             if red.with_presence and not all(red.present):
                 # Only a locally missing gradient needs the flags (> 0: some rank had one); the
                 # read waits for the reduction, so skip it in the common all-present case.
-                present_anywhere = (out[-len(red.params):] > 0).tolist()
+                present_anywhere = (out[-len(red.params) :] > 0).tolist()
             target_device = torch.device("cpu") if self.spec.offload else self.spec.device
             out = out.to(device=target_device, dtype=self.spec.dtypes.orig)
             for i, (mp, present, off) in enumerate(zip(red.params, present_anywhere, red.offsets)):

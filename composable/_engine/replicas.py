@@ -21,7 +21,9 @@ from .contract import get_state
 Entry = tuple[str, str, tuple[int, ...], str, bool]  # kind, fqn, shape, dtype, on meta
 
 
-def sync_replicas(api: str, module: nn.Module, params: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup, device: torch.device) -> None:
+def sync_replicas(
+    api: str, module: nn.Module, params: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup, device: torch.device
+) -> None:
     """Raise `ValueError` (the same message on every rank) naming the first parameter or
     buffer whose shape, dtype or meta-ness differs across the ranks of `group`; otherwise
     make `params` and `module`'s buffers equal to group rank 0's, in place."""
@@ -57,7 +59,9 @@ def _buffers(module: nn.Module, api: str) -> list[tuple[str, torch.Tensor]]:
 
 def _first_mismatch(api: str, gathered: list[list[Entry]], group: dist.ProcessGroup) -> str:
     ranks = [dist.get_global_rank(group, r) for r in range(len(gathered))]
-    per_rank = [{(kind, fqn): (shape, dtype, meta) for kind, fqn, shape, dtype, meta in entries} for entries in gathered]
+    per_rank = [
+        {(kind, fqn): (shape, dtype, meta) for kind, fqn, shape, dtype, meta in entries} for entries in gathered
+    ]
     order = list(dict.fromkeys(key for entries in gathered for key in ((e[0], e[1]) for e in entries)))
     for key in order:
         values = [table.get(key) for table in per_rank]
@@ -76,6 +80,9 @@ def _first_mismatch(api: str, gathered: list[list[Entry]], group: dist.ProcessGr
         for rank, v in zip(ranks, values):
             groups.setdefault(describe(v), []).append(rank)
         parts = [f"{desc} on ranks {rs}" for desc, rs in groups.items()]
-        return (f"{api}: {key[0]} '{key[1]}' differs across ranks: " + " but ".join(parts)
-                + "; every rank must build the same model (rank 0's values are broadcast to the others)")
+        return (
+            f"{api}: {key[0]} '{key[1]}' differs across ranks: "
+            + " but ".join(parts)
+            + "; every rank must build the same model (rank 0's values are broadcast to the others)"
+        )
     return f"{api}: parameters or buffers are registered in a different order across ranks {ranks}; every rank must build the same model"

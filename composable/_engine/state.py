@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from ..mixed_precision import MixedPrecisionPolicy
-from .autograd import run_eagerly, any_requires_grad, attach_post_backward, attach_pre_backward, cast_floating
+from .autograd import any_requires_grad, attach_post_backward, attach_pre_backward, cast_floating, run_eagerly
 from .contract import keep_post_hook_last, param_states, register_api_pre_hook
 from .group import GroupState, ParamGroup
 from .profiling import labelled
@@ -55,7 +55,14 @@ class ModuleState:
 
     api_name = "composable"
 
-    def __init__(self, module: nn.Module, group: ParamGroup | None, mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool | int, reshard_is_default: bool) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        group: ParamGroup | None,
+        mp_policy: MixedPrecisionPolicy,
+        reshard_after_forward: bool | int,
+        reshard_is_default: bool,
+    ) -> None:
         self.module = module
         self.group = group
         self.mp_policy = mp_policy
@@ -107,7 +114,9 @@ class ModuleState:
         gradient per parameter is held) and communicates nothing; the next backward with
         True reduces everything accumulated."""
         if not isinstance(requires_gradient_sync, bool):
-            raise TypeError(f"set_requires_gradient_sync: 'requires_gradient_sync' must be a bool, got {requires_gradient_sync!r}")
+            raise TypeError(
+                f"set_requires_gradient_sync: 'requires_gradient_sync' must be a bool, got {requires_gradient_sync!r}"
+            )
         if not isinstance(recurse, bool):
             raise TypeError(f"set_requires_gradient_sync: 'recurse' must be a bool, got {recurse!r}")
         targets = param_states(self.module) if recurse else [self]

@@ -55,12 +55,13 @@ class FSDPState(ModuleState):
         held, not full ones) but the all-reduce across replicas is deferred to the next
         backward with True, which reduces the accumulated sum once."""
         if not isinstance(requires_all_reduce, bool):
-            raise TypeError(f"set_requires_all_reduce: 'requires_all_reduce' must be a bool, got {requires_all_reduce!r}")
+            raise TypeError(
+                f"set_requires_all_reduce: 'requires_all_reduce' must be a bool, got {requires_all_reduce!r}"
+            )
         for module in self.module.modules() if recurse else [self.module]:
             state = get_state(module, "fully_shard")
             if state is not None and state.group is not None:
                 state.group.reducer.requires_all_reduce = requires_all_reduce
-
 
     def _fsdp_states(self, api: str, recurse: object) -> list["FSDPState"]:
         if not isinstance(recurse, bool):

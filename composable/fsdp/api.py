@@ -61,22 +61,43 @@ def fully_shard(
         reshard = normalize_reshard(api, reshard, mesh.size(mesh.ndim - 1))
     ignored = _check_ignored(ignored_params)
     if shard_placement_fn is not None and not callable(shard_placement_fn):
-        raise TypeError(f"fully_shard: 'shard_placement_fn' must be a callable(param) -> Shard | None, got {shard_placement_fn!r:.80}")
+        raise TypeError(
+            f"fully_shard: 'shard_placement_fn' must be a callable(param) -> Shard | None, got {shard_placement_fn!r:.80}"
+        )
     if policy is not None:
-        _auto_wrap(module, _check_policy(policy), mesh=mesh, reshard_after_forward=reshard_after_forward, strategy=strategy,
-                   mp_policy=mp_policy, offload_policy=offload_policy, ignored_params=ignored,
-                   shard_placement_fn=shard_placement_fn)
+        _auto_wrap(
+            module,
+            _check_policy(policy),
+            mesh=mesh,
+            reshard_after_forward=reshard_after_forward,
+            strategy=strategy,
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
+            ignored_params=ignored,
+            shard_placement_fn=shard_placement_fn,
+        )
 
     options = GroupOptions(
-        sharded=strategy is not ShardingStrategy.NO_SHARD, param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
-        offload=isinstance(offload_policy, CPUOffloadPolicy), pin_memory=getattr(offload_policy, "pin_memory", False),
+        sharded=strategy is not ShardingStrategy.NO_SHARD,
+        param_dtype=mp_policy.param_dtype,
+        reduce_dtype=mp_policy.reduce_dtype,
+        offload=isinstance(offload_policy, CPUOffloadPolicy),
+        pin_memory=getattr(offload_policy, "pin_memory", False),
         shard_placement_fn=shard_placement_fn,
     )
     group = build_group(api, module, mesh, ignored, options)
     if group is not None and not isinstance(reshard, bool):
         group.layout.post_forward_group(reshard)  # collective: made here, on every rank alike
-    state = FSDPState(module, group, mesh=mesh, strategy=strategy, mp_policy=mp_policy, offload_policy=offload_policy,
-                      reshard_after_forward=reshard, reshard_is_default=reshard_is_default)
+    state = FSDPState(
+        module,
+        group,
+        mesh=mesh,
+        strategy=strategy,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+        reshard_after_forward=reshard,
+        reshard_is_default=reshard_is_default,
+    )
     install_state(module, api, state)
     return module
 
@@ -85,7 +106,9 @@ def _check_ignored(ignored_params: object) -> set[nn.Parameter]:
     if ignored_params is None:
         return set()
     if not isinstance(ignored_params, (set, frozenset)) or not all(isinstance(p, torch.Tensor) for p in ignored_params):
-        raise TypeError(f"fully_shard: 'ignored_params' must be a set of nn.Parameter or None, got {ignored_params!r:.80}")
+        raise TypeError(
+            f"fully_shard: 'ignored_params' must be a set of nn.Parameter or None, got {ignored_params!r:.80}"
+        )
     return set(ignored_params)
 
 
@@ -98,7 +121,9 @@ def _check_policy(policy: object) -> Callable[[nn.Module], bool]:
         return lambda m: isinstance(m, classes)
     if callable(policy) and not isinstance(policy, type):
         return policy  # type: ignore[return-value]
-    raise TypeError(f"fully_shard: 'policy' must be a set of nn.Module classes or a callable(module) -> bool, got {policy!r:.80}")
+    raise TypeError(
+        f"fully_shard: 'policy' must be a set of nn.Module classes or a callable(module) -> bool, got {policy!r:.80}"
+    )
 
 
 def _auto_wrap(root: nn.Module, matches: Callable[[nn.Module], bool], **options: object) -> None:

@@ -16,7 +16,9 @@ class ShardingStrategy(enum.Enum):
     HYBRID_SHARD = "HYBRID_SHARD"
 
 
-def resolve_strategy(mesh_ndim: int, strategy: object, reshard_after_forward: object) -> tuple[ShardingStrategy, bool | int, bool]:
+def resolve_strategy(
+    mesh_ndim: int, strategy: object, reshard_after_forward: object
+) -> tuple[ShardingStrategy, bool | int, bool]:
     """(strategy, reshard_after_forward, whether reshard_after_forward was left to defaults).
 
     `reshard_after_forward` may be an int N (reshard to groups of N ranks; see
@@ -36,9 +38,13 @@ def resolve_strategy(mesh_ndim: int, strategy: object, reshard_after_forward: ob
         else:
             strategy = ShardingStrategy.FULL_SHARD
     if strategy is ShardingStrategy.HYBRID_SHARD and mesh_ndim != 2:
-        raise ValueError(f"fully_shard: strategy=HYBRID_SHARD needs a 2D mesh (replicate, shard), got a {mesh_ndim}D mesh")
+        raise ValueError(
+            f"fully_shard: strategy=HYBRID_SHARD needs a 2D mesh (replicate, shard), got a {mesh_ndim}D mesh"
+        )
     if strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP) and mesh_ndim != 1:
-        raise ValueError(f"fully_shard: strategy={strategy.name} shards over a 1D mesh, got a {mesh_ndim}D mesh; use HYBRID_SHARD (or strategy=None) for 2D")
+        raise ValueError(
+            f"fully_shard: strategy={strategy.name} shards over a 1D mesh, got a {mesh_ndim}D mesh; use HYBRID_SHARD (or strategy=None) for 2D"
+        )
     implied = {
         ShardingStrategy.FULL_SHARD: True,
         ShardingStrategy.SHARD_GRAD_OP: False,

@@ -52,8 +52,11 @@ def replicate(
     check_mesh(api, mesh, (1,))
 
     options = GroupOptions(
-        sharded=False, param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
-        bucket_cap_bytes=int(bucket_cap_mb * 1024 * 1024), accepts_dtensors=False,
+        sharded=False,
+        param_dtype=mp_policy.param_dtype,
+        reduce_dtype=mp_policy.reduce_dtype,
+        bucket_cap_bytes=int(bucket_cap_mb * 1024 * 1024),
+        accepts_dtensors=False,
         sync_replicas=True,
     )
     group = build_group(api, module, mesh, set(), options)
