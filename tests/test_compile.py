@@ -10,7 +10,7 @@ rest the cheap `aot_eager` backend (CPU CI time).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -84,6 +84,32 @@ def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
+def _side_by_side(
+    eager: nn.Module,
+    compiled: nn.Module,
+    loss_of: Callable[[nn.Module, int], torch.Tensor],
+    tol: dict[str, float],
+    label: str,
+    params: tuple[nn.Module, nn.Module] | None = None,
+) -> None:
+    """Train `eager` and `compiled` on the same batches (SGD: Adam would amplify rounding in
+    ~0 gradients); losses and every parameter (of `params`, default the two models) agree
+    after each step."""
+    eager_params, compiled_params = params or (eager, compiled)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager_params, compiled_params)]
+    for step in range(STEPS):
+        losses = []
+        for model, opt in zip((eager, compiled), opts):
+            loss = loss_of(model, step)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach().float())
+        assert_close_tensors(losses[1], losses[0], **tol, msg=f"{label} step {step} loss")
+        full = _full_params(compiled_params), _full_params(eager_params)
+        assert_close_tensors(*full, **tol, msg=f"{label} step {step} params")
+
+
 def _compiled_matches_eager(
     rank: int, world: int, variant: str, order: str, backend: str = "aot_eager", device: str = "cpu"
 ) -> None:
@@ -93,23 +119,10 @@ def _compiled_matches_eager(
     torch._dynamo.reset()
     mesh = _mesh(variant, world, dev)
     eager, compiled = _build(variant, None, backend, mesh, dev), _build(variant, order, backend, mesh, dev)
-    opts = [
-        torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, compiled)
-    ]  # Adam would amplify rounding in ~0 grads
     tol = BF16_INDUCTOR_TOL if variant == "bf16" and backend == "inductor" else TOL[backend]
-    for step in range(STEPS):
-        tokens = batch_for(step, world, rank).to(dev)
-        losses = []
-        for model, opt in zip((eager, compiled), opts):
-            loss = lm_loss(model, tokens)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.detach().float())
-        assert_close_tensors(losses[1], losses[0], **tol, msg=f"{variant}/{order} step {step} loss")
-        assert_close_tensors(
-            _full_params(compiled), _full_params(eager), **tol, msg=f"{variant}/{order} step {step} params"
-        )
+    _side_by_side(
+        eager, compiled, lambda m, step: lm_loss(m, batch_for(step, world, rank).to(dev)), tol, f"{variant}/{order}"
+    )
     counters = torch._dynamo.utils.counters
     assert counters["stats"]["unique_graphs"] >= 1, "nothing was compiled"
     assert not counters["graph_break"], dict(counters["graph_break"])
@@ -138,18 +151,8 @@ def _whole_model_compiled(rank: int, world: int) -> None:
         _build("full_shard", None, "aot_eager", mesh, torch.device("cpu")),
     )
     compiled = torch.compile(inner, backend="aot_eager")  # graph breaks at our hooks are allowed here
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, inner)]
-    for step in range(STEPS):
-        tokens = batch_for(step, world, rank)
-        losses = []
-        for model, opt in zip((eager, compiled), opts):
-            loss = lm_loss(model, tokens)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.detach())
-        assert_close_tensors(losses[1], losses[0], **TOL["aot_eager"], msg=f"step {step} loss")
-    assert_close_tensors(_full_params(inner), _full_params(eager), **TOL["aot_eager"], msg="params")
+    loss_of = lambda m, step: lm_loss(m, batch_for(step, world, rank))  # noqa: E731
+    _side_by_side(eager, compiled, loss_of, TOL["aot_eager"], "whole model", params=(eager, inner))
 
 
 def test_whole_model_compile_trains_like_eager() -> None:
@@ -225,21 +228,11 @@ def _hf_llama_compiled_matches_eager(rank: int, world: int, device: str = "cpu",
                 layer.compile(backend=backend, fullgraph=True)
         return fully_shard(model, mesh=mesh)
 
-    models = [build(False), build(True)]
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
-    for step in range(STEPS):
+    def loss_of(model: nn.Module, step: int) -> torch.Tensor:
         tokens = torch.randint(0, 37, (2, 9), generator=torch.Generator().manual_seed(step * world + rank)).to(dev)
-        losses = []
-        for model, opt in zip(models, opts):
-            loss = model(input_ids=tokens, labels=tokens).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.detach())
-        assert_close_tensors(losses[1], losses[0], **TOL[backend], msg=f"step {step} loss")
-        assert_close_tensors(
-            _full_params(models[1]), _full_params(models[0]), **TOL[backend], msg=f"step {step} params"
-        )
+        return model(input_ids=tokens, labels=tokens).loss
+
+    _side_by_side(build(False), build(True), loss_of, TOL[backend], "hf llama")
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
 
 
