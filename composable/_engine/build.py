@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .claim import check_same_device, claim_parameters, mark_managed, mark_replaced
+from .extension import has_extension
 from .group import GroupConfig, ParamGroup
 from .layout import DataParallelLayout
 from .mesh import compute_device
@@ -71,12 +72,30 @@ def build_group(
     params = [
         make_managed_param(fqn, slots, p, layout, _shard_dim(api, fqn, p, layout, options)) for fqn, slots, p in claimed
     ]
+    for mp, (_, _, p) in zip(params, claimed):
+        mp.extension = has_extension(p)
+        if mp.extension:
+            _check_extension(api, mp, layout, options)
     group = ParamGroup(params, sources, config)
     for mp in params:
         mp.register(mp.sharded_param)
     mark_replaced(originals, api)
     mark_managed([mp.sharded_param for mp in params], api)
     return group
+
+
+def _check_extension(api: str, mp: ManagedParam, layout: DataParallelLayout, options: GroupOptions) -> None:
+    """What the all-gather extension is supported with (`NotImplementedError` naming the rest)."""
+    why = (
+        "a sharded layout (not NO_SHARD)" if not layout.sharded
+        else "no CPU offload" if options.offload
+        else "sharding on dim 0" if mp.layout.dim != 0
+        else f"dim 0 divisible by the shard world size {layout.shard_world}" if mp.layout.rows % layout.shard_world
+        else "no tensor parallelism" if mp.tp is not None
+        else None
+    )  # fmt: skip
+    if why is not None:
+        raise NotImplementedError(f"{api}: parameter '{mp.fqn}' implements the all-gather extension, which needs {why}")
 
 
 def _shard_dim(api: str, fqn: str, param: torch.Tensor, layout: DataParallelLayout, options: GroupOptions) -> int:

@@ -18,13 +18,14 @@ from dataclasses import dataclass
 from enum import Enum, auto
 
 import torch
-import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from ..mixed_precision import MixedPrecisionPolicy
 from . import collectives as comm
+from . import extension
 from .buckets import BucketedReducer
 from .layout import DataParallelLayout
-from .param import ManagedParam, is_freed
+from .param import ManagedParam, copy_out_params, is_freed
 from .profiling import labelled
 from .reduce import GradReducer, GroupDtypes, ReduceSpec
 from .streams import stream_context, streams_for
@@ -55,6 +56,11 @@ class ParamGroup:
 
     def __init__(self, params: list[ManagedParam], originals: list[torch.Tensor], config: GroupConfig) -> None:
         self.params = params
+        # Parameters whose local shard implements FSDP2's all-gather extension keep storage of
+        # their own and gather through it (extension.py); the rest share the flat buffer.
+        self.flat_params = [mp for mp in params if not mp.extension]
+        self.extension_params = [mp for mp in params if mp.extension]
+        self._extension_gathers: list[extension.PendingGather] = []
         self.config = config
         self.layout = config.layout
         self.dtypes = GroupDtypes(config.param_dtype, config.reduce_dtype)
@@ -75,7 +81,8 @@ class ParamGroup:
             if config.bucket_cap_bytes is None
             else BucketedReducer(params, spec, self.streams, config.bucket_cap_bytes)
         )
-        self._build_flat_shard(originals, fresh=True)
+        self._build_flat_shard([src for mp, src in zip(params, originals) if not mp.extension], fresh=True)
+        self._init_extension_shards([src for mp, src in zip(params, originals) if mp.extension])
 
     # Process groups and CUDA streams are handles to shared runtime objects: a deep copy of
     # the model (`copy.deepcopy`) shares them instead of trying to copy them.
@@ -115,12 +122,18 @@ class ParamGroup:
         dtypes = {t.dtype for t in sources}
         if len(dtypes) > 1:
             raise NotImplementedError(
-                f"fully_shard: parameters of one group must share a dtype, got {sorted(map(str, dtypes))} for {[p.fqn for p in self.params]}"
+                f"fully_shard: parameters of one group must share a dtype, got {sorted(map(str, dtypes))} for {[p.fqn for p in self.flat_params]}"
             )
+        if not dtypes and self.extension_params:
+            dtypes = {
+                self.extension_params[0].sharded_param.dtype
+                if self.extension_params[0].sharded_param is not None
+                else torch.float32
+            }
         dtype = dtypes.pop() if dtypes else torch.float32
         device = self._storage_device(sources[0]) if sources else self.config.device
         offset = 0
-        for mp in self.params:
+        for mp in self.flat_params:
             mp.layout.offset = offset
             offset += mp.layout.region_numel
         flat = torch.zeros(offset, dtype=dtype, device=device)
@@ -129,7 +142,7 @@ class ParamGroup:
         self.flat_shard = flat  # 1D, this rank's region
         self.dtypes.orig = dtype
         with torch.no_grad():
-            for mp, src in zip(self.params, sources):
+            for mp, src in zip(self.flat_params, sources):
                 local = mp.local_view(flat)
                 if device.type != "meta":
                     local.copy_(self._local_rows(mp, src) if fresh else src)
@@ -144,6 +157,15 @@ class ParamGroup:
             and self.unsharded_dtype == dtype
             and device.type != "meta"
         )
+
+    def _init_extension_shards(self, sources: list[torch.Tensor]) -> None:
+        """Extension parameters: the local shard is this rank's rows of the parameter itself,
+        taken through its own ops so that it stays of its kind (a copy, on the storage device)."""
+        with torch.no_grad():
+            for mp, src in zip(self.extension_params, sources):
+                rows = src if src.device.type == "meta" else self._local_rows(mp, src).to(self._storage_device(src))
+                mp.sharded_param = mp.make_sharded_param(rows.clone())
+                mp.local_registered = mp.sharded_param._local_tensor
 
     def _local_rows(self, mp: ManagedParam, full: torch.Tensor) -> torch.Tensor:
         if mp.layout.replicated or full.dim() == 0:
@@ -170,8 +192,8 @@ class ParamGroup:
                 stale = True
         if stale:
             self.reshard()  # unsharded storage kept from an earlier forward belongs to the old shards
-            self._build_flat_shard([mp.sharded_param._local_tensor for mp in self.params], fresh=False)
-            for mp in self.params:  # unsharded storage must follow a dtype change
+            self._build_flat_shard([mp.sharded_param._local_tensor for mp in self.flat_params], fresh=False)
+            for mp in self.flat_params:  # unsharded storage must follow a dtype change
                 mp.unsharded_padded = None
             self._replica_flat = None
 
@@ -223,12 +245,14 @@ class ParamGroup:
         within `size` ranks instead of the whole shard group; free the rest."""
         if self.state is GroupState.UNSHARDING:
             self.wait_for_unshard()
-        if self.state is GroupState.SHARDED or not self.layout.sharded or self._unsharded_aliases_shard:
-            self.reshard()
+        if self.state is GroupState.SHARDED or self.extension_params or self._unsharded_aliases_shard:
+            self.reshard()  # (all-gather extensions decide what travels: they regather fully)
             return
         _, rank = self.layout.post_forward_group(size)
         world, share = self.layout.shard_world, self.layout.shard_world // size
-        kept = comm.pack_regions([mp.rank_major(world) for mp in self.params], world, rank * share, (rank + 1) * share)
+        kept = comm.pack_regions(
+            [mp.rank_major(world) for mp in self.flat_params], world, rank * share, (rank + 1) * share
+        )
         self.reshard()
         self._post_forward_shard = (kept, size)
 
@@ -259,11 +283,18 @@ class ParamGroup:
             gather_out = torch.empty(lay.shard_world * n, dtype=self.unsharded_dtype, device=cfg.device)
             gather_in = gather_out.narrow(0, rank * source.numel(), source.numel())
             gather_in.copy_(source, non_blocking=True)
-            if streams is None:
+            if n == 0:  # only extension parameters: nothing in the flat buffer
+                work = None
+            elif streams is None:
                 work = comm.all_gather(gather_out, gather_in, group, async_op=True)
             else:
                 comm.all_gather(gather_out, gather_in, group, async_op=False)
                 work = streams.all_gather.record_event()
+        if self.extension_params:
+            policy = MixedPrecisionPolicy(self.config.param_dtype, self.config.reduce_dtype)
+            self._extension_gathers = extension.start_gathers(
+                self.extension_params, lay.shard_group, lay.mesh, lay.shard_world, policy
+            )
         # `source` (a post-forward shard made on the compute stream) lives until the copy-out.
         self._pending_gather = (work, gather_out, gather_in, source)
 
@@ -302,16 +333,8 @@ class ParamGroup:
         return replica
 
     def _point_unsharded_at(self, flat: torch.Tensor) -> None:
-        """Make every unsharded parameter a view of `flat` (the shard itself, or the replica
-        buffer); the parameter objects are made once, so hooks on them stay."""
         for mp in self.params:
-            if mp.unsharded_param is None or mp.unsharded_alias_of is not flat:
-                view = mp.local_view(flat)
-                mp.unsharded_padded = view.view(-1)
-                mp.unsharded_param = nn.Parameter(
-                    view if mp.tp is None else mp.tp.wrap(view), requires_grad=mp.wants_grad
-                )
-                mp.unsharded_alias_of = flat
+            mp.alias_unsharded(flat)
 
     @labelled("composable::wait_for_unshard")
     def wait_for_unshard(self) -> None:
@@ -328,19 +351,9 @@ class ParamGroup:
             elif work is not None:
                 work.wait()
             world = self.layout.shard_world
-            for mp in self.params:
-                mp.alloc_unsharded(world, gathered.dtype, self.config.device)
-            # dim > 0 parameters go through a rank-major staging buffer into their natural layout.
-            staged = {
-                id(mp): torch.empty(world * mp.layout.region_numel, dtype=gathered.dtype, device=gathered.device)
-                for mp in self.params
-                if mp.layout.dim != 0
-            }
-            targets = [staged.get(id(mp), mp.unsharded_padded) for mp in self.params]
-            comm.copy_out(gathered, world, [mp.layout.region_numel for mp in self.params], targets)  # type: ignore[arg-type]
-            for mp in self.params:
-                if mp.layout.dim != 0:
-                    mp.fill_from_rank_major(staged[id(mp)], world)
+            copy_out_params(gathered, world, self.flat_params, self.config.device)
+            extension.finish_gathers(self.extension_params, self._extension_gathers, world, self.unsharded_dtype)
+            self._extension_gathers = []
             if self.streams is not None:
                 self.streams.after_copy_out((gathered, gather_in, source))
         self._pending_gather = None
@@ -356,10 +369,13 @@ class ParamGroup:
             self.wait_for_unshard()
         if self.state is GroupState.SHARDED:
             return
-        for mp in self.params:
+        for mp in self.flat_params:
             mp.register(mp.sharded_param)
             if not self._unsharded_aliases_shard:
                 mp.free_unsharded()
+        for mp in self.extension_params:
+            mp.register(mp.sharded_param)
+        extension.free(self.extension_params)
         self.state = GroupState.SHARDED
         self._unsharded_registered = False
 

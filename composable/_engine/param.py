@@ -35,6 +35,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from . import collectives as comm
+
 
 @dataclass
 class ParamLayout:
@@ -115,6 +117,8 @@ class ManagedParam:
     grad_marker: tuple | None = None
     bucket_index: int | None = None  # replicate: which all-reduce bucket the gradient goes in
     hooked_param: nn.Parameter | None = None  # replicate: the unsharded parameter with our grad hook
+    extension: bool = False  # the local shard implements FSDP2's all-gather extension (extension.py)
+    extension_inner: list = field(default_factory=list)  # its unsharded inner tensors (freed between uses)
     grad_standins: dict = field(default_factory=dict, repr=False)  # see `make_sharded_grad`
 
     @property
@@ -235,6 +239,17 @@ class ManagedParam:
         out[: lay.rows].copy_(self.unsharded_padded.view(lay.shape).movedim(lay.dim, 0))  # type: ignore[union-attr]
         return out.view(-1)
 
+    def alias_unsharded(self, flat: torch.Tensor) -> None:
+        """Replicated groups: make the unsharded parameter a view of `flat` (the shard itself,
+        or the replica buffer); the parameter object is made once, so hooks on it stay."""
+        if self.unsharded_param is None or self.unsharded_alias_of is not flat:
+            view = self.local_view(flat)
+            self.unsharded_padded = view.view(-1)
+            self.unsharded_param = nn.Parameter(
+                view if self.tp is None else self.tp.wrap(view), requires_grad=self.wants_grad
+            )
+            self.unsharded_alias_of = flat
+
     def free_unsharded(self) -> None:
         """Release the unsharded storage; views (and autograd's saved references) stay valid."""
         if self.unsharded_padded is not None:
@@ -311,3 +326,21 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
         stride.append(acc)
         acc *= max(size, 1)
     return tuple(reversed(stride))
+
+
+def copy_out_params(gathered: torch.Tensor, world: int, params: list[ManagedParam], device: torch.device) -> None:
+    """Fill the unsharded parameters from the rank-major all-gather output `gathered`: one
+    fused copy into the padded storages; parameters sharded on a dim > 0 go through a
+    rank-major staging buffer into their natural (contiguous) layout."""
+    for mp in params:
+        mp.alloc_unsharded(world, gathered.dtype, device)
+    staged = {
+        id(mp): torch.empty(world * mp.layout.region_numel, dtype=gathered.dtype, device=gathered.device)
+        for mp in params
+        if mp.layout.dim != 0
+    }
+    targets = [staged.get(id(mp), mp.unsharded_padded) for mp in params]
+    comm.copy_out(gathered, world, [mp.layout.region_numel for mp in params], targets)  # type: ignore[arg-type]
+    for mp in params:
+        if mp.layout.dim != 0:
+            mp.fill_from_rank_major(staged[id(mp)], world)

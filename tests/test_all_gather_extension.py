@@ -1,0 +1,136 @@
+"""FSDP2's all-gather extension: a parameter whose local tensor implements
+`fsdp_pre_all_gather` / `fsdp_post_all_gather` is all-gathered through them.
+
+`BF16GatherWeight` is a small wrapper subclass of our own (as torchao's float8 weights are):
+an fp32 weight that all-gathers in bf16, half the bytes. Checked against PyTorch's FSDP2 with
+the same subclass (bit for bit: the same rounding happens in both), and by counting what the
+all-gathers carry.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from _harness import assert_close_tensors, run_on_ranks, trace_collectives
+from torch.distributed.device_mesh import init_device_mesh
+
+from composable import fully_shard
+
+aten = torch.ops.aten
+# Ops whose results stay weights of this kind (views, copies, allocations), as torchao's do.
+_PRESERVE = {
+    aten.detach.default, aten.clone.default, aten.slice.Tensor, aten.view.default, aten.alias.default,
+    aten._to_copy.default, aten.empty_like.default, aten.new_empty.default, aten.new_zeros.default,
+    aten.split.Tensor, aten.as_strided.default, aten.copy_.default, aten.narrow.default,
+}  # fmt: skip
+
+
+class BF16GatherWeight(torch.Tensor):
+    """An fp32 weight that all-gathers in bf16; every other op runs on the fp32 data."""
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor) -> "BF16GatherWeight":
+        return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+            cls,
+            data.shape,
+            strides=data.stride(),
+            dtype=data.dtype,
+            device=data.device,
+            requires_grad=data.requires_grad,
+        )
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self._data = data
+
+    def __repr__(self) -> str:
+        return f"BF16GatherWeight({self._data!r})"
+
+    def __tensor_flatten__(self) -> tuple[list[str], None]:
+        return ["_data"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, meta: None, size: Any, stride: Any) -> "BF16GatherWeight":
+        return BF16GatherWeight(inner["_data"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        def unwrap(t: Any) -> Any:
+            return t._data if isinstance(t, cls) else t
+
+        out = func(*pytree.tree_map(unwrap, args), **pytree.tree_map(unwrap, kwargs or {}))
+        if func in _PRESERVE:
+            return pytree.tree_map_only(torch.Tensor, cls, out)
+        return out
+
+    def fsdp_pre_all_gather(self, mesh: Any, outer_size: Any, outer_stride: Any, module: Any, mp_policy: Any) -> tuple:
+        return (self._data.to(torch.bfloat16),), None
+
+    def fsdp_post_all_gather(self, outputs: tuple, metadata: Any, param_dtype: torch.dtype, *, out: Any = None) -> Any:
+        (data,) = outputs
+        if out is not None:  # refill in place; the same values, so not a mutation autograd should see
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
+                out.copy_(data)
+            return None
+        unsharded = data.to(param_dtype)
+        return unsharded, (unsharded,)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(2))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def _with_extension_weights(model: Net) -> Net:
+    for block in model.blocks:
+        block[0].weight = nn.Parameter(BF16GatherWeight(block[0].weight.detach().clone()))
+    return model
+
+
+def _vs_fsdp2(rank: int, world: int) -> None:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    torch.manual_seed(0)
+    theirs = _with_extension_weights(Net())
+    ours = copy.deepcopy(theirs)
+    mesh = init_device_mesh("cpu", (world,))
+    for block in theirs.blocks:
+        torch_fully_shard(block, mesh=mesh)
+    torch_fully_shard(theirs, mesh=mesh)
+    for block in ours.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(ours, mesh=mesh)
+    assert isinstance(ours.blocks[0][0].weight.to_local(), BF16GatherWeight), "the local shard keeps its kind"
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step * world + rank))
+        with trace_collectives() as t:
+            our_loss = ours(x).square().mean()
+        # Each block: its flat buffer (the bias) in fp32 and its extension weight in bf16.
+        gathered = sorted(str(r.dtype) for r in t.records if r.kind == "all_gather")
+        assert gathered == ["torch.bfloat16"] * 2 + ["torch.float32"] * 3, t.render()
+        losses = [our_loss, theirs(x).square().mean()]
+        for loss in losses:
+            loss.backward()
+        assert_close_tensors(losses[0].detach(), losses[1].detach(), exact=True, msg=f"step {step} loss")
+        for (name, a), (_, b) in zip(ours.named_parameters(), theirs.named_parameters()):
+            assert_close_tensors(a.grad.to_local(), b.grad.to_local(), exact=True, msg=f"step {step} grad {name}")
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    for (name, a), (_, b) in zip(ours.named_parameters(), theirs.named_parameters()):
+        assert_close_tensors(a.full_tensor(), b.full_tensor(), exact=True, msg=f"param {name}")
+
+
+def test_all_gather_extension_matches_torch_fsdp2() -> None:
+    run_on_ranks(_vs_fsdp2, 2)
