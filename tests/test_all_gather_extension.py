@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
@@ -132,5 +133,6 @@ def _vs_fsdp2(rank: int, world: int) -> None:
         assert_close_tensors(a.full_tensor(), b.full_tensor(), exact=True, msg=f"param {name}")
 
 
-def test_all_gather_extension_matches_torch_fsdp2() -> None:
-    run_on_ranks(_vs_fsdp2, 2)
+@pytest.mark.parametrize("world", [2, 4])
+def test_all_gather_extension_matches_torch_fsdp2(world: int) -> None:
+    run_on_ranks(_vs_fsdp2, world)

@@ -135,8 +135,9 @@ def _async_unshard(rank: int, world: int) -> None:
         state.unshard(async_op=1)
 
 
-def test_async_unshard_returns_a_handle_and_the_forward_reuses_it() -> None:
-    run_on_ranks(_async_unshard, 2)
+@pytest.mark.parametrize("world", [2, 4])
+def test_async_unshard_returns_a_handle_and_the_forward_reuses_it(world: int) -> None:
+    run_on_ranks(_async_unshard, world)
 
 
 # ----------------------------------------------------------------------------- setters
@@ -172,8 +173,9 @@ def _setters(rank: int, world: int) -> None:
         root.set_reshard_after_forward(3)
 
 
-def test_reshard_setters() -> None:
-    run_on_ranks(_setters, 2)
+@pytest.mark.parametrize("world", [2, 4])
+def test_reshard_setters(world: int) -> None:
+    run_on_ranks(_setters, world)
 
 
 def _divide_factor(rank: int, world: int) -> None:
@@ -193,8 +195,9 @@ def _divide_factor(rank: int, world: int) -> None:
         fully_shard.state(model).set_gradient_divide_factor(0)
 
 
-def test_gradient_divide_factor_sums_then_divides() -> None:
-    run_on_ranks(_divide_factor, 2)
+@pytest.mark.parametrize("world", [2, 4])
+def test_gradient_divide_factor_sums_then_divides(world: int) -> None:
+    run_on_ranks(_divide_factor, world)
 
 
 def _last_backward(rank: int, world: int) -> None:
@@ -212,8 +215,9 @@ def _last_backward(rank: int, world: int) -> None:
             m.zero_grad()
 
 
-def test_is_last_backward_false_leaves_reductions_for_later() -> None:
-    run_on_ranks(_last_backward, 2)
+@pytest.mark.parametrize("world", [2, 4])
+def test_is_last_backward_false_leaves_reductions_for_later(world: int) -> None:
+    run_on_ranks(_last_backward, world)
 
 
 # ----------------------------------------------------------------------------- register_forward_method
@@ -253,6 +257,7 @@ def _forward_method(rank: int, world: int, api: str) -> None:
         register_forward_method(model, 3)
 
 
+@pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("api", ["fully_shard", "replicate"])
-def test_register_forward_method_runs_the_hooks(api: str) -> None:
-    run_on_ranks(_forward_method, 2, api)
+def test_register_forward_method_runs_the_hooks(api: str, world: int) -> None:
+    run_on_ranks(_forward_method, world, api)
