@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import math
 import os
 import signal
 import sys
@@ -48,7 +47,6 @@ if os.path.dirname(HERE) not in sys.path:  # a checkout that was not pip-install
 # found next to this file, under torchrun and mp.spawn alike.
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.nn as nn  # noqa: E402
 from checkpointing import checkpoint_dirs, load_newest_intact, rank0_then_broadcast, save_checkpoint  # noqa: E402
 from data import ByteCorpus, get_batch  # noqa: E402
 from launch import run_rank, spawn_local  # noqa: E402
@@ -57,6 +55,7 @@ from options import FAULT, check_memory, host_memory_bytes, model_config, parse_
 from parallel import UsageError, build_mesh, parallelize  # noqa: E402
 from reporting import MetricsLog, memory_string, print_summary, write_plot  # noqa: E402
 from runs import Run, identity, identity_differences, mismatch_message, open_run  # noqa: E402
+from schedule import build_optimizer, evaluate, lr_at, world_mean  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
 from watchdog import Watchdog  # noqa: E402
 
@@ -93,52 +92,6 @@ def _spawned_rank(local_rank: int, store_port: int, args: argparse.Namespace) ->
 
 
 # ----------------------------------------------------------------------------- optimizer
-
-
-def build_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
-    # No weight decay on gains (1D): decaying RMSNorm weights towards 0 only hurts.
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
-
-
-def lr_at(step: int, args: argparse.Namespace) -> float:
-    """Linear warmup to `--lr`, then cosine decay to 10% of it at `--steps` (1-based step)."""
-    # 10% of the run, at most 100 steps, at least 10 (or half a short run): a warmup of 4 steps
-    # to the 1b preset's peak made its loss jump 7.9 -> 14.3 at step 4 on 2 x H200.
-    warmup = (
-        args.warmup_steps
-        if args.warmup_steps is not None
-        else min(100, max(min(10, args.steps // 2), args.steps // 10, 1))
-    )
-    if step <= warmup:
-        return args.lr * step / max(1, warmup)
-    progress = (step - warmup) / max(1, args.steps - warmup)
-    return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
-
-
-@torch.no_grad()
-def evaluate(
-    model: nn.Module, corpus: ByteCorpus, args: argparse.Namespace, seq_len: int, dp_rank: int, device: torch.device
-) -> float:
-    """Mean loss over `--eval-batches` fixed held-out batches per data-parallel rank."""
-    was_training = model.training
-    model.eval()
-    total = torch.zeros((), device=device)
-    for i in range(args.eval_batches):
-        x, y = get_batch(
-            corpus.val, args.batch_size, seq_len, seed=args.seed, step=i, rank=dp_rank, split_id=1, device=device
-        )
-        total += lm_loss(model(x), y)
-    model.train(was_training)
-    return _world_mean(total / args.eval_batches)
-
-
-def _world_mean(value: torch.Tensor) -> float:
-    value = value.detach().float().clone()
-    dist.all_reduce(value)  # SUM (gloo has no AVG); tp ranks of one dp rank hold equal values
-    return value.item() / dist.get_world_size()
 
 
 def train(args: argparse.Namespace, watchdog: Watchdog | None = None) -> dict[str, Any]:
@@ -340,7 +293,7 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
-        train_loss = _world_mean(loss_sum)  # also waits for the step to finish
+        train_loss = world_mean(loss_sum)  # also waits for the step to finish
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
