@@ -506,6 +506,13 @@ def trace_collectives() -> CollectiveTracer:
 # ----------------------------------------------------------------------------- misc
 
 
+def env_without_launcher() -> dict[str, str]:
+    """This process's environment minus what a launcher (torchrun) sets: a script started with
+    it runs as if started by hand (the main job then spawns its own ranks)."""
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    return {k: v for k, v in os.environ.items() if k not in launcher}
+
+
 def requires_gpus(n: int) -> Callable[[Any], Any]:
     """Mark a test ``gpu`` (``pytest -m gpu`` runs the GPU suite) and skip it unless at least
     ``n`` CUDA devices are visible."""

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from _harness import assert_close_tensors, run_on_ranks
+from _harness import assert_close_tensors, env_without_launcher, run_on_ranks
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 if str(EXAMPLES) not in sys.path:
@@ -238,11 +238,7 @@ def test_command_line_spawns_ranks_and_reports(tmp_path: Path) -> None:
         "--out",
         str(tmp_path),
     ]
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
+    env = env_without_launcher()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "summary" in proc.stdout and "train loss" in proc.stdout and "tokens/s" in proc.stdout, proc.stdout

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _harness import assert_close_tensors, run_on_ranks
+from _harness import assert_close_tensors, env_without_launcher, run_on_ranks
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 if str(EXAMPLES) not in sys.path:
@@ -235,11 +235,7 @@ def _command(tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedProcess, 
         str(tmp_path),
         *flags,
     ]
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
+    env = env_without_launcher()
     t0 = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, check=False)
     return proc, time.monotonic() - t0
