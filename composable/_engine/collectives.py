@@ -8,7 +8,8 @@ deprecated from 2.13 on).
 
 from __future__ import annotations
 
-from typing import Sequence
+from contextlib import contextmanager
+from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,21 +46,29 @@ def supports_average(group: dist.ProcessGroup, device: torch.device, dtype: torc
     return device.type == "cuda" and dtype in (torch.float32, torch.float64) and "nccl" in str(dist.get_backend(group))
 
 
+@contextmanager
+def refilling(*tensors: torch.Tensor) -> Iterator[None]:
+    """Write into `tensors` without autograd seeing a mutation (no grad, version counters
+    kept): refilling freed or reused storage with the values it is meant to hold must not
+    invalidate the graphs that saved these tensors."""
+    versions = tuple(t._version for t in tensors)
+    with torch.no_grad():
+        yield
+    torch._C._autograd._unsafe_set_version_counter(tensors, versions)
+
+
 def copy_out(
     all_gather_output: torch.Tensor, world: int, region_numels: Sequence[int], outputs: Sequence[torch.Tensor]
 ) -> None:
     """Scatter the rank-major all-gather output into per-parameter padded storages.
 
     `outputs[i]` is parameter i's padded unsharded storage (world * region_numels[i]
-    elements). One fused kernel; autograd's version counters of the outputs are preserved
-    because refilling freed storage is not a mutation autograd should see.
+    elements). One fused kernel, `refilling` the outputs.
     """
-    versions = tuple(out._version for out in outputs)
-    with torch.no_grad():
+    with refilling(*outputs):
         torch.split_with_sizes_copy(
             all_gather_output.view(world, -1), list(region_numels), dim=1, out=[o.view(world, -1) for o in outputs]
         )
-    torch._C._autograd._unsafe_set_version_counter(tuple(outputs), versions)
 
 
 def chunk_cat(tensors: Sequence[torch.Tensor], world: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

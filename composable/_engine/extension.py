@@ -84,13 +84,10 @@ def finish_gathers(
             mp.unsharded_param = nn.Parameter(unsharded, requires_grad=mp.wants_grad)
             mp.extension_inner = list(inner)
             continue
-        targets = [mp.unsharded_param, *mp.extension_inner]
-        versions = tuple(t._version for t in targets)
         for tensor in mp.extension_inner:
             tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
-        with torch.no_grad():
+        with comm.refilling(mp.unsharded_param, *mp.extension_inner):
             local.fsdp_post_all_gather(outputs, gather.metadata, param_dtype, out=mp.unsharded_param)
-        torch._C._autograd._unsafe_set_version_counter(tuple(targets), versions)
 
 
 def free(params: list[ManagedParam]) -> None:

@@ -81,8 +81,13 @@ class ParamGroup:
             if config.bucket_cap_bytes is None
             else BucketedReducer(params, spec, self.streams, config.bucket_cap_bytes)
         )
-        self._build_flat_shard([src for mp, src in zip(params, originals) if not mp.extension], fresh=True)
-        self._init_extension_shards([src for mp, src in zip(params, originals) if mp.extension])
+        extension_sources = [src for mp, src in zip(params, originals) if mp.extension]
+        self._build_flat_shard(
+            [src for mp, src in zip(params, originals) if not mp.extension],
+            fresh=True,
+            dtype_if_empty=extension_sources[0].dtype if extension_sources else torch.float32,
+        )
+        self._init_extension_shards(extension_sources)
 
     # Process groups and CUDA streams are handles to shared runtime objects: a deep copy of
     # the model (`copy.deepcopy`) shares them instead of trying to copy them.
@@ -115,22 +120,17 @@ class ParamGroup:
             return like.device
         return torch.device("cpu") if self.config.offload else self.config.device
 
-    def _build_flat_shard(self, sources: list[torch.Tensor], fresh: bool) -> None:
+    def _build_flat_shard(self, sources: list[torch.Tensor], fresh: bool, dtype_if_empty: torch.dtype) -> None:
         """(Re)build the flat sharded buffer from `sources`: full tensors when `fresh`, else the
         current local shards (after `module.half()`, `to_empty`, ...). Re-points every
-        sharded parameter's local shard at a view of the new buffer."""
+        sharded parameter's local shard at a view of the new buffer. With no flat parameters
+        (only extension ones) the group's dtype is `dtype_if_empty`."""
         dtypes = {t.dtype for t in sources}
         if len(dtypes) > 1:
             raise NotImplementedError(
                 f"fully_shard: parameters of one group must share a dtype, got {sorted(map(str, dtypes))} for {[p.fqn for p in self.flat_params]}"
             )
-        if not dtypes and self.extension_params:
-            dtypes = {
-                self.extension_params[0].sharded_param.dtype
-                if self.extension_params[0].sharded_param is not None
-                else torch.float32
-            }
-        dtype = dtypes.pop() if dtypes else torch.float32
+        dtype = dtypes.pop() if dtypes else dtype_if_empty
         device = self._storage_device(sources[0]) if sources else self.config.device
         offset = 0
         for mp in self.flat_params:
@@ -192,7 +192,9 @@ class ParamGroup:
                 stale = True
         if stale:
             self.reshard()  # unsharded storage kept from an earlier forward belongs to the old shards
-            self._build_flat_shard([mp.sharded_param._local_tensor for mp in self.flat_params], fresh=False)
+            self._build_flat_shard(
+                [mp.sharded_param._local_tensor for mp in self.flat_params], fresh=False, dtype_if_empty=self.orig_dtype
+            )
             for mp in self.flat_params:  # unsharded storage must follow a dtype change
                 mp.unsharded_padded = None
             self._replica_flat = None
@@ -313,12 +315,10 @@ class ParamGroup:
         stream: the buffer is allocated and freed there too, so no cross-stream lifetime
         arises, and nothing could overlap this copy anyway (the forward needs it next)."""
         replica = self._grow_replica_flat()
-        version = replica._version
-        with torch.no_grad():
-            replica.copy_(self.flat_shard, non_blocking=True)
         # Refilling with the same values is not a mutation autograd should see (a second
         # forward before backward would otherwise invalidate the first one's graph).
-        torch._C._autograd._unsafe_set_version_counter((replica,), (version,))
+        with comm.refilling(replica):
+            replica.copy_(self.flat_shard, non_blocking=True)
         self._pending_gather = None
 
     def _grow_replica_flat(self) -> torch.Tensor:

@@ -63,7 +63,7 @@ class ParamLayout:
         if replicated or len(shape) == 0:
             dim = 0
         rows = shape[dim] if len(shape) > 0 else 1
-        row_numel = math.prod(shape) // rows if rows > 0 else math.prod(s for i, s in enumerate(shape) if i != dim)
+        row_numel = math.prod(s for i, s in enumerate(shape) if i != dim)
         if replicated or len(shape) == 0:
             return ParamLayout(shape, rows, row_numel, rows, rows, True)
         chunk = -(-rows // shard_world) if rows > 0 else 0
@@ -223,11 +223,9 @@ class ManagedParam:
         all-gather slices (`staging`, `world` regions of the moved layout), keeping autograd's
         version counter: refilling freed storage is not a mutation autograd should see."""
         lay, target = self.layout, self.unsharded_padded
-        version = target._version  # type: ignore[union-attr]
-        with torch.no_grad():
+        with comm.refilling(target):  # type: ignore[arg-type]
             moved = target.view(lay.shape).movedim(lay.dim, 0)  # type: ignore[union-attr]
             moved.copy_(staging.view(lay.moved(world * lay.chunk_rows))[: lay.rows])
-        torch._C._autograd._unsafe_set_version_counter((target,), (version,))
 
     def rank_major(self, world: int) -> torch.Tensor:
         """The unsharded parameter as `world` padded regions of the moved layout, rank-major

@@ -183,12 +183,7 @@ class GradReducer:
                 continue
             grad, up.grad = up.grad, None
             sp = mp.sharded_param
-            local = grad.to(device=sp._local_tensor.device, dtype=sp.dtype)
-            with torch.no_grad():
-                if sp.grad is None:
-                    sp.grad = mp.make_sharded_grad(local)
-                else:
-                    sp.grad._local_tensor.add_(local)
+            _add_to_sharded_grad(mp, grad.to(device=sp._local_tensor.device, dtype=sp.dtype))
             mp.grad_is_unreduced = True
 
     def has_grads(self, mp: "ManagedParam") -> bool:
@@ -381,7 +376,11 @@ class GradReducer:
 
 def _accumulate_sharded_grad(mp: "ManagedParam", flat: torch.Tensor, offset: int) -> None:
     lay = mp.layout
-    local = lay.shape_local(flat[offset : offset + lay.local_rows * lay.row_numel])
+    _add_to_sharded_grad(mp, lay.shape_local(flat[offset : offset + lay.local_rows * lay.row_numel]))
+
+
+def _add_to_sharded_grad(mp: "ManagedParam", local: torch.Tensor) -> None:
+    """`local` becomes `mp`'s sharded gradient if it has none, else is added to it."""
     sp = mp.sharded_param
     with torch.no_grad():
         if sp.grad is None:
