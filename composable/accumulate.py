@@ -7,7 +7,7 @@ from typing import ContextManager, Iterator
 
 import torch.nn as nn
 
-from ._engine.contract import check_module, param_states
+from ._engine.contract import check_bool, check_module, param_states
 
 
 def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:
@@ -18,10 +18,7 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
     The first backward with it on reduces everything accumulated.
     """
     check_module("set_requires_gradient_sync", module)
-    if not isinstance(requires_gradient_sync, bool):
-        raise TypeError(
-            f"set_requires_gradient_sync: 'requires_gradient_sync' must be a bool, got {requires_gradient_sync!r}"
-        )
+    check_bool("set_requires_gradient_sync", "requires_gradient_sync", requires_gradient_sync)
     for state in param_states(module):
         state.requires_gradient_sync = requires_gradient_sync
 

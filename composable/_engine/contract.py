@@ -27,6 +27,13 @@ def check_module(api: str, module: Any) -> nn.Module:
     return module
 
 
+def check_bool(api: str, name: str, value: object) -> bool:
+    """Raise `TypeError` naming `api`, the argument and the value unless `value` is a bool."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{api}: '{name}' must be a bool, got {value!r}")
+    return value
+
+
 def get_state(module: nn.Module, api: str) -> Any | None:
     """The state `api` installed on exactly `module`, or None."""
     return module.__dict__.get(_STATES_KEY, {}).get(api)

@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from ..mixed_precision import MixedPrecisionPolicy
 from .autograd import any_requires_grad, attach_post_backward, attach_pre_backward, cast_floating, run_eagerly
-from .contract import keep_post_hook_last, param_states, register_api_pre_hook
+from .contract import check_bool, keep_post_hook_last, param_states, register_api_pre_hook
 from .group import GroupState, ParamGroup
 from .profiling import labelled
 from .streams import CommStreams
@@ -98,8 +98,7 @@ class ModuleState:
         """All-gather this module's parameters and register the unsharded ones. With
         `async_op=True` the all-gather is only started: returns a handle whose `wait()`
         finishes it; the next forward uses what it gathered (no second all-gather)."""
-        if not isinstance(async_op, bool):
-            raise TypeError(f"unshard: 'async_op' must be a bool, got {async_op!r}")
+        check_bool("unshard", "async_op", async_op)
         if self.group is not None:
             self.group.unshard(async_op=async_op)
         return UnshardHandle(self.group) if async_op else None
@@ -113,12 +112,8 @@ class ModuleState:
         """False: backward accumulates unsharded gradients locally (more memory: a full
         gradient per parameter is held) and communicates nothing; the next backward with
         True reduces everything accumulated."""
-        if not isinstance(requires_gradient_sync, bool):
-            raise TypeError(
-                f"set_requires_gradient_sync: 'requires_gradient_sync' must be a bool, got {requires_gradient_sync!r}"
-            )
-        if not isinstance(recurse, bool):
-            raise TypeError(f"set_requires_gradient_sync: 'recurse' must be a bool, got {recurse!r}")
+        check_bool("set_requires_gradient_sync", "requires_gradient_sync", requires_gradient_sync)
+        check_bool("set_requires_gradient_sync", "recurse", recurse)
         targets = param_states(self.module) if recurse else [self]
         for state in targets:
             state.requires_gradient_sync = requires_gradient_sync

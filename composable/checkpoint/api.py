@@ -20,7 +20,14 @@ import torch.nn as nn
 from torch.utils.checkpoint import _checkpoint_without_reentrant_generator, noop_context_fn
 
 from .._engine.autograd import run_eagerly
-from .._engine.contract import check_module, check_not_applied, install_state, register_outermost_pre_hook, state_of
+from .._engine.contract import (
+    check_bool,
+    check_module,
+    check_not_applied,
+    install_state,
+    register_outermost_pre_hook,
+    state_of,
+)
 
 # torch 2.11-2.13 share this private generator; its keyword-only tail grew over time.
 _GENERATOR_PARAMS = list(inspect.signature(_checkpoint_without_reentrant_generator).parameters)
@@ -53,8 +60,7 @@ def checkpoint(module: nn.Module, *, preserve_rng_state: bool = True) -> nn.Modu
     """
     api = "checkpoint"
     check_module(api, module)
-    if not isinstance(preserve_rng_state, bool):
-        raise TypeError(f"checkpoint: 'preserve_rng_state' must be a bool, got {preserve_rng_state!r}")
+    check_bool(api, "preserve_rng_state", preserve_rng_state)
     check_not_applied(api, module)
     state = CheckpointState(preserve_rng_state)
     # The recompute function is kept by the autograd graph (in C++, invisible to the garbage

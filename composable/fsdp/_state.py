@@ -8,7 +8,7 @@ from typing import Iterable
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._engine.contract import get_state
+from .._engine.contract import check_bool, get_state
 from .._engine.group import ParamGroup
 from .._engine.state import ModuleState
 from ..mixed_precision import MixedPrecisionPolicy, OffloadPolicy
@@ -54,18 +54,13 @@ class FSDPState(ModuleState):
         reduce-scattered within the shard group every backward (so only sharded gradients are
         held, not full ones) but the all-reduce across replicas is deferred to the next
         backward with True, which reduces the accumulated sum once."""
-        if not isinstance(requires_all_reduce, bool):
-            raise TypeError(
-                f"set_requires_all_reduce: 'requires_all_reduce' must be a bool, got {requires_all_reduce!r}"
-            )
-        for module in self.module.modules() if recurse else [self.module]:
-            state = get_state(module, "fully_shard")
-            if state is not None and state.group is not None:
+        check_bool("set_requires_all_reduce", "requires_all_reduce", requires_all_reduce)
+        for state in self._fsdp_states(recurse):
+            if state.group is not None:
                 state.group.reducer.requires_all_reduce = requires_all_reduce
 
-    def _fsdp_states(self, api: str, recurse: object) -> list["FSDPState"]:
-        if not isinstance(recurse, bool):
-            raise TypeError(f"{api}: 'recurse' must be a bool, got {recurse!r}")
+    def _fsdp_states(self, recurse: bool) -> list["FSDPState"]:
+        """This module's fully_shard state and, with `recurse`, every one below it."""
         modules = self.module.modules() if recurse else [self.module]
         return [s for m in modules if (s := get_state(m, "fully_shard")) is not None]
 
@@ -75,8 +70,8 @@ class FSDPState(ModuleState):
         below it). Call it on every rank: an int makes its process groups the first time."""
         api = "set_reshard_after_forward"
         check_reshard_type(api, reshard_after_forward)
-        states = self._fsdp_states(api, recurse)
-        for state in states:
+        check_bool(api, "recurse", recurse)
+        for state in self._fsdp_states(recurse):
             if state.strategy is ShardingStrategy.NO_SHARD:
                 continue  # nothing sharded: nothing to reshard
             value = normalize_reshard(api, reshard_after_forward, state.mesh.size(state.mesh.ndim - 1))
@@ -91,9 +86,9 @@ class FSDPState(ModuleState):
         optimizer step between them. If the sharded parameters change meanwhile (an optimizer
         step), the next forward notices and gathers them again."""
         api = "set_reshard_after_backward"
-        if not isinstance(reshard_after_backward, bool):
-            raise TypeError(f"{api}: 'reshard_after_backward' must be a bool, got {reshard_after_backward!r}")
-        for state in self._fsdp_states(api, recurse):
+        check_bool(api, "reshard_after_backward", reshard_after_backward)
+        check_bool(api, "recurse", recurse)
+        for state in self._fsdp_states(recurse):
             state.reshard_after_backward = reshard_after_backward
 
     def set_gradient_divide_factor(self, factor: float) -> None:
@@ -112,8 +107,7 @@ class FSDPState(ModuleState):
         finish at the next forward), for micro-batches that do not step the optimizer; set it
         True again before the backward whose gradients the optimizer uses."""
         api = "set_is_last_backward"
-        if not isinstance(is_last_backward, bool):
-            raise TypeError(f"{api}: 'is_last_backward' must be a bool, got {is_last_backward!r}")
+        check_bool(api, "is_last_backward", is_last_backward)
         self.is_last_backward = is_last_backward
         if self.root_context is not None:
             self.root_context.root.is_last_backward = is_last_backward
