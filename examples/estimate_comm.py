@@ -179,15 +179,11 @@ def build_layout(setup: Setup, device: str = "cpu") -> Transformer:
         for block in model.layers:
             checkpoint(block)
     if setup.parallel == "tp":
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        from parallel import tp_plan
+        from torch.distributed.tensor.parallel import parallelize_module
 
-        plan = {
-            n: ColwiseParallel()
-            for n in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
-        }
-        plan.update({n: RowwiseParallel() for n in ("attention.wo", "feed_forward.w2")})
         for block in model.layers:
-            parallelize_module(block, mesh["tp"], plan)
+            parallelize_module(block, mesh["tp"], tp_plan())
     if setup.parallel == "replicate":
         replicate(model, mesh=dp_mesh, mp_policy=mp_policy)
         return model

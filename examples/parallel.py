@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from model import Transformer
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from composable import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, checkpoint, fully_shard, replicate
 
@@ -59,6 +60,18 @@ def sharding_units(model: Transformer) -> list[nn.Module]:
     return [*ends, *model.layers, model]
 
 
+def tp_plan() -> dict[str, ParallelStyle]:
+    """The tensor-parallel plan of one transformer block, Megatron-style: q/k/v and w1/w3 split
+    by output features (heads), wo/w2 by input features with an all-reduce after. Norms,
+    embeddings and head stay replicated over tp."""
+    plan: dict[str, ParallelStyle] = {
+        name: ColwiseParallel()
+        for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
+    }
+    plan.update({name: RowwiseParallel() for name in ("attention.wo", "feed_forward.w2")})
+    return plan
+
+
 def parallelize(model: Transformer, args: argparse.Namespace, mesh: DeviceMesh, dp_mesh: DeviceMesh) -> None:
     """Apply torch.compile / checkpoint / tensor parallelism / fully_shard or replicate, in
     that order: per block first, then the root (see `sharding_units`)."""
@@ -73,19 +86,10 @@ def parallelize(model: Transformer, args: argparse.Namespace, mesh: DeviceMesh, 
         for block in model.layers:
             checkpoint(block)
     if args.parallel == "tp":
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
         if model.cfg.n_heads % args.tp_size:
             raise UsageError(f"--tp-size {args.tp_size} must divide n_heads {model.cfg.n_heads}")
-        # Megatron-style: q/k/v and w1/w3 split by output features (heads), wo/w2 by input
-        # features with an all-reduce after. Norms, embeddings and head stay replicated over tp.
-        plan = {
-            name: ColwiseParallel()
-            for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
-        }
-        plan.update({name: RowwiseParallel() for name in ("attention.wo", "feed_forward.w2")})
         for block in model.layers:
-            parallelize_module(block, mesh["tp"], plan)
+            parallelize_module(block, mesh["tp"], tp_plan())
     if args.parallel == "replicate":
         replicate(model, mesh=dp_mesh, mp_policy=mp_policy)
         return
