@@ -1,14 +1,36 @@
-"""pytest setup: make tests/ importable (`from _harness import ...`), quiet hypothesis."""
+"""pytest setup: make tests/ importable (`from _harness import ...`), the fake-world mesh fixtures
+(`world2`, `world4`), quiet hypothesis."""
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
+
+import pytest
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 # pytest's default import mode already does this; `--import-mode=importlib` does not.
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
+
+from _harness import fake_process_group  # noqa: E402 (needs tests/ on the path, above)
+
+
+@pytest.fixture
+def world2() -> Iterator[DeviceMesh]:
+    """Rank 0 of a fake 2-rank world; yields its 1D mesh."""
+    with fake_process_group(2):
+        yield init_device_mesh("cpu", (2,))
+
+
+@pytest.fixture
+def world4() -> Iterator[tuple[DeviceMesh, DeviceMesh]]:
+    """Rank 0 of a fake 4-rank world; yields (1D mesh, 2D (2, 2) mesh)."""
+    with fake_process_group(4):
+        yield init_device_mesh("cpu", (4,)), init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))
+
 
 try:
     from hypothesis import HealthCheck, settings
