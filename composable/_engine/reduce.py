@@ -375,15 +375,14 @@ class GradReducer:
 
 
 def _accumulate_sharded_grad(mp: "ManagedParam", flat: torch.Tensor, offset: int) -> None:
-    lay = mp.layout
-    _add_to_sharded_grad(mp, lay.shape_local(flat[offset : offset + lay.local_rows * lay.row_numel]))
+    _add_to_sharded_grad(mp, mp.layout.local_at(flat, offset))
 
 
 def _add_to_sharded_grad(mp: "ManagedParam", local: torch.Tensor) -> None:
     """`local` becomes `mp`'s sharded gradient if it has none, else is added to it."""
     sp = mp.sharded_param
-    with torch.no_grad():
-        if sp.grad is None:
-            sp.grad = mp.make_sharded_grad(local)
-        else:
+    if sp.grad is None:
+        sp.grad = mp.make_sharded_grad(local)
+    else:
+        with torch.no_grad():
             sp.grad._local_tensor.add_(local)
