@@ -68,7 +68,9 @@ def _ratio(a: float, b: float) -> float:
 
 
 def write_trace(prof: torch.profiler.profile, path: str) -> None:
-    """`prof`'s Chrome trace, gzipped, at `path` (examples/trace_overlap.py reads it)."""
+    """`prof`'s Chrome trace, gzipped, at `path` (examples/trace_overlap.py reads it); its
+    directory is created if missing."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
         prof.export_chrome_trace(tmp.name)
     with open(tmp.name, "rb") as src, gzip.open(path, "wb") as dst:
