@@ -9,16 +9,28 @@ the same order whatever its parameter usage.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .profiling import labelled
-from .reduce import GradReducer, ReduceSpec
+from .reduce import GradReducer, ReduceSpec, _offsets
 from .streams import CommStreams
 
 if TYPE_CHECKING:
     from .param import ManagedParam
 
 FIRST_BUCKET_CAP_BYTES = 1 << 20  # as DDP's first bucket
+
+
+@dataclass
+class _Bucket:
+    """One all-reduce bucket: its parameters, where each lands in the flat output (computed
+    once) and how many of its gradients this backward still waits for."""
+
+    params: list["ManagedParam"]
+    offsets: list[int]
+    waiting: int = 0
+    launched: bool = False
 
 
 class BucketedReducer(GradReducer):
@@ -29,13 +41,10 @@ class BucketedReducer(GradReducer):
     ) -> None:
         super().__init__(params, spec, streams)
         self.bucket_cap_bytes = bucket_cap_bytes
-        self._buckets: list[list["ManagedParam"]] | None = None
-        self._ready: dict[int, int] = {}  # bucket -> gradients in
-        self._launched: set[int] = set()
-        self._complete: set[int] = set()  # buckets whose gradients are all in
+        self._buckets: list[_Bucket] | None = None
         self._next_bucket = 0  # buckets launch strictly in order
 
-    def buckets(self) -> list[list["ManagedParam"]]:
+    def buckets(self) -> list[_Bucket]:
         """Buckets in reverse registration order (roughly the order backward produces
         gradients), filled as DDP fills them: a bucket closes once it holds at least its cap,
         `min(cap, 1 MiB)` for the first (its all-reduce starts as early as possible) and
@@ -44,43 +53,42 @@ class BucketedReducer(GradReducer):
         if self._buckets is None:
             cap = self.bucket_cap_bytes
             size = self.spec.dtypes.reduce.itemsize
-            buckets: list[list["ManagedParam"]] = [[]]
+            groups: list[list["ManagedParam"]] = [[]]
             used = 0
             for mp in reversed(self._grad_params()):
-                buckets[-1].append(mp)
+                groups[-1].append(mp)
                 used += math.prod(mp.layout.shape) * size
-                if used >= (min(cap, FIRST_BUCKET_CAP_BYTES) if len(buckets) == 1 else cap):
-                    buckets.append([])
+                if used >= (min(cap, FIRST_BUCKET_CAP_BYTES) if len(groups) == 1 else cap):
+                    groups.append([])
                     used = 0
-            self._buckets = [b for b in buckets if b]
+            self._buckets = [_Bucket(g, _offsets(g), waiting=len(g)) for g in groups if g]
             for i, bucket in enumerate(self._buckets):
-                for mp in bucket:
+                for mp in bucket.params:
                     mp.bucket_index = i
         return self._buckets
 
     def on_grad_ready(self, mp: "ManagedParam") -> None:
         """Post-accumulate-grad hook body: once a bucket's gradients are all in, launch it and
         every complete bucket after it, strictly in bucket order (as DDP does), so ranks whose
-        parameter usage differs still issue the same collectives in the same order."""
-        buckets = self.buckets()
-        index = mp.bucket_index
-        if index in self._launched:
+        parameter usage differs still issue the same collectives in the same order. Runs per
+        parameter per step: kept short."""
+        buckets = self._buckets if self._buckets is not None else self.buckets()
+        bucket = buckets[mp.bucket_index]  # type: ignore[index]
+        if bucket.launched:
             return  # a late accumulation (parameter used twice): `flush_buckets` reduces it
-        self._ready[index] = self._ready.get(index, 0) + 1
-        if self._ready[index] == len(buckets[index]):
-            self._complete.add(index)
-            while self._next_bucket in self._complete:
-                self._launch_bucket(self._next_bucket)
+        bucket.waiting -= 1
+        if bucket.waiting == 0:
+            while self._next_bucket < len(buckets) and buckets[self._next_bucket].waiting <= 0:
+                self._launch_bucket(buckets[self._next_bucket])
                 self._next_bucket += 1
 
     @labelled("composable::reduce_bucket")
-    def _launch_bucket(self, index: int) -> None:
-        bucket = self.buckets()[index]
-        self._launched.add(index)
-        grads, present = self._take_grads(bucket)
+    def _launch_bucket(self, bucket: _Bucket) -> None:
+        bucket.launched = True
+        grads, present = self._take_grads(bucket.params)
         # Every bucket carries presence flags, so its size is the same on every rank however
         # each rank's parameter usage differs.
-        self._launch_all_reduce(bucket, grads, present, with_presence=True)
+        self._launch_all_reduce(bucket.params, grads, present, with_presence=True, offsets=bucket.offsets)
 
     @labelled("composable::flush_buckets")
     def flush_buckets(self) -> None:
@@ -90,18 +98,17 @@ class BucketedReducer(GradReducer):
         semantics) — then reduce what accumulated after a bucket was launched (a parameter
         used twice in one forward)."""
         buckets = self.buckets()
-        late = [mp for i in sorted(self._launched) for mp in buckets[i] if self.has_grads(mp)]
-        for index in range(self._next_bucket, len(buckets)):
-            self._launch_bucket(index)
+        late = [mp for b in buckets if b.launched for mp in b.params if self.has_grads(mp)]
+        for bucket in buckets[self._next_bucket :]:  # buckets launch in order: none of these has
+            self._launch_bucket(bucket)
         self._next_bucket = len(buckets)  # a second flush in this backward launches only late ones
         if late:
             grads, present = self._take_grads(late)
             self._launch_all_reduce(late, grads, present)
 
     def _end_of_backward(self) -> None:
-        # Forget which buckets this backward launched (stale bookkeeping would make the next
-        # backward defer every bucket to its end: no overlap).
-        self._ready.clear()
-        self._launched.clear()
-        self._complete.clear()
+        # Forget what this backward launched (stale bookkeeping would make the next backward
+        # defer every bucket to its end: no overlap).
+        for bucket in self._buckets or []:
+            bucket.waiting, bucket.launched = len(bucket.params), False
         self._next_bucket = 0

@@ -39,6 +39,16 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, average: bool, as
     return dist.all_reduce(tensor, op=_op(average), group=group, async_op=async_op)
 
 
+def all_reduce_async(tensor: torch.Tensor, group: dist.ProcessGroup, average: bool) -> dist.Work:
+    """`all_reduce(..., async_op=True)` issued on the process group itself: it runs once per
+    bucket inside backward, where the front end's argument checks and wrappers (a few
+    microseconds each time) are CPU time small batches wait for. The process group still
+    dispatches `c10d::allreduce_`, so dispatch modes and the fake process group see it."""
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = _op(average)
+    return group.allreduce([tensor], opts)
+
+
 def supports_average(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the collectives can average themselves (ReduceOp.AVG: NCCL), which saves a
     division kernel per reduction. Only for fp32/fp64: in half precision dividing before

@@ -128,6 +128,11 @@ class GradReducer:
         for mp in params:
             up = mp.unsharded_param
             g = None if up is None else up.grad
+            if mp.stashed_grad is None and not mp.grad_is_unreduced and type(g) is torch.Tensor:
+                up.grad = None  # type: ignore[union-attr]  # the common case, kept short: it runs per parameter per step
+                grads.append(g)
+                present.append(True)
+                continue
             acc = mp.take_stashed_grad()  # what no-sync micro-steps stashed (see `stash`)
             if acc is not None:
                 g = acc if g is None else acc.add_(g)
@@ -144,7 +149,8 @@ class GradReducer:
             elif up is not None:
                 up.grad = None
             grads.append(g)
-        if len({g.dtype for g in grads}) > 1:  # stashed (wider) next to fresh gradients
+        dtype = grads[0].dtype if grads else None
+        if any(g.dtype != dtype for g in grads):  # stashed (wider) next to fresh gradients
             grads = [g.to(self.spec.dtypes.reduce) for g in grads]
         return grads, present
 
@@ -294,7 +300,12 @@ class GradReducer:
         self.pending.append(red)
 
     def _launch_all_reduce(
-        self, params: list["ManagedParam"], grads: list[torch.Tensor], present: list[bool], with_presence: bool = False
+        self,
+        params: list["ManagedParam"],
+        grads: list[torch.Tensor],
+        present: list[bool],
+        with_presence: bool = False,
+        offsets: list[int] | None = None,
     ) -> None:
         dtype = self.spec.dtypes.reduce
         average = self.collectives_average
@@ -312,11 +323,10 @@ class GradReducer:
         # current stream after the result. No stream switch or event of ours per bucket:
         # this runs once per bucket inside backward, where CPU time is what limits small
         # batches. The bucket stays alive until `finish`, as DDP's do.
-        red = _Reduction(params, present, _offsets(params), flat, with_presence=with_presence, divided=average)
+        offsets = _offsets(params) if offsets is None else offsets
+        red = _Reduction(params, present, offsets, flat, with_presence=with_presence, divided=average)
         for grp in self.spec.layout.replicate_groups:
-            work = comm.all_reduce(flat, grp, average, async_op=True)
-            if work is not None:
-                red.works.append(work)
+            red.works.append(comm.all_reduce_async(flat, grp, average))
         self._assign_early(red)
         self.pending.append(red)
 
@@ -337,11 +347,13 @@ class GradReducer:
         `finish` has waited for the reduction."""
         if not red.all_reduced or self.spec.offload or red.output.dtype != self.spec.dtypes.orig:
             return
-        red.assigned = [False] * len(red.params)
+        out = red.output
+        assigned = red.assigned = [False] * len(red.params)
         for i, (mp, present, off) in enumerate(zip(red.params, red.present, red.offsets)):
-            if present and mp.sharded_param.grad is None:
-                _accumulate_sharded_grad(mp, red.output, off)
-                red.assigned[i] = True
+            sp = mp.sharded_param
+            if present and sp.grad is None:  # per parameter per step: kept to the bare minimum
+                sp.grad = mp.make_sharded_grad(mp.layout.local_at(out, off))
+                assigned[i] = True
 
     def finish(self) -> None:
         """Wait for launched reductions and accumulate them into the sharded gradients."""
