@@ -13,6 +13,7 @@ from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions as _AllgatherOptions
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -21,6 +22,23 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool) -> dist.Work | None:
     """Gather every rank's 1D `input` into the 1D `output`, rank-major."""
     return _all_gather_single(output, input, group=group, async_op=async_op)
+
+
+def all_gather_coalesced(
+    outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], group: dist.ProcessGroup, async_op: bool
+) -> dist.Work | None:
+    """Gather every rank's `inputs[i]` into `outputs[i]` (rank-major), all in one coalesced
+    collective (one NCCL group launch). Issued on the process group itself: the front end
+    offers it only through `_coalescing_manager`, whose bookkeeping costs more than the call.
+    Not async: on the current stream (NCCL), done when this returns (gloo)."""
+    opts = _AllgatherOptions()
+    if hasattr(opts, "asyncOp"):
+        opts.asyncOp = async_op
+    work = group.allgather_into_tensor_coalesced(list(outputs), list(inputs), opts)
+    if async_op:
+        return work
+    work.wait()
+    return None
 
 
 def _op(average: bool) -> dist.ReduceOp:

@@ -24,11 +24,12 @@ from ..mixed_precision import MixedPrecisionPolicy
 from . import collectives as comm
 from . import extension
 from .buckets import BucketedReducer
+from .gather import PendingGather, finish_gather, gathers_directly, start_gather
 from .layout import DataParallelLayout
-from .param import ManagedParam, copy_out_params, is_freed
+from .param import ManagedParam, is_freed
 from .profiling import labelled
 from .reduce import GradReducer, GroupDtypes, ReduceSpec
-from .streams import stream_context, streams_for
+from .streams import streams_for
 
 
 class GroupState(Enum):
@@ -66,7 +67,7 @@ class ParamGroup:
         self.dtypes = GroupDtypes(config.param_dtype, config.reduce_dtype)
         self.state = GroupState.SHARDED
         self._unsharded_registered = False  # which parameters the modules show: sharded
-        self._pending_gather: tuple | None = None  # (work or event, all-gather output, input)
+        self._pending_gather: PendingGather | None = None
         # reshard_after_forward=N: this rank's 1/N of the unsharded parameters, kept from the
         # end of forward to backward's all-gather within its N ranks (1D, unsharded dtype).
         self._post_forward_shard: tuple[torch.Tensor, int] | None = None
@@ -269,7 +270,7 @@ class ParamGroup:
         if not self.layout.sharded:
             self._refill_replica()
             return
-        n, lay = self.flat_shard.numel(), self.layout
+        lay = self.layout
         source, group, rank = self.flat_shard, lay.shard_group, lay.shard_rank
         if self._post_forward_shard is not None:  # backward after reshard_after_forward=N
             (source, size), self._post_forward_shard = self._post_forward_shard, None
@@ -279,26 +280,25 @@ class ParamGroup:
             streams.before_all_gather()
             if source is not self.flat_shard:  # made on the compute stream during forward
                 streams.all_gather.wait_stream(streams.current())
-        with stream_context(streams.all_gather if streams is not None else None):
-            # In-place all-gather: the input is this rank's slot of the output, filled by one
-            # fused copy (+cast, +host-to-device when offloading); no separate input buffer.
-            gather_out = torch.empty(lay.shard_world * n, dtype=self.unsharded_dtype, device=cfg.device)
-            gather_in = gather_out.narrow(0, rank * source.numel(), source.numel())
-            gather_in.copy_(source, non_blocking=True)
-            if n == 0:  # only extension parameters: nothing in the flat buffer
-                work = None
-            elif streams is None:
-                work = comm.all_gather(gather_out, gather_in, group, async_op=True)
-            else:
-                comm.all_gather(gather_out, gather_in, group, async_op=False)
-                work = streams.all_gather.record_event()
+        direct = gathers_directly(self.flat_params, full_group=source is self.flat_shard)
+        pending = start_gather(
+            self.flat_params,
+            source,
+            group,
+            rank,
+            lay.shard_world,
+            self.flat_shard.numel(),
+            self.unsharded_dtype,
+            cfg.device,
+            streams,
+            direct,
+        )
         if self.extension_params:
             policy = MixedPrecisionPolicy(self.config.param_dtype, self.config.reduce_dtype)
             self._extension_gathers = extension.start_gathers(
                 self.extension_params, lay.shard_group, lay.mesh, lay.shard_world, policy
             )
-        # `source` (a post-forward shard made on the compute stream) lives until the copy-out.
-        self._pending_gather = (work, gather_out, gather_in, source)
+        self._pending_gather = pending
 
     def _raise_on_meta(self) -> None:
         names = [mp.fqn for mp in self.params]
@@ -345,17 +345,10 @@ class ParamGroup:
         elif not self.layout.sharded:
             self._point_unsharded_at(self._replica_flat)  # type: ignore[arg-type]
         else:
-            work, gathered, gather_in, source = self._pending_gather  # type: ignore[misc]
-            if isinstance(work, torch.cuda.Event):
-                torch.cuda.current_stream().wait_event(work)
-            elif work is not None:
-                work.wait()
             world = self.layout.shard_world
-            copy_out_params(gathered, world, self.flat_params, self.config.device)
+            finish_gather(self._pending_gather, self.flat_params, world, self.config.device, self.streams)  # type: ignore[arg-type]
             extension.finish_gathers(self.extension_params, self._extension_gathers, world, self.unsharded_dtype)
             self._extension_gathers = []
-            if self.streams is not None:
-                self.streams.after_copy_out((gathered, gather_in, source))
         self._pending_gather = None
         self.state = GroupState.UNSHARDED
         self._register_unsharded()
@@ -369,10 +362,17 @@ class ParamGroup:
             self.wait_for_unshard()
         if self.state is GroupState.SHARDED:
             return
+        deferred = []
         for mp in self.flat_params:
             mp.register(mp.sharded_param)
-            if not self._unsharded_aliases_shard:
+            if self._unsharded_aliases_shard:
+                continue
+            if self.streams is not None and mp.unsharded_on_gather_stream and mp.is_unsharded_allocated():
+                deferred.append(mp.unsharded_padded)
+            else:
                 mp.free_unsharded()
+        if deferred:
+            self.streams.defer_free(deferred)  # type: ignore[union-attr]
         for mp in self.extension_params:
             mp.register(mp.sharded_param)
         extension.free(self.extension_params)

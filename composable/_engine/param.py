@@ -116,6 +116,7 @@ class ManagedParam:
     sharded_param: nn.Parameter | None = None  # DTensor parameter the optimizer sees
     unsharded_param: nn.Parameter | None = None  # plain parameter the module computes with
     unsharded_padded: torch.Tensor | None = None  # 1D padded storage behind unsharded_param
+    unsharded_on_gather_stream: bool = False  # that storage came from the all-gather stream's pool
     # Bookkeeping the engine keeps per parameter (each owned by one step of the cycle):
     local_registered: torch.Tensor | None = None  # the local shard we installed (a swap is noticed)
     unsharded_alias_of: torch.Tensor | None = None  # flat buffer `unsharded_param` is a view of
@@ -211,8 +212,12 @@ class ManagedParam:
         self.sharded_param._local_tensor = local  # type: ignore[union-attr]
 
     # -- unsharded side -----------------------------------------------------------------
-    def alloc_unsharded(self, world: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Create (first time) or re-grow (after `free_unsharded`) the padded unsharded storage."""
+    def alloc_unsharded(
+        self, world: int, dtype: torch.dtype, device: torch.device, on_gather_stream: bool = False
+    ) -> None:
+        """Create (first time) or re-grow (after `free_unsharded`) the padded unsharded
+        storage, on the current stream; `on_gather_stream` says that stream is the all-gather
+        stream (then its free must be deferred: `CommStreams.defer_free`)."""
         lay = self.layout
         # dim > 0: the natural layout, unpadded (filled by `fill_from_rank_major`).
         numel = world * lay.region_numel if lay.dim == 0 else lay.rows * lay.row_numel
@@ -227,11 +232,13 @@ class ManagedParam:
             self.unsharded_param = nn.Parameter(
                 view if self.tp is None else self.tp.wrap(view), requires_grad=self.wants_grad
             )
+            self.unsharded_on_gather_stream = on_gather_stream
             return
         storage = self.unsharded_padded.untyped_storage()
         nbytes = numel * self.unsharded_padded.element_size()
         if storage.size() != nbytes:
             storage.resize_(nbytes)
+            self.unsharded_on_gather_stream = on_gather_stream
 
     def fill_from_rank_major(self, staging: torch.Tensor, world: int) -> None:
         """dim > 0: fill the (natural, contiguous) unsharded parameter from its rank-major

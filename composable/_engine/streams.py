@@ -30,6 +30,7 @@ class CommStreams:
         self._gather_buffers: Any = None
         self._reduce_done: torch.cuda.Event | None = None
         self._reduce_buffers: Any = None
+        self._deferred: list[tuple[torch.cuda.Event, list[torch.Tensor]]] = []  # see `defer_free`
 
     @staticmethod
     def current() -> torch.cuda.Stream:
@@ -45,6 +46,37 @@ class CommStreams:
         if self._gather_done is not None:
             self.all_gather.wait_event(self._gather_done)
         self._gather_done, self._gather_buffers = None, None
+        # Free all but the newest deferred storages: that one is the group the compute stream
+        # works on now, and waiting for its last use would serialise this gather behind it.
+        while len(self._deferred) > 1:
+            self._free_deferred(*self._deferred.pop(0))
+
+    def defer_free(self, storages: list[torch.Tensor]) -> None:
+        """Free `storages` (all-gather-stream allocations the compute stream used) at the
+        next-but-one all-gather, after the all-gather stream has waited for their last use
+        (an event recorded now): the memory then returns to the all-gather stream's pool in
+        stream order, as `record_stream` would do but at a bounded time."""
+        if storages:
+            self._deferred.append((self.current().record_event(), list(storages)))
+
+    def reclaim(self, storage: torch.Tensor | None) -> None:
+        """`storage` is about to be used again: cancel its deferred free. The current stream
+        (which writes it next) first waits for its last use."""
+        for event, storages in self._deferred:
+            for i, s in enumerate(storages):
+                if s is storage:
+                    self.current().wait_event(event)
+                    del storages[i]
+                    return
+
+    def _free_deferred(self, event: torch.cuda.Event, storages: list[torch.Tensor]) -> None:
+        self.all_gather.wait_event(event)
+        for s in storages:
+            s.untyped_storage().resize_(0)
+
+    def _free_all_deferred(self) -> None:
+        while self._deferred:
+            self._free_deferred(*self._deferred.pop(0))
 
     def after_copy_out(self, buffers: Any) -> None:
         self._gather_done = self.current().record_event()
@@ -58,6 +90,7 @@ class CommStreams:
         if self._gather_done is not None:
             self.all_gather.wait_event(self._gather_done)
         self._gather_done, self._gather_buffers = None, None
+        self._free_all_deferred()
 
     def before_reduce(self) -> None:
         if self._reduce_done is not None:
@@ -77,6 +110,7 @@ class CommStreams:
             self.current().wait_event(self._reduce_done)
         self._reduce_done, self._reduce_buffers = None, None
         self._gather_done, self._gather_buffers = None, None
+        self._free_all_deferred()
 
 
 def stream_context(stream: "torch.cuda.Stream | None") -> Any:
