@@ -14,6 +14,7 @@ from typing import Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions as _AllgatherOptions
+from torch._C._distributed_c10d import _resolve_process_group
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -37,8 +38,19 @@ def all_gather_coalesced(
     work = group.allgather_into_tensor_coalesced(list(outputs), list(inputs), opts)
     if async_op:
         return work
-    work.wait()
+    if work is not None:  # torch 2.11's NCCL returns none when it ran on the current stream
+        work.wait()
     return None
+
+
+def supports_coalesced_gather(group: dist.ProcessGroup) -> bool:
+    """Whether `all_gather_coalesced` works on `group`: the coalesced op finds its process
+    group by name, and torch 2.11 does not register every group under its name (a group of a
+    sub-mesh can be missing), where it fails with "Could not resolve the process group"."""
+    try:
+        return _resolve_process_group(group.group_name) is not None
+    except (RuntimeError, AttributeError):
+        return False
 
 
 def _op(average: bool) -> dist.ReduceOp:

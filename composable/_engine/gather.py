@@ -51,9 +51,11 @@ class PendingGather:
     versions: tuple[int, ...] = ()
 
 
-def gathers_directly(params: list["ManagedParam"], full_group: bool) -> bool:
-    """Whether `start_gather` can gather straight into the parameters' storages."""
-    return full_group and all(mp.layout.dim == 0 for mp in params)
+def gathers_directly(params: list["ManagedParam"], coalesced_ok: bool, full_group: bool) -> bool:
+    """Whether `start_gather` can gather straight into the parameters' storages: the whole
+    shard group gathers, every parameter is sharded on dim 0, and the process group takes
+    coalesced all-gathers (`comm.supports_coalesced_gather`)."""
+    return coalesced_ok and full_group and all(mp.layout.dim == 0 for mp in params)
 
 
 def start_gather(

@@ -72,6 +72,7 @@ class ParamGroup:
         # end of forward to backward's all-gather within its N ranks (1D, unsharded dtype).
         self._post_forward_shard: tuple[torch.Tensor, int] | None = None
         self._kept_versions: tuple[int, ...] | None = None  # see `keep_unsharded`
+        self._coalesced_gather_ok: bool | None = None  # see `gather.gathers_directly`
         # Replicated groups that cast (or copy back from the CPU): one persistent flat buffer
         # in the unsharded dtype, refilled in place, the unsharded parameters views of it.
         self._replica_flat: torch.Tensor | None = None
@@ -90,9 +91,7 @@ class ParamGroup:
         )
         self._init_extension_shards(extension_sources)
 
-    # Process groups and CUDA streams are handles to shared runtime objects: a deep copy of
-    # the model (`copy.deepcopy`) shares them instead of trying to copy them.
-    _SHARED_ON_COPY = ("streams",)
+    _SHARED_ON_COPY = ("streams",)  # runtime handles: a deep copy of the model shares them
 
     def __deepcopy__(self, memo: dict) -> "ParamGroup":
         new = ParamGroup.__new__(ParamGroup)
@@ -280,7 +279,9 @@ class ParamGroup:
             streams.before_all_gather()
             if source is not self.flat_shard:  # made on the compute stream during forward
                 streams.all_gather.wait_stream(streams.current())
-        direct = gathers_directly(self.flat_params, full_group=source is self.flat_shard)
+        if self._coalesced_gather_ok is None:  # asked once, when the process groups exist
+            self._coalesced_gather_ok = comm.supports_coalesced_gather(lay.shard_group)
+        direct = gathers_directly(self.flat_params, self._coalesced_gather_ok, full_group=source is self.flat_shard)
         pending = start_gather(
             self.flat_params,
             source,
