@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions as _AllgatherOptions
 from torch._C._distributed_c10d import _resolve_process_group
+from torch._subclasses.fake_tensor import is_fake
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -43,10 +44,14 @@ def all_gather_coalesced(
     return None
 
 
-def supports_coalesced_gather(group: dist.ProcessGroup) -> bool:
-    """Whether `all_gather_coalesced` works on `group`: the coalesced op finds its process
-    group by name, and torch 2.11 does not register every group under its name (a group of a
-    sub-mesh can be missing), where it fails with "Could not resolve the process group"."""
+def supports_coalesced_gather(group: dist.ProcessGroup, sample: torch.Tensor) -> bool:
+    """Whether `all_gather_coalesced` works on `group` for tensors like `sample`: the
+    coalesced op finds its process group by name, and torch 2.11 does not register every
+    group under its name (a group of a sub-mesh can be missing), where it fails with "Could
+    not resolve the process group"; and it has no fake-tensor kernel (examples/estimate.py
+    runs the engine on fake tensors)."""
+    if is_fake(sample):
+        return False
     try:
         return _resolve_process_group(group.group_name) is not None
     except (RuntimeError, AttributeError):

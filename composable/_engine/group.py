@@ -280,7 +280,7 @@ class ParamGroup:
             if source is not self.flat_shard:  # made on the compute stream during forward
                 streams.all_gather.wait_stream(streams.current())
         if self._coalesced_gather_ok is None:  # asked once, when the process groups exist
-            self._coalesced_gather_ok = comm.supports_coalesced_gather(lay.shard_group)
+            self._coalesced_gather_ok = comm.supports_coalesced_gather(lay.shard_group, self.flat_shard)
         direct = gathers_directly(self.flat_params, self._coalesced_gather_ok, full_group=source is self.flat_shard)
         pending = start_gather(
             self.flat_params,
