@@ -1,19 +1,19 @@
-"""`fully_shard` all-gathers straight into the parameters' storages (`_engine/gather.py`).
+"""`fully_shard` on CUDA all-gathers straight into the parameters' storages (`_engine/gather.py`).
 
 - Every parameter sharded on dim 0: one coalesced all-gather per unshard, whose outputs are the
   padded unsharded storages (no gather buffer, no copy-out); a parameter on another dim, or
-  backward's gather within N ranks after `reshard_after_forward=N`, takes the flat gather.
-- Re-gathering into storage autograd saved is no mutation autograd sees: gloo writes the
-  outputs of a coalesced gather when the work completes (bumping their version counters then),
-  and a backward that re-gathers must still find its saved tensors at their saved versions.
-Training parity of both ways is in test_fully_shard_parity.py, test_shard_placement_fn.py and
-test_fsdp2_extras.py (int reshard); on NCCL in the GPU suite.
+  backward's gather within N ranks after `reshard_after_forward=N`, takes the flat gather, and
+  so does every CPU (gloo) group.
+- Re-gathering into storage autograd saved is no mutation autograd sees: a compiled block
+  checks its saved inputs' versions in backward.
+Training parity on NCCL: the GPU suite (test_fully_shard_parity.py, test_mixed_precision_parity.py,
+test_offload.py, test_compile.py); of the flat gather: the CPU suite.
 """
 
 from __future__ import annotations
 
 import torch
-from _harness import run_on_ranks, trace_collectives
+from _harness import requires_gpus, run_on_ranks, trace_collectives
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
@@ -31,43 +31,56 @@ class _Net(nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
-def _ops(tracer: object) -> list[str]:
+def _gather_ops(tracer: object) -> list[str]:
     return [r.op for r in tracer.records if r.kind == "all_gather"]  # type: ignore[attr-defined]
 
 
-def test_dim0_groups_gather_coalesced_into_their_storages(world2: DeviceMesh) -> None:
+def _traced_step(net: nn.Module, device: str) -> list[str]:
+    with trace_collectives() as t:
+        net(torch.randn(3, 6, device=device)).sum().backward()
+    return _gather_ops(t)
+
+
+def test_cpu_groups_gather_flat(world2: DeviceMesh) -> None:
     net = _Net()
     composable.fully_shard(net.a, mesh=world2)
     composable.fully_shard(net, mesh=world2)
-    with trace_collectives() as t:
-        net(torch.randn(3, 6)).sum().backward()
-    ops = _ops(t)
-    assert len(ops) == 3, ops  # net.a in forward and backward, the root (kept for backward) once
-    assert all("coalesced" in op for op in ops), ops
+    ops = _traced_step(net, "cpu")
+    assert ops and not any("coalesced" in op for op in ops), ops
+
+
+def _which_gathers(rank: int, world: int) -> dict[str, list[str]]:
+    torch.cuda.set_device(rank)
+    out = {}
+    net = _Net().cuda()
+    composable.fully_shard(net.a)
+    composable.fully_shard(net)
+    out["dim0"] = _traced_step(net, "cuda")
     group = composable.fully_shard.state(net.a).group
-    for mp in group.params:  # the unsharded parameter is a view of the gathered storage itself
-        assert mp.unsharded_param.untyped_storage().data_ptr() == mp.unsharded_padded.untyped_storage().data_ptr()
+    # The unsharded parameters are views of the gathered storages themselves.
+    out["views"] = [
+        str(mp.unsharded_param.untyped_storage().data_ptr() == mp.unsharded_padded.untyped_storage().data_ptr())
+        for mp in group.params
+    ]
+    on_dim1 = _Net().cuda()
+    composable.fully_shard(on_dim1, shard_placement_fn=lambda p: Shard(p.dim() - 1))
+    out["dim1"] = _traced_step(on_dim1, "cuda")
+    return out
 
 
-def test_other_dims_and_int_reshard_take_the_flat_gather(world4: tuple[DeviceMesh, DeviceMesh]) -> None:
-    mesh, _ = world4
-    on_dim1 = _Net()
-    composable.fully_shard(on_dim1, mesh=mesh, shard_placement_fn=lambda p: Shard(p.dim() - 1))
-    with trace_collectives() as t:
-        on_dim1(torch.randn(3, 6)).sum().backward()
-    assert _ops(t) and not any("coalesced" in op for op in _ops(t)), _ops(t)
-
-    pairs = _Net()
-    composable.fully_shard(pairs, mesh=mesh, reshard_after_forward=2)
-    with trace_collectives() as t:
-        pairs(torch.randn(3, 6)).sum().backward()
-    forward, backward = _ops(t)
-    assert "coalesced" in forward and "coalesced" not in backward, (forward, backward)
+@requires_gpus(2)
+def test_cuda_dim0_groups_gather_coalesced_into_their_storages() -> None:
+    result = run_on_ranks(_which_gathers, 2, backend="nccl")[0]
+    assert len(result["dim0"]) == 3, result  # net.a in forward and backward, the root (kept for backward) once
+    assert all("coalesced" in op for op in result["dim0"]), result
+    assert result["views"] == ["True"] * 2, result
+    assert result["dim1"] and not any("coalesced" in op for op in result["dim1"]), result
 
 
 def _regather_keeps_versions(rank: int, world: int, compiled: bool) -> list[float]:
+    torch.cuda.set_device(rank)
     torch.manual_seed(0)
-    net = _Net()
+    net = _Net().cuda()
     if compiled:  # compiled graphs check their saved inputs' versions in backward
         net.a.compile(backend="aot_eager")
     composable.fully_shard(net.a)
@@ -76,7 +89,7 @@ def _regather_keeps_versions(rank: int, world: int, compiled: bool) -> list[floa
     group = composable.fully_shard.state(net.a).group
     losses = []
     for _ in range(3):
-        loss = net(torch.randn(4, 6)).sum()
+        loss = net(torch.randn(4, 6, device="cuda")).sum()
         versions = [mp.unsharded_padded._version for mp in group.params]
         loss.backward()  # re-gathers net.a (resharded after forward) into the saved storage
         assert [mp.unsharded_padded._version for mp in group.params] == versions
@@ -86,7 +99,8 @@ def _regather_keeps_versions(rank: int, world: int, compiled: bool) -> list[floa
     return losses
 
 
-def test_regathering_into_saved_storage_keeps_autograd_versions() -> None:
-    eager = run_on_ranks(_regather_keeps_versions, 2, False)
-    compiled = run_on_ranks(_regather_keeps_versions, 2, True)
+@requires_gpus(2)
+def test_cuda_regathering_into_saved_storage_keeps_autograd_versions() -> None:
+    eager = run_on_ranks(_regather_keeps_versions, 2, False, backend="nccl")
+    compiled = run_on_ranks(_regather_keeps_versions, 2, True, backend="nccl")
     torch.testing.assert_close(compiled, eager)

@@ -44,13 +44,13 @@ def all_gather_coalesced(
     return None
 
 
-def supports_coalesced_gather(group: dist.ProcessGroup, sample: torch.Tensor) -> bool:
+def supports_coalesced_gather(group: dist.ProcessGroup, sample: torch.Tensor, streams: object) -> bool:
     """Whether `all_gather_coalesced` works on `group` for tensors like `sample`: the
     coalesced op finds its process group by name, and torch 2.11 does not register every
     group under its name (a group of a sub-mesh can be missing), where it fails with "Could
-    not resolve the process group"; and it has no fake-tensor kernel (examples/estimate.py
-    runs the engine on fake tensors)."""
-    if is_fake(sample):
+    not resolve the process group"; it has no fake-tensor kernel (examples/estimate.py runs
+    the engine on fake tensors); and it is used with CUDA `streams` only."""
+    if streams is None or is_fake(sample):  # CUDA only: see `gather.gathers_directly`
         return False
     try:
         return _resolve_process_group(group.group_name) is not None

@@ -206,7 +206,7 @@ class ParamGroup:
         if self._kept_versions is not None and self._shard_versions() != self._kept_versions:
             self.reshard()  # kept unsharded (reshard_after_backward=False) across an optimizer step
         if self.state is GroupState.SHARDED:
-            self._start_unshard()
+            self._start_unshard(prefetch=async_op)
         if not async_op:
             self.wait_for_unshard()
             if not self._unsharded_registered:
@@ -258,7 +258,7 @@ class ParamGroup:
         self.reshard()
         self._post_forward_shard = (kept, size)
 
-    def _start_unshard(self) -> None:
+    def _start_unshard(self, prefetch: bool) -> None:
         cfg = self.config
         if self.flat_shard.is_meta:
             self._raise_on_meta()
@@ -276,11 +276,11 @@ class ParamGroup:
             group, rank = lay.post_forward_group(size)
         streams = self.streams
         if streams is not None:
-            streams.before_all_gather()
+            streams.before_all_gather(keep_newest=not prefetch)
             if source is not self.flat_shard:  # made on the compute stream during forward
                 streams.all_gather.wait_stream(streams.current())
         if self._coalesced_gather_ok is None:  # asked once, when the process groups exist
-            self._coalesced_gather_ok = comm.supports_coalesced_gather(lay.shard_group, self.flat_shard)
+            self._coalesced_gather_ok = comm.supports_coalesced_gather(lay.shard_group, self.flat_shard, streams)
         direct = gathers_directly(self.flat_params, self._coalesced_gather_ok, full_group=source is self.flat_shard)
         pending = start_gather(
             self.flat_params,

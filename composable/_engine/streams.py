@@ -42,13 +42,17 @@ class CommStreams:
         self.all_gather.wait_stream(current)
         self.reduce.wait_stream(current)
 
-    def before_all_gather(self) -> None:
+    def before_all_gather(self, keep_newest: bool) -> None:
+        """Order the all-gather stream for the next gather; free deferred storages into its
+        pool. `keep_newest` (a gather needed right away, e.g. the next forward group): keep the
+        newest deferred storage, the group the compute stream is about to finish, since
+        waiting for its last use would serialise this gather behind that group's compute. A
+        prefetch (backward's next-but-one group) is needed later anyway: everything is freed,
+        which keeps the peak as low as freeing at the reshard itself would."""
         if self._gather_done is not None:
             self.all_gather.wait_event(self._gather_done)
         self._gather_done, self._gather_buffers = None, None
-        # Free all but the newest deferred storages: that one is the group the compute stream
-        # works on now, and waiting for its last use would serialise this gather behind it.
-        while len(self._deferred) > 1:
+        while len(self._deferred) > (1 if keep_newest else 0):
             self._free_deferred(*self._deferred.pop(0))
 
     def defer_free(self, storages: list[torch.Tensor]) -> None:
