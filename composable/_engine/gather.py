@@ -1,12 +1,12 @@
 """All-gathering a sharded group's parameters into their unsharded storages.
 
 Two ways, chosen per unshard:
-- direct (every parameter sharded on dim 0, the whole shard group gathering): one coalesced
+- direct (CUDA, every parameter sharded on dim 0, the whole shard group gathering): one coalesced
   all-gather whose outputs are the parameters' own padded unsharded storages. Each of those
   is exactly its parameter's rank-major gather (dim-0 chunks, padded alike on every rank), so
   nothing is copied out afterwards: no copy-out kernel on the compute stream (about 2 ms per
   step of the 1B benchmark) and no separate gather buffer alive beside the parameters.
-- flat (a parameter sharded on a dim > 0, or backward's gather within N ranks after
+- flat (CPU; a parameter sharded on a dim > 0; backward's gather within N ranks after
   `reshard_after_forward=N`, whose input interleaves every parameter's regions): one
   all-gather into a rank-major buffer, then one fused copy-out.
 
