@@ -27,30 +27,26 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGro
 
 
 def all_gather_coalesced(
-    outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], group: dist.ProcessGroup, async_op: bool
-) -> dist.Work | None:
+    outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], group: dist.ProcessGroup
+) -> None:
     """Gather every rank's `inputs[i]` into `outputs[i]` (rank-major), all in one coalesced
-    collective (one NCCL group launch). Issued on the process group itself: the front end
-    offers it only through `_coalescing_manager`, whose bookkeeping costs more than the call.
-    Not async: on the current stream (NCCL), done when this returns (gloo)."""
+    collective (one NCCL group launch) on the current stream. Issued on the process group
+    itself: the front end offers it only through `_coalescing_manager`, whose bookkeeping
+    costs more than the call."""
     opts = _AllgatherOptions()
-    if hasattr(opts, "asyncOp"):
-        opts.asyncOp = async_op
+    opts.asyncOp = False
     work = group.allgather_into_tensor_coalesced(list(outputs), list(inputs), opts)
-    if async_op:
-        return work
     if work is not None:  # torch 2.11's NCCL returns none when it ran on the current stream
         work.wait()
-    return None
 
 
-def supports_coalesced_gather(group: dist.ProcessGroup, sample: torch.Tensor, streams: object) -> bool:
+def supports_coalesced_gather(group: dist.ProcessGroup, sample: torch.Tensor) -> bool:
     """Whether `all_gather_coalesced` works on `group` for tensors like `sample`: the
     coalesced op finds its process group by name, and torch 2.11 does not register every
     group under its name (a group of a sub-mesh can be missing), where it fails with "Could
-    not resolve the process group"; it has no fake-tensor kernel (examples/estimate.py runs
-    the engine on fake tensors); and it is used with CUDA `streams` only."""
-    if streams is None or is_fake(sample):  # CUDA only: see `gather.gathers_directly`
+    not resolve the process group"; and it has no fake-tensor kernel (examples/estimate.py
+    runs the engine on fake tensors)."""
+    if is_fake(sample):
         return False
     try:
         return _resolve_process_group(group.group_name) is not None

@@ -45,10 +45,6 @@ class PendingGather:
     output: torch.Tensor | None  # flat way: the rank-major gather output
     input: torch.Tensor  # this rank's regions, cast; kept alive until the gather is done
     source: torch.Tensor  # a post-forward shard made on the compute stream lives until then too
-    # Direct way: the storages written and their autograd versions before the gather. Some
-    # backends (gloo) write the outputs when the work completes, bumping the versions then.
-    outputs: tuple[torch.Tensor, ...] = ()
-    versions: tuple[int, ...] = ()
 
 
 def gathers_directly(params: list["ManagedParam"], coalesced_ok: bool, full_group: bool) -> bool:
@@ -78,16 +74,13 @@ def start_gather(
     group's share of regions); the output holds the `world` regions of the shard group."""
     n = source.numel()  # a post-forward shard holds several ranks' regions: `world` counts those
     async_op = streams is None
-    outputs: tuple[torch.Tensor, ...] = ()
-    versions: tuple[int, ...] = ()
     with stream_context(streams.all_gather if streams is not None else None):
         if direct:
             for mp in params:
                 if streams is not None:
                     streams.reclaim(mp.unsharded_padded)  # a deferred free of this storage is off
                 mp.alloc_unsharded(world, dtype, device, on_gather_stream=streams is not None)
-            outputs = tuple(mp.unsharded_padded for mp in params)  # type: ignore[misc]
-            versions = tuple(t._version for t in outputs)
+            outputs = [mp.unsharded_padded for mp in params]
             # In place, as the flat way: each input is this rank's slot of its output, filled by
             # one fused copy (+cast, +host-to-device); no input buffer beside the parameters.
             inputs = [
@@ -95,9 +88,11 @@ def start_gather(
             ]
             shards = [source.narrow(0, mp.layout.offset, mp.layout.region_numel) for mp in params]
             # Refilling freed storage with the values it held is no mutation autograd should see.
-            with comm.refilling(*outputs):
+            # `all_gather_coalesced` waits before returning: whatever version bumps the
+            # collective makes (at issue or, like gloo's, at completion) happen in here.
+            with comm.refilling(*outputs):  # type: ignore[arg-type]
                 torch._foreach_copy_(inputs, shards, non_blocking=True)
-                work = comm.all_gather_coalesced(outputs, inputs, group, async_op=async_op) if n else None
+                work = comm.all_gather_coalesced(outputs, inputs, group) if n else None
             gather_in, gather_out = source, None
         else:
             # In place: the input is this rank's slot of the output.
@@ -108,7 +103,21 @@ def start_gather(
             work = comm.all_gather(gather_out, gather_in, group, async_op=async_op) if n else None
         if streams is not None and n > 0:
             work = streams.all_gather.record_event()
-    return PendingGather(work, direct, gather_out, gather_in, source, outputs, versions)
+    return PendingGather(work, direct, gather_out, gather_in, source)
+
+
+def free_storages(params: list["ManagedParam"], streams: CommStreams | None) -> None:
+    """Free the unsharded storages of `params`: at once where the compute stream's pool holds
+    them, deferred (`CommStreams.defer_free`) where a direct gather took them from the
+    all-gather stream's pool."""
+    deferred = []
+    for mp in params:
+        if mp.unsharded_on_gather_stream and mp.is_unsharded_allocated():
+            deferred.append(mp.unsharded_padded)
+        else:
+            mp.free_unsharded()
+    if deferred:
+        streams.defer_free(deferred)  # type: ignore[union-attr]  # only direct gathers (CUDA) set the flag
 
 
 def finish_gather(
@@ -122,8 +131,6 @@ def finish_gather(
     elif work is not None:
         work.wait()
     if pending.direct:
-        if pending.outputs:
-            torch._C._autograd._unsafe_set_version_counter(pending.outputs, pending.versions)
         return  # the all-gather stream's buffers are freed in its own order; nothing to keep
     if streams is not None:
         for mp in params:

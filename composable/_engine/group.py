@@ -24,7 +24,7 @@ from ..mixed_precision import MixedPrecisionPolicy
 from . import collectives as comm
 from . import extension
 from .buckets import BucketedReducer
-from .gather import PendingGather, finish_gather, gathers_directly, start_gather
+from .gather import PendingGather, finish_gather, free_storages, gathers_directly, start_gather
 from .layout import DataParallelLayout
 from .param import ManagedParam, is_freed
 from .profiling import labelled
@@ -279,8 +279,10 @@ class ParamGroup:
             streams.before_all_gather(keep_newest=not prefetch)
             if source is not self.flat_shard:  # made on the compute stream during forward
                 streams.all_gather.wait_stream(streams.current())
-        if self._coalesced_gather_ok is None:  # asked once, when the process groups exist
-            self._coalesced_gather_ok = comm.supports_coalesced_gather(lay.shard_group, self.flat_shard, streams)
+        if self._coalesced_gather_ok is None:  # asked once, when the process groups exist; CUDA only (gather.py)
+            self._coalesced_gather_ok = streams is not None and comm.supports_coalesced_gather(
+                lay.shard_group, self.flat_shard
+            )
         direct = gathers_directly(self.flat_params, self._coalesced_gather_ok, full_group=source is self.flat_shard)
         pending = start_gather(
             self.flat_params,
@@ -363,17 +365,10 @@ class ParamGroup:
             self.wait_for_unshard()
         if self.state is GroupState.SHARDED:
             return
-        deferred = []
         for mp in self.flat_params:
             mp.register(mp.sharded_param)
-            if self._unsharded_aliases_shard:
-                continue
-            if self.streams is not None and mp.unsharded_on_gather_stream and mp.is_unsharded_allocated():
-                deferred.append(mp.unsharded_padded)
-            else:
-                mp.free_unsharded()
-        if deferred:
-            self.streams.defer_free(deferred)  # type: ignore[union-attr]
+        if not self._unsharded_aliases_shard:
+            free_storages(self.flat_params, self.streams)
         for mp in self.extension_params:
             mp.register(mp.sharded_param)
         extension.free(self.extension_params)
