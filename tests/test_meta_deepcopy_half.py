@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from _harness import assert_close_tensors, run_on_ranks
 from _models import TinyTransformer, batch_for, lm_loss
@@ -28,7 +29,7 @@ from _training import (
 )
 from torch.distributed.tensor import DTensor, Shard
 
-from composable import fully_shard
+from composable import ShardingStrategy, fully_shard, replicate
 
 # ----------------------------------------------------------------------------- meta-device construction
 
@@ -68,10 +69,14 @@ def test_meta_device_construction() -> None:
 # ----------------------------------------------------------------------------- deepcopy
 
 
-def _deepcopy(rank: int, world_size: int) -> None:
+def _deepcopy(rank: int, world_size: int, api: str) -> None:
     model = TinyTransformer()
     ref = copy.deepcopy(model)
-    shard_transformer(model)
+    if api == "replicate":
+        replicate(model)
+    else:
+        shard_transformer(model, **({"strategy": ShardingStrategy.NO_SHARD} if api == "no_shard" else {}))
+    state_of = replicate.state if api == "replicate" else fully_shard.state
     opt, ref_opt = sgd(model), sgd(ref)
     lm_steps(model, ref, rank, world_size, range(0, 1), "original", opt, ref_opt)
 
@@ -79,7 +84,7 @@ def _deepcopy(rank: int, world_size: int) -> None:
     ref_clone = copy.deepcopy(ref)
     assert type(clone) is TinyTransformer
     for sub, sub_clone in zip(model.modules(), clone.modules(), strict=True):
-        state, state_clone = fully_shard.state(sub), fully_shard.state(sub_clone)
+        state, state_clone = state_of(sub), state_of(sub_clone)
         assert (state is None) == (state_clone is None)
         if state is not None:
             assert state_clone is not state and state_clone.module is sub_clone
@@ -96,10 +101,16 @@ def _deepcopy(rank: int, world_size: int) -> None:
     for name, p in model.named_parameters():
         assert torch.equal(p.full_tensor(), snapshot[name]), f"training the copy changed the original's {name}"
     lm_steps(model, ref, rank, world_size, range(1, STEPS), "original again", opt, ref_opt)
+    if api == "replicate":  # the copy's gradients launch its own buckets (hooks are not copied)
+        for mp in replicate.state(clone).group.params:
+            assert mp.hooked_param is mp.unsharded_param and mp.unsharded_param._post_accumulate_grad_hooks, mp.fqn
 
 
-def test_deepcopy_of_a_sharded_model() -> None:
-    run_on_ranks(_deepcopy, 2, timeout=TIMEOUT)
+@pytest.mark.parametrize("api", ["fully_shard", "no_shard", "replicate"])
+def test_deepcopy_of_a_sharded_model(api: str) -> None:
+    """Replicated groups used to fail here: the copy's unsharded parameters were clones of the
+    original's views of the shard, so the copy computed with its weights of the copy time."""
+    run_on_ranks(_deepcopy, 2, api, timeout=TIMEOUT)
 
 
 # ----------------------------------------------------------------------------- model.half() after fully_shard

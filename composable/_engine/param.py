@@ -279,13 +279,20 @@ class ManagedParam:
         return self.unsharded_padded is not None and self.unsharded_padded.untyped_storage().size() > 0
 
     def __deepcopy__(self, memo: dict) -> "ManagedParam":
-        """`copy.deepcopy(model)` copies this too. Freed unsharded storage (resized to 0) must
-        not be copied: reading it crashes. The copy re-creates it at its first unshard."""
+        """`copy.deepcopy(model)` copies this too. The copy re-creates its unsharded parameter
+        at its first unshard where a copy would be wrong: freed storage (resized to 0: reading
+        it crashes), and an unsharded parameter that is a view of the flat shard (replicated
+        groups: `nn.Parameter.__deepcopy__` clones it apart from the copy's shard, which
+        the optimizer then updates unseen). Gradient hooks are not copied with a parameter:
+        the copy registers its own (`hooked_param`)."""
         new = copy.copy(self)
         memo[id(self)] = new
         freed = self.unsharded_padded is not None and not self.is_unsharded_allocated()
+        drop = freed or self.unsharded_alias_of is not None
         for name, value in vars(self).items():
-            if freed and name in ("unsharded_param", "unsharded_padded"):
+            if name == "hooked_param" or (
+                drop and name in ("unsharded_param", "unsharded_padded", "unsharded_alias_of")
+            ):
                 value = None
             elif freed and (value is self.unsharded_param or is_freed(value)):  # nothing that points at freed storage
                 value = None
