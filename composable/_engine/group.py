@@ -26,6 +26,7 @@ from . import extension
 from .buckets import BucketedReducer
 from .gather import PendingGather, finish_gather, free_storages, gathers_directly, start_gather
 from .layout import DataParallelLayout
+from .optim_state import track_for_optimizers
 from .param import ManagedParam, is_freed
 from .profiling import labelled
 from .reduce import GradReducer, GroupDtypes, ReduceSpec
@@ -150,6 +151,7 @@ class ParamGroup:
                     mp.sharded_param = mp.make_sharded_param(local)
                 else:
                     mp.point_local_shard_at(local)
+                track_for_optimizers(mp.sharded_param)  # again after a swap (`to_empty`)
                 mp.local_registered = mp.sharded_param._local_tensor
         self._unsharded_aliases_shard = (
             not self.layout.sharded
@@ -165,6 +167,7 @@ class ParamGroup:
             for mp, src in zip(self.extension_params, sources):
                 rows = src if src.device.type == "meta" else self._local_rows(mp, src).to(self._storage_device(src))
                 mp.sharded_param = mp.make_sharded_param(rows.clone())
+                track_for_optimizers(mp.sharded_param)
                 mp.local_registered = mp.sharded_param._local_tensor
 
     def _local_rows(self, mp: ManagedParam, full: torch.Tensor) -> torch.Tensor:

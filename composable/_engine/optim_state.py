@@ -1,0 +1,102 @@
+"""Optimizer step counters on the parameters' mesh.
+
+PyTorch's fused and capturable optimizers (AdamW(fused=True), the default on CUDA in many
+training scripts) keep each parameter's step count as a plain 0-d tensor on the parameter's
+device. When the parameters are DTensors, DTensor's dispatcher meets those plain tensors in
+every optimizer op and builds a fresh replicated `DTensorSpec` for each of them, every step:
+about 10 us per parameter per step on a fast host, more than the fused kernel launches
+themselves, and a cost PyTorch DDP (plain parameters) does not pay.
+
+So, before each optimizer step, the step counters of the parameters this package manages are
+made what DTensor would have made of them anyway: replicated 0-d DTensors on the parameter's
+mesh, around the same local tensor (no copy), with one spec object per (mesh, dtype) that
+every step reuses. The values, and what the optimizer computes, are unchanged.
+
+What users see stays as with PyTorch FSDP2: `optimizer.state_dict()` hands out the plain
+local tensors (a state-dict hook), so checkpoints have the same format, and loading one
+brings plain counters back, converted again before the next step. An optimizer whose state
+did not change since it was last converted costs one comparison per step.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from .param import new_dtensor
+
+STEP_KEY = "step"
+
+# Set on the sharded parameters this package makes. An attribute, not a registry: weak
+# references to parameters would forbid `torch.utils.swap_tensors` (`module.to_empty`).
+MANAGED_FLAG = "_composable_counters_on_mesh"
+_step_hook: Any = None
+# Per optimizer: (its state object, its length) when its counters were last converted.
+_converted: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[Any, int]]" = weakref.WeakKeyDictionary()
+_hooked: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # state-dict hook installed
+_specs: dict[tuple[int, torch.dtype], DTensorSpec] = {}
+
+
+def track_for_optimizers(param: nn.Parameter) -> None:
+    """Mark `param` (a sharded DTensor parameter made by the engine) as one whose optimizer
+    step counters live on its mesh; installs the global optimizer hook on first use."""
+    global _step_hook
+    setattr(param, MANAGED_FLAG, True)
+    if _step_hook is None:
+        _step_hook = register_optimizer_step_pre_hook(_counters_on_mesh)
+
+
+def _step_spec(mesh: DeviceMesh, dtype: torch.dtype) -> DTensorSpec:
+    """One replicated 0-d spec per (mesh, dtype), shared by every counter: DTensor compares
+    the same object by identity, not field by field."""
+    key = (id(mesh), dtype)
+    spec = _specs.get(key)
+    if spec is None or spec.mesh is not mesh:
+        meta = TensorMeta(torch.Size(()), (), dtype)
+        spec = _specs[key] = DTensorSpec(mesh, (Replicate(),) * mesh.ndim, tensor_meta=meta)
+    return spec
+
+
+def _counters_on_mesh(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global optimizer step pre-hook: see the module docstring."""
+    if torch.compiler.is_compiling():
+        return  # a compiled step traces its own graph; the conversion is an eager-mode saving
+    state = optimizer.state
+    seen = _converted.get(optimizer)
+    if seen is not None and seen[0] is state and seen[1] == len(state):
+        return
+    converted_any = False
+    for param, entry in state.items():
+        step = entry.get(STEP_KEY) if isinstance(entry, dict) else None
+        if (
+            type(step) is not torch.Tensor
+            or step.dim() != 0
+            or not isinstance(param, DTensor)
+            or not getattr(param, MANAGED_FLAG, False)
+            or step.device != param._local_tensor.device
+        ):
+            continue
+        entry[STEP_KEY] = new_dtensor(step, _step_spec(param.device_mesh, step.dtype))
+        converted_any = True
+    if converted_any and optimizer not in _hooked:
+        optimizer.register_state_dict_post_hook(_plain_counters)
+        _hooked.add(optimizer)
+    _converted[optimizer] = (state, len(state))
+
+
+def _plain_counters(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """`optimizer.state_dict()` post-hook: counters handed out as the plain local tensors
+    (PyTorch FSDP2's format), without touching the optimizer's own state."""
+    packed = state_dict.get("state", {})
+    for key, entry in packed.items():
+        step = entry.get(STEP_KEY) if isinstance(entry, dict) else None
+        if isinstance(step, DTensor):
+            packed[key] = {**entry, STEP_KEY: step._local_tensor}
+    return state_dict

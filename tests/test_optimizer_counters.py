@@ -1,0 +1,133 @@
+"""Optimizer step counters of managed parameters live on the parameters' mesh
+(`composable/_engine/optim_state.py`).
+
+- After the first step, each managed parameter's `step` counter (a plain 0-d tensor on the
+  parameter's device) is a replicated 0-d DTensor around the same tensor, one spec object
+  per (mesh, dtype), so DTensor's dispatcher stops building a spec per counter per step.
+- Training is unchanged: fused, foreach and single-tensor optimizers, `fully_shard` and
+  `replicate`, match a single-process reference over several steps.
+- `optimizer.state_dict()` hands out plain counters (FSDP2's format) without touching the
+  optimizer's own state; a loaded state dict trains on exactly as the original.
+- DTensor parameters this package does not manage are left alone.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+from _harness import assert_close_tensors, fake_process_group, run_on_ranks
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+import composable
+
+OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
+    "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
+    "adam_foreach": lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=True),
+    "adam_single": lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=False),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
+}
+
+
+class Net(nn.Module):
+    """Three layers with no gradient that is zero in exact arithmetic (Adam-style optimizers
+    turn rounding noise in such a gradient into full-size steps of either sign)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(6, 9), nn.Linear(9, 7), nn.Linear(7, 5)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _loss(model: nn.Module, step: int, world: int, rank: int | None) -> torch.Tensor:
+    """Mean squared error on step `step`'s batch: this rank's rows, or all rows (None)."""
+    g = torch.Generator().manual_seed(100 + step)
+    x, y = torch.randn(2 * world, 6, generator=g), torch.randn(2 * world, 5, generator=g)
+    if rank is not None:
+        x, y = x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def _apply(api: str, model: nn.Module) -> None:
+    if api == "replicate":
+        composable.replicate(model)
+        return
+    for layer in model.layers:
+        composable.fully_shard(layer)
+    composable.fully_shard(model)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, world: int, rank: int | None) -> None:
+    for step in steps:
+        _loss(model, step, world, rank).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _counters_match_reference(rank: int, world: int, api: str, optimizer: str) -> None:
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    _apply(api, model)
+    make = OPTIMIZERS[optimizer]
+    opt, ref_opt = make(list(model.parameters())), make(list(ref.parameters()))
+    _train(model, opt, range(3), world, rank)
+    _train(ref, ref_opt, range(3), world, None)
+
+    steps = [opt.state[p]["step"] for p in model.parameters()]
+    assert all(isinstance(s, DTensor) and s.placements == (Replicate(),) for s in steps), [type(s) for s in steps]
+    specs_per_mesh: dict[int, set[int]] = {}
+    for p, s in zip(model.parameters(), steps):
+        specs_per_mesh.setdefault(id(p.device_mesh), set()).add(id(s._spec))
+    assert all(len(specs) == 1 for specs in specs_per_mesh.values()), "one spec object per mesh"
+    assert [s.item() for s in steps] == [3.0] * len(steps)
+
+    saved = opt.state_dict()
+    plain = [entry["step"] for entry in saved["state"].values()]
+    assert all(type(s) is torch.Tensor for s in plain), [type(s) for s in plain]
+    assert all(isinstance(opt.state[p]["step"], DTensor) for p in model.parameters()), "state_dict() changed the state"
+
+    # A copy loaded from the plain state dict trains on exactly as the original.
+    twin = copy.deepcopy(model)
+    twin_opt = make(list(twin.parameters()))
+    twin_opt.load_state_dict(copy.deepcopy(saved))
+    _train(model, opt, range(3, 5), world, rank)
+    _train(twin, twin_opt, range(3, 5), world, rank)
+    _train(ref, ref_opt, range(3, 5), world, None)
+    for (name, p), q, r in zip(model.named_parameters(), twin.parameters(), ref.parameters()):
+        assert_close_tensors(_full(p), _full(q), exact=True, msg=f"{name}: loaded copy")
+        assert_close_tensors(_full(p), r, msg=f"{name}: against the reference")
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("api", ["fully_shard", "replicate"])
+def test_counters_on_mesh_train_like_the_reference(api: str, optimizer: str) -> None:
+    run_on_ranks(_counters_match_reference, 2, api, optimizer)
+
+
+def test_unmanaged_dtensor_parameters_are_left_alone() -> None:
+    with fake_process_group(2):
+        mesh = init_device_mesh("cpu", (2,))
+        own = nn.Parameter(distribute_tensor(torch.ones(4, 3), mesh, [Replicate()]))
+        model = nn.Linear(3, 4)
+        composable.replicate(model, mesh=mesh)
+        params = [own, *model.parameters()]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt = torch.optim.AdamW(params, lr=1e-2, fused=True)
+        opt.step()
+        opt.step()
+        assert type(opt.state[own]["step"]) is torch.Tensor
+        assert all(isinstance(opt.state[p]["step"], DTensor) for p in model.parameters())
