@@ -9,11 +9,11 @@ the same order whatever its parameter usage.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .profiling import labelled
-from .reduce import GradReducer, ReduceSpec, _offsets
+from .reduce import GradReducer, ReduceSpec, _offsets, _Reduction
 from .streams import CommStreams
 
 if TYPE_CHECKING:
@@ -29,8 +29,11 @@ class _Bucket:
 
     params: list["ManagedParam"]
     offsets: list[int]
+    first_flag: int  # where its parameters' presence flags start among all buckets' flags
     waiting: int = 0
     launched: bool = False
+    present: list[bool] = field(default_factory=list)  # this backward: which gradients it had
+    reduction: "_Reduction | None" = None  # this backward's all-reduce
 
 
 class BucketedReducer(GradReducer):
@@ -61,7 +64,9 @@ class BucketedReducer(GradReducer):
                 if used >= (min(cap, FIRST_BUCKET_CAP_BYTES) if len(groups) == 1 else cap):
                     groups.append([])
                     used = 0
-            self._buckets = [_Bucket(g, _offsets(g), waiting=len(g)) for g in groups if g]
+            groups = [g for g in groups if g]
+            firsts = [sum(len(g) for g in groups[:i]) for i in range(len(groups))]
+            self._buckets = [_Bucket(g, _offsets(g), first, waiting=len(g)) for g, first in zip(groups, firsts)]
             for i, bucket in enumerate(self._buckets):
                 for mp in bucket.params:
                     mp.bucket_index = i
@@ -85,10 +90,20 @@ class BucketedReducer(GradReducer):
     @labelled("composable::reduce_bucket")
     def _launch_bucket(self, bucket: _Bucket) -> None:
         bucket.launched = True
-        grads, present = self._take_grads(bucket.params)
-        # Every bucket carries presence flags, so its size is the same on every rank however
-        # each rank's parameter usage differs.
-        self._launch_all_reduce(bucket.params, grads, present, with_presence=True, offsets=bucket.offsets)
+        grads, bucket.present = self._take_grads(bucket.params)
+        buckets = self._buckets
+        flags = None
+        if bucket is buckets[-1]:  # type: ignore[index]
+            # Buckets launch in order, so the last one knows every bucket's presence: it
+            # carries all the flags (one copy per backward, not one per bucket), and its size
+            # is the same on every rank however each rank's parameter usage differs.
+            flags = [p for b in buckets for p in b.present]  # type: ignore[union-attr]
+        red = bucket.reduction = self._launch_all_reduce(
+            bucket.params, grads, bucket.present, flags=flags, offsets=bucket.offsets
+        )
+        if flags is not None:
+            for b in buckets:  # type: ignore[union-attr]
+                b.reduction.flags = (red.output, red.output.numel() - len(flags) + b.first_flag)  # type: ignore[union-attr]
 
     @labelled("composable::flush_buckets")
     def flush_buckets(self) -> None:
@@ -111,4 +126,5 @@ class BucketedReducer(GradReducer):
         # defer every bucket to its end: no overlap).
         for bucket in self._buckets or []:
             bucket.waiting, bucket.launched = len(bucket.params), False
+            bucket.present, bucket.reduction = [], None
         self._next_bucket = 0

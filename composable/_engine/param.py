@@ -207,6 +207,15 @@ class ManagedParam:
         grad._local_tensor = local
         return grad
 
+    def add_to_sharded_grad(self, local: torch.Tensor) -> None:
+        """`local` becomes the sharded gradient if there is none, else is added to it."""
+        sp = self.sharded_param
+        if sp.grad is None:  # type: ignore[union-attr]
+            sp.grad = self.make_sharded_grad(local)  # type: ignore[union-attr]
+        else:
+            with torch.no_grad():
+                sp.grad._local_tensor.add_(local)  # type: ignore[union-attr]
+
     def point_local_shard_at(self, local: torch.Tensor) -> None:
         """Make the existing sharded parameter's local shard be `local` (keeps its identity)."""
         self.sharded_param._local_tensor = local  # type: ignore[union-attr]

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from . import collectives as comm
 from .layout import DataParallelLayout
+from .no_sync import NoSyncSums
 from .streams import CommStreams, stream_context
 
 if TYPE_CHECKING:
@@ -41,7 +42,9 @@ class _Reduction:
     event: "torch.cuda.Event | None" = None  # CUDA: recorded on the reduce stream when done
     divided: bool = False  # averaging applied (by ReduceOp.AVG, or the division after a SUM)
     assigned: list[bool] = field(default_factory=list)  # sharded grads already pointed at `output`
-    with_presence: bool = False  # `output` ends with one presence flag per parameter
+    # Where the presence flags of `params` are once the reduction is done (tensor, start):
+    # one per parameter, > 0 where any rank had a gradient. None: no flags (all present).
+    flags: tuple[torch.Tensor, int] | None = None
 
 
 def _offsets(params: list["ManagedParam"]) -> list[int]:
@@ -80,7 +83,7 @@ class ReduceSpec:
     dtypes: GroupDtypes
 
 
-class GradReducer:
+class GradReducer(NoSyncSums):
     """Reduces the unsharded gradients of `params` into their sharded gradients, in one
     collective (plus the replica all-reduce of HSDP) per launch."""
 
@@ -118,9 +121,6 @@ class GradReducer:
         the user's `set_gradient_divide_factor`."""
         return self.divide_factor or self.spec.layout.dp_world
 
-    def _grad_params(self) -> list["ManagedParam"]:
-        return [mp for mp in self.params if mp.wants_grad]
-
     def _take_grads(self, params: list["ManagedParam"]) -> tuple[list[torch.Tensor], list[bool]]:
         """Detach the unsharded gradients from their parameters (freeing them after the
         reduction), zero-filling missing ones so every rank lays out the same buffer."""
@@ -154,44 +154,6 @@ class GradReducer:
             grads = [g.to(self.spec.dtypes.reduce) for g in grads]
         return grads, present
 
-    def stash(self) -> None:
-        """No-sync backward: accumulate the unsharded gradients in the reduce dtype where it is
-        wider than the compute dtype (bf16 compute, fp32 reduce), as PyTorch FSDP2 does, so the
-        sum over micro-steps is not rounded to bf16 each time (at the price of holding a wider
-        gradient). Otherwise they simply stay in `.grad`, where autograd accumulates them.
-        Either way they are out of the user's sight: a visible sharded `.grad` stands for them
-        (`ManagedParam.mark_visible_grad`), and `zero_grad` on it discards them."""
-        if not self.spec.layout.sharded:
-            self._stash_as_visible_grads()
-            return
-        self.drop_discarded_sums()
-        dtype = self.spec.dtypes.reduce
-        widen = dtype.itemsize > self.spec.dtypes.unsharded.itemsize
-        for mp in self._grad_params():
-            up = mp.unsharded_param
-            if widen and up is not None and up.grad is not None:
-                acc = mp.stashed_grad
-                mp.stashed_grad = up.grad.to(dtype) if acc is None else acc.add_(up.grad)
-                up.grad = None
-            if mp.stashed_grad is not None or (up is not None and up.grad is not None):
-                mp.mark_visible_grad()
-                self._holds_no_sync_sums = True
-
-    def _stash_as_visible_grads(self) -> None:
-        """Replicated groups (replicate, NO_SHARD), as in DDP: during no_sync the locally
-        accumulated gradient is the parameter's visible `.grad` (in the parameter's dtype), so
-        `zero_grad` discards it and the next synced backward reduces whatever is left there.
-        Gradients already reduced are equal on every rank, so reducing them again with the
-        new local ones leaves them unchanged: accumulation across steps stays right."""
-        for mp in self._grad_params():
-            up = mp.unsharded_param
-            if up is None or up.grad is None:
-                continue
-            grad, up.grad = up.grad, None
-            sp = mp.sharded_param
-            _add_to_sharded_grad(mp, grad.to(device=sp._local_tensor.device, dtype=sp.dtype))
-            mp.grad_is_unreduced = True
-
     def has_grads(self, mp: "ManagedParam") -> bool:
         """Whether `mp` has an unsharded gradient (or a stashed one) waiting to be reduced."""
         up = mp.unsharded_param
@@ -212,19 +174,6 @@ class GradReducer:
         return torch.tensor([float(p) for p in present], dtype=dtype).to(self.spec.device, non_blocking=True)
 
     # -- launching ------------------------------------------------------------------------
-    def drop_discarded_sums(self) -> None:
-        """Sharded groups: forget the no-sync sums of every parameter whose visible `.grad`
-        was cleared, replaced or zeroed since they were stashed (`optimizer.zero_grad()`,
-        either `set_to_none`). Called before a backward adds to them and before they are
-        reduced; free when nothing is stashed."""
-        if not self._holds_no_sync_sums:
-            return
-        for mp in self.params:
-            if mp.grad_marker is not None and mp.grad_was_discarded():
-                mp.stashed_grad, mp.grad_marker = None, None
-                if mp.unsharded_param is not None:
-                    mp.unsharded_param.grad = None
-
     def launch(self) -> None:
         self.drop_discarded_sums()
         if self._holds_no_sync_sums:  # consumed by this reduction
@@ -272,12 +221,12 @@ class GradReducer:
             _offsets(params),
             flat_in,
             keep_alive=[flat_in] if streams is None else [],
-            with_presence=True,
             divided=average,
         )
         with stream_context(streams.reduce if streams is not None else None):
             out = torch.empty(flat_in.numel() // world, dtype=dtype, device=device)
             red.output = out
+            red.flags = (out, out.numel() - len(present))
             async_op = streams is None
             red.works.append(comm.reduce_scatter(out, flat_in, lay.shard_group, average, async_op=async_op))
             if lay.replicate_groups:
@@ -304,31 +253,43 @@ class GradReducer:
         params: list["ManagedParam"],
         grads: list[torch.Tensor],
         present: list[bool],
-        with_presence: bool = False,
+        flags: list[bool] | None = None,
         offsets: list[int] | None = None,
-    ) -> None:
+    ) -> _Reduction:
+        """All-reduce `grads` (of `params`) as one flat buffer, with presence `flags` appended
+        when given (replicate's buckets carry every bucket's flags in their last one)."""
         dtype = self.spec.dtypes.reduce
         average = self.collectives_average
         pre = 1.0 if average else comm.divide_factors(self.dp_world, dtype)[0]
-        pieces = [gr.reshape(-1) for gr in grads]
-        if with_presence:  # one flag per parameter: after the sum, > 0 where any rank had a gradient
-            pieces.append(self._presence_flags(present, dtype))
-        flat = torch.empty(sum(p.numel() for p in pieces), dtype=dtype, device=self.spec.device)
-        torch.cat(pieces, out=flat)  # one kernel, casting as it copies
+        if flags is None and len(grads) == 1:
+            # One gradient (most buckets of a large model): one copy, cast as it goes, and
+            # no cat (which takes a slower per-input path when it casts).
+            flat = torch.empty(grads[0].numel(), dtype=dtype, device=self.spec.device)
+            flat.view(grads[0].shape).copy_(grads[0])
+        else:
+            pieces = [gr.reshape(-1) for gr in grads]
+            if flags is not None:
+                pieces.append(self._presence_flags(flags, dtype))
+            flat = torch.empty(sum(p.numel() for p in pieces), dtype=dtype, device=self.spec.device)
+            torch.cat(pieces, out=flat)  # one kernel, casting as it copies
+            del pieces
         if pre != 1.0:
             flat.div_(pre)
-        del grads, pieces
+        del grads
         # Issued from the current stream with async_op: the process group orders its own
         # communication stream after the copy-in, and `finish` (work.wait) orders the
         # current stream after the result. No stream switch or event of ours per bucket:
         # this runs once per bucket inside backward, where CPU time is what limits small
         # batches. The bucket stays alive until `finish`, as DDP's do.
         offsets = _offsets(params) if offsets is None else offsets
-        red = _Reduction(params, present, offsets, flat, with_presence=with_presence, divided=average)
+        red = _Reduction(params, present, offsets, flat, divided=average)
+        if flags is not None:
+            red.flags = (flat, flat.numel() - len(flags))
         for grp in self.spec.layout.replicate_groups:
             red.works.append(comm.all_reduce_async(flat, grp, average))
         self._assign_early(red)
         self.pending.append(red)
+        return red
 
     # -- finishing ----------------------------------------------------------------------------
     def _average(self, red: _Reduction) -> None:
@@ -357,11 +318,12 @@ class GradReducer:
 
     def finish(self) -> None:
         """Wait for launched reductions and accumulate them into the sharded gradients."""
-        for red in self.pending:
+        for red in self.pending:  # all first: a reduction's flags may ride in a later one
             for work in red.works:
                 work.wait()
             if red.event is not None:
                 torch.cuda.current_stream().wait_event(red.event)
+        for red in self.pending:
             if not red.all_reduced:
                 self._partial = red.output if self._partial is None else self._partial.add_(red.output)
                 continue
@@ -370,31 +332,18 @@ class GradReducer:
             if all(red.assigned) and red.assigned:
                 continue
             present_anywhere = red.present
-            if red.with_presence and not all(red.present):
+            if red.flags is not None and not all(red.present):
                 # Only a locally missing gradient needs the flags (> 0: some rank had one); the
                 # read waits for the reduction, so skip it in the common all-present case.
-                present_anywhere = (out[-len(red.params) :] > 0).tolist()
+                holder, start = red.flags
+                present_anywhere = (holder[start : start + len(red.params)] > 0).tolist()
             target_device = torch.device("cpu") if self.spec.offload else self.spec.device
             out = out.to(device=target_device, dtype=self.spec.dtypes.orig)
             for i, (mp, present, off) in enumerate(zip(red.params, present_anywhere, red.offsets)):
                 if present and not (red.assigned and red.assigned[i]):
-                    _accumulate_sharded_grad(mp, out, off)
+                    mp.add_to_sharded_grad(mp.layout.local_at(out, off))
         self.pending.clear()
         self._end_of_backward()
 
     def _end_of_backward(self) -> None:
         """Hook for subclasses: every reduction of this backward is finished."""
-
-
-def _accumulate_sharded_grad(mp: "ManagedParam", flat: torch.Tensor, offset: int) -> None:
-    _add_to_sharded_grad(mp, mp.layout.local_at(flat, offset))
-
-
-def _add_to_sharded_grad(mp: "ManagedParam", local: torch.Tensor) -> None:
-    """`local` becomes `mp`'s sharded gradient if it has none, else is added to it."""
-    sp = mp.sharded_param
-    if sp.grad is None:
-        sp.grad = mp.make_sharded_grad(local)
-    else:
-        with torch.no_grad():
-            sp.grad._local_tensor.add_(local)
