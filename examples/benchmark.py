@@ -107,6 +107,27 @@ def _memory(device: torch.device) -> tuple[float, float]:
     return float(torch.cuda.memory_allocated(device)), float(torch.cuda.memory_reserved(device))
 
 
+def forget_dtensor_caches() -> None:
+    """Start each contender with DTensor's caches as a fresh training process has them.
+
+    DTensor caches its sharding decisions keyed by the ops' argument specs. An earlier
+    contender's entries stay (holding its meshes and specs), and a later contender's specs
+    compare equal to them without being the same objects, so every cache hit of the later
+    one (several per optimizer op) becomes a field-by-field comparison: replicate's batch-1
+    step grew from 0.070 to 0.093 s over 5 rounds while DDP's (plain tensors) did not.
+    FSDP2 and fully_shard (DTensor parameters) paid the same."""
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    caches = (
+        getattr(DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding, "cache_clear", None),
+        getattr(_redistribute._gen_transform_infos, "cache_clear", None),
+        getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None),  # the C++ fast path's
+    )
+    for clear in caches:
+        if clear is not None:
+            clear()
+
+
 def time_run(run: str, args: argparse.Namespace, device: torch.device, profile: bool = False) -> dict:
     cfg = get_config(args.preset, max_seq_len=args.seq_len)
     # Peaks are counted above what was allocated before this run's model existed, so that
@@ -121,6 +142,7 @@ def time_run(run: str, args: argparse.Namespace, device: torch.device, profile: 
         # cheap): earlier contenders' graphs and guards must not fill dynamo's per-code cache
         # (a full cache silently falls back to eager) nor be reused across different hooks.
         torch._dynamo.reset()
+    forget_dtensor_caches()
     torch.manual_seed(0)
     c = build(run, cfg, device, args.wrap, args.model, args.compile_backend if args.compile else None)
     opt = torch.optim.AdamW(c.model.parameters(), lr=1e-4, fused=True)
