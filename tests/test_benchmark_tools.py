@@ -56,6 +56,28 @@ def test_report_ratios_are_medians_of_per_round_ratios(tmp_path: Path, capsys: p
     assert "fully_shard/fsdp2: throughput 1.100x (rounds 1.100-1.200), peak allocated 0.917x" in printed
 
 
+def test_each_contender_starts_with_dtensor_caches_cleared() -> None:
+    """An earlier contender's sharding decisions must not stay in DTensor's cache (a later
+    contender's hits would compare specs field by field): `forget_dtensor_caches` empties it."""
+    import torch
+    from _harness import fake_process_group
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    def cached() -> int:  # the Python cache, plus the C++ fast path's where torch has one
+        python = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_info().currsize
+        native = getattr(torch._C, "_get_DTensor_sharding_propagator_cache_stats", None)
+        return python + (native()[1] if native is not None else 0)
+
+    with fake_process_group(2):
+        t = distribute_tensor(torch.ones(4), init_device_mesh("cpu", (2,)), [Replicate()])
+        for _ in range(2):
+            t = t * 2 + 1
+        assert cached() > 0
+        benchmark.forget_dtensor_caches()
+        assert cached() == 0
+
+
 def test_interval_arithmetic() -> None:
     a = overlap.union([Interval(5, 7), Interval(0, 2), Interval(1, 3)])
     assert a == [Interval(0, 3), Interval(5, 7)]
