@@ -226,6 +226,41 @@ def _fake_all(steps: int) -> dict[str, Any]:
     return out
 
 
+def optimizer_dispatch_cost(steps: int) -> dict[str, float]:
+    """The SGD step alone over the bare model's parameters: plain, and the same parameters as
+    replicated DTensors (what `replicate` must give the optimizer) with DTensor gradients
+    sharing their spec, no hook of ours anywhere: DTensor's own per-op dispatch cost, which
+    bounds how close replicate's step can come to DDP's (fastest of `FAKE_ROUNDS` medians)."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    opts = {}
+    for kind in ("plain", "dtensor"):
+        params = [p.detach().clone() for p in build_tiny("bare", fake=True).parameters()]
+        if kind == "dtensor":
+            params = [distribute_tensor(p, mesh, [Replicate()]) for p in params]
+        params = [nn.Parameter(p) for p in params]
+        for p in params:
+            grad = torch.ones_like(p)
+            p.grad = (
+                DTensor.__new__(DTensor, grad._local_tensor, p._spec, requires_grad=False)
+                if kind == "dtensor"
+                else grad
+            )
+        opts[kind] = torch.optim.SGD(params, lr=1e-3)
+    best = dict.fromkeys(opts, float("inf"))
+    for _ in range(FAKE_ROUNDS):
+        for kind, opt in opts.items():
+            times = []
+            for step in range(steps + 5):
+                start = time.perf_counter()
+                opt.step()
+                if step >= 5:
+                    times.append(time.perf_counter() - start)
+            best[kind] = min(best[kind], statistics.median(times))
+    return {**best, "params": float(len(opts["plain"].param_groups[0]["params"]))}
+
+
 def overhead(steps: int = 30) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
     """(fake-group results, gloo results, notes); a contender that never reported is None."""
     fake, notes = run_isolated(_fake_all, (steps,), world=8, fake=True, what="fake process group")
@@ -267,6 +302,13 @@ def cpu_overhead_main(steps: int = 30) -> int:
         "steps; includes gloo latency):",
         gloo,
     )
-    for note in notes:
+    optim, more = run_isolated(optimizer_dispatch_cost, (steps,), world=8, fake=True, what="optimizer alone")
+    if optim is not None:
+        print(
+            f"SGD step alone over the same {int(optim['params'])} parameters "
+            f"(fake group): plain {optim['plain'] * 1e3:.2f} ms, as replicated DTensors {optim['dtensor'] * 1e3:.2f} ms "
+            "(DTensor's dispatch; replicate's parameters must be DTensors)"
+        )
+    for note in notes + more:
         print(f"  note: {note}")
     return int(any(r is None for r in [*fake.values(), *gloo.values()]))

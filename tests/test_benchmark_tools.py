@@ -267,3 +267,14 @@ def test_overhead_retries_a_crash_before_reporting_then_records_it() -> None:
     result, notes = bench_overhead.run_isolated(_abort_now, (), world=8, fake=True, what="t", retries=1)
     assert result is None
     assert notes == [f"t, attempt {i}: no result (rank 0 killed by SIGABRT)" for i in (1, 2)]
+
+
+def test_optimizer_dispatch_cost_times_plain_and_dtensor_parameters() -> None:
+    """The `--cpu-overhead` line that bounds replicate against DDP: the same SGD step over the
+    tiny model's parameters, plain and as replicated DTensors (no hooks involved)."""
+    from _harness import fake_process_group
+
+    with fake_process_group(8):
+        cost = bench_overhead.optimizer_dispatch_cost(3)
+    assert cost["params"] == 128
+    assert cost["plain"] > 0 and cost["dtensor"] > 0  # which is larger is for the benchmark to show

@@ -7,7 +7,9 @@ autograd     the autograd functions and hooks the state attaches to inputs and o
 group        a parameter group: sharded storage, unshard / reshard / reduce_grads
 param        one parameter's layouts (sharded DTensor, unsharded twin) and bookkeeping
 layout       the data-parallel layout (mesh, placements, shard/replicate groups, ranks)
-reduce       gradient reduction (reduce-scatter, all-reduce); buckets: replicate's buckets
+reduce       gradient reduction (reduce-scatter, all-reduce); buckets: replicate's buckets;
+             no_sync: the sums no-sync micro-steps keep
+optim_state  optimizer step counters of managed parameters on their mesh (cheap DTensor steps)
 collectives  flat collectives that know nothing of modules; streams: CUDA streams/events
 contract     how an API installs and finds its state; claim: which parameters a call manages
 mesh         mesh validation, the default mesh, the compute device
