@@ -235,14 +235,22 @@ def profile_steps(
             write_trace(prof, os.path.join(args.trace_dir, f"{run}_b{args.batch_size}.json.gz"))
 
 
+def round_order(runs: list[str], r: int) -> list[str]:
+    """Contenders in the order round `r` runs them: as given in even rounds, reversed in odd
+    ones, so that a place in the round (measured: the second of two ran 1-2% faster at batch 4,
+    whichever it was) favours no contender over the rounds."""
+    return runs if r % 2 == 0 else runs[::-1]
+
+
 def run_rounds(args: argparse.Namespace, device: torch.device) -> list[dict[str, dict]]:
     """Every contender once per round, rounds one after the other, in the initialised process
     group: slow drifts of the host (other tenants, clocks) hit all contenders alike, and each
     ratio is the median of its per-round ratios. Reports on rank 0; returns the rounds."""
     rounds: list[dict[str, dict]] = []
+    runs = args.runs.split(",")
     for r in range(args.rounds):
-        rounds.append({})
-        for run in args.runs.split(","):
+        rounds.append(dict.fromkeys(runs))  # results in the given order whatever the running order
+        for run in round_order(runs, r):
             res = time_run(run, args, device, profile=r == 0)
             agg = torch.tensor([res["step_s"], res["peak_alloc_gib"], res["peak_reserved_gib"]], device=device)
             dist.all_reduce(agg, op=dist.ReduceOp.MAX)  # the slowest rank and the largest peak count

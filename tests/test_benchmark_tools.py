@@ -78,6 +78,14 @@ def test_each_contender_starts_with_dtensor_caches_cleared() -> None:
         assert cached() == 0
 
 
+def test_rounds_alternate_the_order_of_the_contenders() -> None:
+    runs = ["fully_shard", "fsdp2", "floor"]
+    orders = [benchmark.round_order(runs, r) for r in range(4)]
+    assert orders[0] == orders[2] == runs and orders[1] == orders[3] == runs[::-1]
+    for run in runs:  # over two rounds every contender is as often early as late
+        assert sum(order.index(run) for order in orders[:2]) == len(runs) - 1
+
+
 def test_interval_arithmetic() -> None:
     a = overlap.union([Interval(5, 7), Interval(0, 2), Interval(1, 3)])
     assert a == [Interval(0, 3), Interval(5, 7)]

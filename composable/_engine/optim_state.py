@@ -4,8 +4,8 @@ PyTorch's fused and capturable optimizers (AdamW(fused=True), the default on CUD
 training scripts) keep each parameter's step count as a plain 0-d tensor on the parameter's
 device. When the parameters are DTensors, DTensor's dispatcher meets those plain tensors in
 every optimizer op and builds a fresh replicated `DTensorSpec` for each of them, every step:
-about 10 us per parameter per step on a fast host, more than the fused kernel launches
-themselves, and a cost PyTorch DDP (plain parameters) does not pay.
+fused AdamW over 128 replicated parameters took 3.4 ms per step on this project's 2-core CI
+machine (1.1 ms with this module, 0.7 ms for plain parameters), a cost PyTorch DDP does not pay.
 
 So, before each optimizer step, the step counters of the parameters this package manages are
 made what DTensor would have made of them anyway: replicated 0-d DTensors on the parameter's
