@@ -14,7 +14,7 @@ import copy
 
 import pytest
 import torch
-from _harness import assert_close_tensors, run_on_ranks
+from _harness import assert_close_tensors, requires_gpus, run_on_ranks
 from _models import TinyTransformer, batch_for, lm_loss
 from _training import (
     STEPS,
@@ -111,6 +111,30 @@ def test_deepcopy_of_a_sharded_model(api: str) -> None:
     """Replicated groups used to fail here: the copy's unsharded parameters were clones of the
     original's views of the shard, so the copy computed with its weights of the copy time."""
     run_on_ranks(_deepcopy, 2, api, timeout=TIMEOUT)
+
+
+def _deepcopy_on_cuda(rank: int, world_size: int, api: str) -> None:
+    torch.cuda.set_device(rank)
+    model = TinyTransformer().cuda()
+    if api == "replicate":
+        replicate(model)
+    else:
+        shard_transformer(model)
+    state_of = replicate.state if api == "replicate" else fully_shard.state
+    lm_loss(model, batch_for(0, world_size, rank).cuda()).backward()  # streams in use
+    clone = copy.deepcopy(model)  # used to fail: "cannot pickle 'Stream' object"
+    assert state_of(clone).group.streams is state_of(model).group.streams  # one set per device
+    for (name, p), q in zip(model.named_parameters(), clone.parameters(), strict=True):
+        assert torch.equal(p._local_tensor, q._local_tensor), name
+        assert q._local_tensor.untyped_storage().data_ptr() != p._local_tensor.untyped_storage().data_ptr(), name
+
+
+@requires_gpus(2)
+@pytest.mark.parametrize("api", ["fully_shard", "replicate"])
+def test_deepcopy_of_a_model_sharded_on_gpus(api: str) -> None:
+    """CUDA groups hold the device's communication streams, which cannot be copied: the copy
+    shares them."""
+    run_on_ranks(_deepcopy_on_cuda, 2, api, backend="nccl", timeout=TIMEOUT)
 
 
 # ----------------------------------------------------------------------------- model.half() after fully_shard

@@ -32,6 +32,11 @@ class CommStreams:
         self._reduce_buffers: Any = None
         self._deferred: list[tuple[torch.cuda.Event, list[torch.Tensor]]] = []  # see `defer_free`
 
+    def __deepcopy__(self, memo: dict) -> "CommStreams":
+        """One per device, shared: a deep-copied model uses the same streams (CUDA streams
+        cannot be copied, and a second set would only serialise less)."""
+        return self
+
     @staticmethod
     def current() -> torch.cuda.Stream:
         return torch.cuda.current_stream()
