@@ -14,21 +14,12 @@ from __future__ import annotations
 
 import torch
 from _harness import requires_gpus, run_on_ranks, trace_collectives
+from _models import MLP
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 import composable
-
-
-class _Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(6, 8)
-        self.b = nn.Linear(8, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.relu(self.a(x)))
 
 
 def _gather_ops(tracer: object) -> list[str]:
@@ -42,8 +33,8 @@ def _traced_step(net: nn.Module, device: str) -> list[str]:
 
 
 def test_cpu_groups_gather_flat(world2: DeviceMesh) -> None:
-    net = _Net()
-    composable.fully_shard(net.a, mesh=world2)
+    net = MLP(6, 8)
+    composable.fully_shard(net.fc1, mesh=world2)
     composable.fully_shard(net, mesh=world2)
     ops = _traced_step(net, "cpu")
     assert ops and not any("coalesced" in op for op in ops), ops
@@ -52,17 +43,17 @@ def test_cpu_groups_gather_flat(world2: DeviceMesh) -> None:
 def _which_gathers(rank: int, world: int) -> dict[str, list[str]]:
     torch.cuda.set_device(rank)
     out = {}
-    net = _Net().cuda()
-    composable.fully_shard(net.a)
+    net = MLP(6, 8).cuda()
+    composable.fully_shard(net.fc1)
     composable.fully_shard(net)
     out["dim0"] = _traced_step(net, "cuda")
-    group = composable.fully_shard.state(net.a).group
+    group = composable.fully_shard.state(net.fc1).group
     # The unsharded parameters are views of the gathered storages themselves.
     out["views"] = [
         str(mp.unsharded_param.untyped_storage().data_ptr() == mp.unsharded_padded.untyped_storage().data_ptr())
         for mp in group.params
     ]
-    on_dim1 = _Net().cuda()
+    on_dim1 = MLP(6, 8).cuda()
     composable.fully_shard(on_dim1, shard_placement_fn=lambda p: Shard(p.dim() - 1))
     out["dim1"] = _traced_step(on_dim1, "cuda")
     return out
@@ -71,7 +62,7 @@ def _which_gathers(rank: int, world: int) -> dict[str, list[str]]:
 @requires_gpus(2)
 def test_cuda_dim0_groups_gather_coalesced_into_their_storages() -> None:
     result = run_on_ranks(_which_gathers, 2, backend="nccl")[0]
-    assert len(result["dim0"]) == 3, result  # net.a in forward and backward, the root (kept for backward) once
+    assert len(result["dim0"]) == 3, result  # net.fc1 in forward and backward, the root (kept for backward) once
     assert all("coalesced" in op for op in result["dim0"]), result
     assert result["views"] == ["True"] * 2, result
     assert result["dim1"] and not any("coalesced" in op for op in result["dim1"]), result
@@ -80,18 +71,18 @@ def test_cuda_dim0_groups_gather_coalesced_into_their_storages() -> None:
 def _regather_keeps_versions(rank: int, world: int, compiled: bool) -> list[float]:
     torch.cuda.set_device(rank)
     torch.manual_seed(0)
-    net = _Net().cuda()
+    net = MLP(6, 8).cuda()
     if compiled:  # compiled graphs check their saved inputs' versions in backward
-        net.a.compile(backend="aot_eager")
-    composable.fully_shard(net.a)
+        net.fc1.compile(backend="aot_eager")
+    composable.fully_shard(net.fc1)
     composable.fully_shard(net)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    group = composable.fully_shard.state(net.a).group
+    group = composable.fully_shard.state(net.fc1).group
     losses = []
     for _ in range(3):
         loss = net(torch.randn(4, 6, device="cuda")).sum()
         versions = [mp.unsharded_padded._version for mp in group.params]
-        loss.backward()  # re-gathers net.a (resharded after forward) into the saved storage
+        loss.backward()  # re-gathers net.fc1 (resharded after forward) into the saved storage
         assert [mp.unsharded_padded._version for mp in group.params] == versions
         opt.step()
         opt.zero_grad()

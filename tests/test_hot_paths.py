@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 import torch
+from _models import MLP
 from hypothesis import given
 from hypothesis import strategies as st
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.utils import _apply_to_tensors
 
@@ -87,26 +87,16 @@ def test_map_tensors_agrees_with_pytorchs_walk(tree: Any) -> None:
     assert [id(t) for t in tensors_in(tree)] == [id(t) for t in seen]
 
 
-class _Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(4, 8)
-        self.b = nn.Linear(8, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.relu(self.a(x)))
-
-
 @pytest.mark.parametrize("api", ["fully_shard", "replicate", "fully_shard_bf16"])
 def test_sharded_grads_share_their_parameters_spec(world2: DeviceMesh, api: str) -> None:
     torch.manual_seed(0)
-    net = _Net()
+    net = MLP(4, 8)
     if api == "replicate":
         composable.replicate(net, mesh=world2)
     else:
         policy = composable.MixedPrecisionPolicy(param_dtype=torch.bfloat16) if api.endswith("bf16") else None
         kwargs = {"mp_policy": policy} if policy is not None else {}
-        composable.fully_shard(net.a, mesh=world2, **kwargs)
+        composable.fully_shard(net.fc1, mesh=world2, **kwargs)
         composable.fully_shard(net, mesh=world2, **kwargs)
     for _ in range(2):
         net(torch.randn(3, 4)).sum().backward()
