@@ -16,8 +16,10 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from .claim import check_same_device, claim_parameters, mark_managed, mark_replaced
 from .extension import has_extension
 from .group import GroupConfig, ParamGroup
+from .late_params import watch_subtree
 from .layout import DataParallelLayout
 from .mesh import compute_device
+from .optim_state import install_step_hook
 from .param import DTensorSpecLite, ManagedParam, ParamLayout
 from .replicas import sync_replicas
 
@@ -56,6 +58,7 @@ def build_group(
         sync_replicas(
             api, module, [(fqn, src) for (fqn, _, _), src in zip(claimed, sources)], mesh.get_group(0), device
         )
+    watch_subtree(module, api)
     if not claimed:
         return None
     layout = DataParallelLayout.make(mesh, options.sharded)
@@ -80,6 +83,7 @@ def build_group(
     for mp in params:
         mp.register(mp.sharded_param)
     mark_replaced(originals, api)
+    install_step_hook()  # refuses optimizers built before this call, holding `originals`
     mark_managed([mp.sharded_param for mp in params], api)
     return group
 

@@ -1,4 +1,4 @@
-"""Optimizer step counters on the parameters' mesh.
+"""Optimizer step pre-hook: step counters on the parameters' mesh, and no replaced parameters.
 
 PyTorch's fused and capturable optimizers (AdamW(fused=True), the default on CUDA in many
 training scripts) keep each parameter's step count as a plain 0-d tensor on the parameter's
@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from .claim import REPLACED_BY_ATTR
 from .param import new_dtensor
 
 STEP_KEY = "step"
@@ -42,15 +43,53 @@ _step_hook: Any = None
 _converted: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[Any, int]]" = weakref.WeakKeyDictionary()
 _hooked: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # state-dict hook installed
 _specs: dict[tuple[int, torch.dtype], DTensorSpec] = {}
+# Per optimizer: its parameter groups' shape when last checked for replaced parameters.
+_checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, ...]]" = weakref.WeakKeyDictionary()
+
+
+def install_step_hook() -> None:
+    """Install the global optimizer step pre-hook (once): it refuses replaced parameters and
+    puts step counters on the mesh."""
+    global _step_hook
+    if _step_hook is None:
+        _step_hook = register_optimizer_step_pre_hook(_before_step)
 
 
 def track_for_optimizers(param: nn.Parameter) -> None:
     """Mark `param` (a sharded DTensor parameter made by the engine) as one whose optimizer
     step counters live on its mesh; installs the global optimizer hook on first use."""
-    global _step_hook
     setattr(param, MANAGED_FLAG, True)
-    if _step_hook is None:
-        _step_hook = register_optimizer_step_pre_hook(_counters_on_mesh)
+    install_step_hook()
+
+
+def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if torch.compiler.is_compiling():
+        return  # a compiled step traces its own graph; both checks are eager-mode ones
+    check_no_replaced_params(optimizer)
+    _counters_on_mesh(optimizer, args, kwargs)
+
+
+def check_no_replaced_params(optimizer: torch.optim.Optimizer) -> None:
+    """Raise `RuntimeError` if `optimizer` holds a parameter that `fully_shard`/`replicate`
+    replaced by a sharded DTensor: built before the API call, it would step tensors the model
+    no longer uses, silently, step after step. Checked again only when the optimizer's
+    parameter groups change (`add_param_group`)."""
+    groups = optimizer.param_groups
+    shape = (id(groups), *(len(g["params"]) for g in groups))
+    if _checked.get(optimizer) == shape:
+        return
+    stale = [(i, p) for i, g in enumerate(groups) for p in g["params"] if hasattr(p, REPLACED_BY_ATTR)]
+    if stale:
+        index, param = stale[0]
+        api = getattr(param, REPLACED_BY_ATTR)
+        rank = f" (rank {torch.distributed.get_rank()})" if torch.distributed.is_initialized() else ""
+        raise RuntimeError(
+            f"{type(optimizer).__name__}.step(): {len(stale)} of its parameters (the first of shape "
+            f"{tuple(param.shape)} in param group {index}) were replaced by {api}, which the model no longer "
+            f"uses{rank}: the optimizer was built before {api} was applied; build it after, from "
+            f"model.parameters()"
+        )
+    _checked[optimizer] = shape
 
 
 def _step_spec(mesh: DeviceMesh, dtype: torch.dtype) -> DTensorSpec:
@@ -65,9 +104,7 @@ def _step_spec(mesh: DeviceMesh, dtype: torch.dtype) -> DTensorSpec:
 
 
 def _counters_on_mesh(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Global optimizer step pre-hook: see the module docstring."""
-    if torch.compiler.is_compiling():
-        return  # a compiled step traces its own graph; the conversion is an eager-mode saving
+    """Step counters on the mesh: see the module docstring."""
     state = optimizer.state
     seen = _converted.get(optimizer)
     if seen is not None and seen[0] is state and seen[1] == len(state):

@@ -27,6 +27,7 @@ from ..mixed_precision import MixedPrecisionPolicy
 from .autograd import any_requires_grad, attach_post_backward, attach_pre_backward, cast_floating, run_eagerly
 from .contract import check_bool, keep_post_hook_last, param_states, register_api_pre_hook
 from .group import GroupState, ParamGroup
+from .late_params import check_no_late_params
 from .profiling import labelled
 from .streams import CommStreams
 
@@ -168,6 +169,7 @@ class ModuleState:
         return args, kwargs
 
     def _root_pre_forward(self) -> None:
+        check_no_late_params(self.module)
         context = self.root_context
         assert context is not None
         context.forward_order.clear()
