@@ -71,8 +71,9 @@ class RankError(AssertionError):
 
 def _forget_sharding_cache() -> None:
     """DTensor caches sharding propagation keyed by meshes that compare equal across process
-    groups (same ranks): in a persistent worker a later test could reuse a decision naming
-    this test's destroyed group ("Could not resolve the process group", seen on torch 2.11)."""
+    groups (same ranks): in a persistent worker a later test's DTensor ops would return specs
+    holding this test's mesh, whose destroyed groups do not resolve ("Could not resolve the
+    process group", seen on torch 2.11 with NCCL)."""
     with contextlib.suppress(Exception):
         from torch.distributed.tensor import DTensor
 
@@ -81,6 +82,12 @@ def _forget_sharding_cache() -> None:
         from torch.distributed.tensor import _redistribute
 
         _redistribute._gen_transform_infos.cache_clear()
+    # And so does the C++ fast path of DTensor's dispatch (torch >= 2.11): missing this one made
+    # a later NCCL test's optimizer state carry an earlier test's mesh, whose group name ("1")
+    # no longer resolves once deep-copied (test_counters_on_mesh_with_fused_adamw_on_gpus).
+    clear_cpp_cache = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_cpp_cache is not None:
+        clear_cpp_cache()
 
 
 def _worker_main(conn: Connection, fault_path: str) -> None:

@@ -17,12 +17,13 @@ Every comparison runs on every rank: `full_tensor()` is a collective.
 from __future__ import annotations
 
 import copy
+import io
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _harness import assert_close_tensors, run_on_ranks
+from _harness import assert_close_tensors, requires_gpus, run_on_ranks
 from _models import batch_for, lm_loss
 from _training import (
     FULL,
@@ -46,7 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, Shard
 
-from composable import MixedPrecisionPolicy, fully_shard
+from composable import MixedPrecisionPolicy, fully_shard, replicate
 
 # ----------------------------------------------------------------------------- sharded state dicts
 
@@ -219,3 +220,37 @@ def _broadcast_from_rank0(rank: int, world: int, init: str) -> None:
 @pytest.mark.parametrize("init", ["cpu", "meta_to_empty"])
 def test_full_state_dict_broadcast_from_rank0(init: str) -> None:
     run_on_ranks(_broadcast_from_rank0, 2, init)
+
+
+def _torch_save_roundtrip(rank: int, world: int, api: str, device: str) -> None:
+    """`torch.save(model.state_dict())` and back: the values are DTensors over views of the
+    flat sharded buffer at storage offsets, which torch (>= 2.10) could not pickle."""
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    model = tied_net(0).to(device)
+    if api == "replicate":
+        replicate(model)
+    else:
+        shard_layers(model, FULL)
+    saved = model.state_dict()
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert list(loaded) == list(saved)
+    for key, value in saved.items():
+        assert type(loaded[key]) is type(value), key
+        assert_close_tensors(loaded[key], value, exact=True, msg=key)
+    copy.deepcopy(saved)  # the same wrappers deep-copy too
+    model.load_state_dict(loaded)
+
+
+@pytest.mark.parametrize("api", ["fully_shard", "replicate"])
+def test_torch_save_of_the_state_dict(api: str) -> None:
+    run_on_ranks(_torch_save_roundtrip, 2, api, "cpu")
+
+
+@requires_gpus(2)
+@pytest.mark.parametrize("api", ["fully_shard", "replicate"])
+def test_torch_save_of_the_state_dict_on_gpus(api: str) -> None:
+    run_on_ranks(_torch_save_roundtrip, 2, api, "cuda", backend="nccl")

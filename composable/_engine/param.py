@@ -29,6 +29,7 @@ import functools
 import math
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -352,6 +353,19 @@ def new_dtensor(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
 def is_freed(value: object) -> bool:
     """A tensor whose storage was resized to 0 (freed unsharded storage)."""
     return isinstance(value, torch.Tensor) and value.numel() > 0 and value.untyped_storage().size() == 0
+
+
+def offset_free_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """`state_dict()` post-hook: its DTensor values are `param.detach()` of sharded parameters,
+    new wrappers that take their local shard's storage offset again, and such a wrapper cannot
+    be pickled (`torch.save(model.state_dict())` failed with "invalid python storage"; see
+    `_offset_free`). Re-wrapped offset-free around the same local shards: no copy."""
+    for key, value in state_dict.items():
+        if key.startswith(prefix) and isinstance(value, DTensor) and value.storage_offset() != 0:
+            local = value._local_tensor
+            fixed = new_dtensor(_offset_free(local), value._spec)
+            fixed._local_tensor = local  # type: ignore[attr-defined]
+            state_dict[key] = fixed
 
 
 def _offset_free(local: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ from .autograd import any_requires_grad, attach_post_backward, attach_pre_backwa
 from .contract import check_bool, keep_post_hook_last, param_states, register_api_pre_hook
 from .group import GroupState, ParamGroup
 from .late_params import check_no_late_params
+from .param import offset_free_state_dict
 from .profiling import labelled
 from .streams import CommStreams
 
@@ -87,6 +88,7 @@ class ModuleState:
             # Between forward and backward a group may still be unsharded: state dicts must
             # see (and load into) the sharded DTensors all the same.
             module.register_state_dict_pre_hook(lambda *_: self.reshard()),
+            module.register_state_dict_post_hook(offset_free_state_dict),  # picklable values
             module.register_load_state_dict_pre_hook(lambda *_: self.reshard()),
         ]
 
