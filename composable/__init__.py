@@ -5,13 +5,13 @@ returns the same module: `fully_shard` (FSDP), `replicate` (DDP) and `checkpoint
 (activation checkpointing) compose freely on one module tree.
 """
 
+from ._engine.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .accumulate import no_sync, set_requires_gradient_sync
 from .checkpoint import checkpoint
 from .clip_grad import clip_grad_norm_
 from .forward_method import register_forward_method
 from .fsdp import ShardingStrategy, fully_shard
 from .grad_scaler import ShardedGradScaler
-from .mixed_precision import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .replicate import replicate
 
 __all__ = [

@@ -21,9 +21,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..mixed_precision import MixedPrecisionPolicy
 from . import collectives as comm
 from .param import ManagedParam, _contiguous_stride
+from .policies import MixedPrecisionPolicy
 
 HOOKS = ("fsdp_pre_all_gather", "fsdp_post_all_gather")
 

@@ -20,7 +20,6 @@ from enum import Enum, auto
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..mixed_precision import MixedPrecisionPolicy
 from . import collectives as comm
 from . import extension
 from .buckets import BucketedReducer
@@ -28,6 +27,7 @@ from .gather import PendingGather, finish_gather, free_storages, gathers_directl
 from .layout import DataParallelLayout
 from .optim_state import track_for_optimizers
 from .param import ManagedParam, is_freed
+from .policies import MixedPrecisionPolicy
 from .profiling import labelled
 from .reduce import GradReducer, GroupDtypes, ReduceSpec
 from .streams import streams_for

@@ -31,7 +31,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .claim import REPLACED_BY_ATTR
-from .param import new_dtensor
+from .wrappers import new_dtensor
 
 STEP_KEY = "step"
 

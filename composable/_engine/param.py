@@ -29,7 +29,6 @@ import functools
 import math
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.nn as nn
@@ -38,6 +37,7 @@ from torch.distributed.tensor import DTensor, Placement
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from . import collectives as comm
+from .wrappers import new_dtensor, offset_free
 
 
 @dataclass
@@ -184,7 +184,7 @@ class ManagedParam:
 
     def make_sharded_param(self, local: torch.Tensor) -> nn.Parameter:
         """Wrap `local` (a view of the flat sharded buffer) as the sharded DTensor parameter."""
-        param = nn.Parameter(self.spec.wrap(_offset_free(local)), requires_grad=self.requires_grad)  # type: ignore[union-attr]
+        param = nn.Parameter(self.spec.wrap(offset_free(local)), requires_grad=self.requires_grad)  # type: ignore[union-attr]
         param._local_tensor = local  # type: ignore[attr-defined]
         return param
 
@@ -196,7 +196,7 @@ class ManagedParam:
             key = (local.dtype, local.device)
             standin = self.grad_standins.get(key)  # type: ignore[assignment]
             if standin is None or standin.shape != local.shape:
-                standin = self.grad_standins[key] = _offset_free(local)
+                standin = self.grad_standins[key] = offset_free(local)
         sp = self.sharded_param
         if sp is not None and sp.dtype == local.dtype:
             # The parameter's own spec object: DTensor ops between the parameter and its
@@ -343,38 +343,9 @@ class DTensorSpecLite:
         return new_dtensor(local, spec)
 
 
-def new_dtensor(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
-    """`local` wrapped as a DTensor with `spec`, no autograd. `DTensor.__new__` alone: the
-    constructor also runs `__init__` behind `torch._disable_dynamo`, which costs about 3 us
-    more per call and does nothing a wrapper needs (this runs per parameter per step)."""
-    return DTensor.__new__(DTensor, local, spec, requires_grad=False)
-
-
 def is_freed(value: object) -> bool:
     """A tensor whose storage was resized to 0 (freed unsharded storage)."""
     return isinstance(value, torch.Tensor) and value.numel() > 0 and value.untyped_storage().size() == 0
-
-
-def offset_free_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-    """`state_dict()` post-hook: its DTensor values are `param.detach()` of sharded parameters,
-    new wrappers that take their local shard's storage offset again, and such a wrapper cannot
-    be pickled (`torch.save(model.state_dict())` failed with "invalid python storage"; see
-    `_offset_free`). Re-wrapped offset-free around the same local shards: no copy."""
-    for key, value in state_dict.items():
-        if key.startswith(prefix) and isinstance(value, DTensor) and value.storage_offset() != 0:
-            local = value._local_tensor
-            fixed = new_dtensor(_offset_free(local), value._spec)
-            fixed._local_tensor = local  # type: ignore[attr-defined]
-            state_dict[key] = fixed
-
-
-def _offset_free(local: torch.Tensor) -> torch.Tensor:
-    """A stand-in for `local` with storage offset 0, to build the DTensor around (the caller
-    then points it at `local`). Since torch 2.10 (pytorch#167597) a DTensor takes its local
-    tensor's storage offset, and `Tensor.__deepcopy__` then mistakes such a wrapper for a
-    tensor with real storage and fails ("invalid python storage"): local shards are views of
-    the flat buffer at offsets, so `copy.deepcopy(model)` would break."""
-    return local if local.storage_offset() == 0 else local.new_empty(()).expand(local.shape)
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:

@@ -23,14 +23,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..mixed_precision import MixedPrecisionPolicy
 from .autograd import any_requires_grad, attach_post_backward, attach_pre_backward, cast_floating, run_eagerly
 from .contract import check_bool, keep_post_hook_last, param_states, register_api_pre_hook
 from .group import GroupState, ParamGroup
 from .late_params import check_no_late_params
-from .param import offset_free_state_dict
+from .policies import MixedPrecisionPolicy
 from .profiling import labelled
 from .streams import CommStreams
+from .wrappers import offset_free_state_dict
 
 
 class TrainingState(Enum):

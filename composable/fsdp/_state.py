@@ -10,8 +10,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .._engine.contract import check_bool, get_state
 from .._engine.group import ParamGroup
+from .._engine.policies import MixedPrecisionPolicy, OffloadPolicy
 from .._engine.state import ModuleState
-from ..mixed_precision import MixedPrecisionPolicy, OffloadPolicy
 from .strategy import ShardingStrategy, check_reshard_type, normalize_reshard
 
 

@@ -12,7 +12,7 @@ from torch.distributed.tensor import Shard
 from .._engine.build import GroupOptions, build_group
 from .._engine.contract import check_composable, check_module, install_state, owning_api, state_of
 from .._engine.mesh import check_mesh, default_mesh
-from ..mixed_precision import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, check_policies
+from .._engine.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, check_policies
 from ._state import FSDPState
 from .strategy import ShardingStrategy, normalize_reshard, resolve_strategy
 

@@ -1,4 +1,8 @@
-"""Mixed-precision and offload policies shared by `fully_shard` and `replicate`."""
+"""Mixed-precision and offload policies shared by `fully_shard` and `replicate`.
+
+The engine owns them (its parameter groups and states read them); `composable` re-exports them
+as the public types. They import only torch, so anything in the package may import them.
+"""
 
 from __future__ import annotations
 
