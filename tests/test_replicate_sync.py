@@ -1,8 +1,11 @@
-"""replicate makes the replicas equal at the call, as DDP does: shapes (and dtypes) are checked
-across ranks first, naming the first parameter or buffer that differs and the ranks, then
-rank 0's parameters and buffers are broadcast (meta tensors skipped)."""
+"""replicate makes the replicas equal at the call, as DDP does: shapes (dtypes, requires_grad)
+are checked across ranks first, naming the first parameter or buffer that differs and the
+ranks, then rank 0's parameters and buffers are broadcast (meta tensors skipped). fully_shard
+runs the same check (no broadcast: each rank keeps its own shard)."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -12,7 +15,7 @@ from _harness import assert_close_tensors, count_collectives, run_on_ranks
 from test_replicate import Chain, data, full, loss_fn, params_of
 from torch.distributed.tensor import DTensor
 
-from composable import replicate
+from composable import fully_shard, replicate
 
 
 class WithBuffers(nn.Module):
@@ -61,9 +64,13 @@ def test_replicate_broadcasts_rank0_parameters_and_buffers_at_the_call() -> None
     run_on_ranks(_broadcast_at_call, 2)
 
 
-def _shape_mismatch(rank: int, world_size: int, which: str) -> str:
-    if which == "shape":
-        model: nn.Module = Chain((6, 9, 7, 5, 3) if rank == 0 else (6, 9, 8, 5, 3))
+def _shape_mismatch(rank: int, world_size: int, which: str, api: str = "replicate") -> str:
+    model: nn.Module
+    if which == "requires_grad":
+        model = Chain()
+        model.layers[0].bias.requires_grad_(rank == 0)
+    elif which == "shape":
+        model = Chain((6, 9, 7, 5, 3) if rank == 0 else (6, 9, 8, 5, 3))
     elif which == "missing":
         model = Chain() if rank == 0 else Chain((6, 9, 7, 5))
     else:  # dtype of a buffer
@@ -71,17 +78,23 @@ def _shape_mismatch(rank: int, world_size: int, which: str) -> str:
         if rank == 1:
             model.norm.running_var = model.norm.running_var.double()
     names = [n for n, _ in model.named_parameters()]
+    apply = replicate if api == "replicate" else fully_shard
     with pytest.raises(ValueError) as info:
-        replicate(model)
+        apply(model)
     # Untouched: plain parameters still registered, no state installed.
     assert [n for n, p in model.named_parameters() if not isinstance(p, DTensor)] == names
-    assert replicate.state(model) is None
+    assert apply.state(model) is None
     return str(info.value)
 
 
+@pytest.mark.parametrize("api", ["replicate", "fully_shard"])
 @pytest.mark.parametrize(
     "which, expected",
     [
+        (
+            "requires_grad",
+            r"{api}: parameter 'layers\.0\.bias' differs across ranks: shape \(9,\) requires_grad=True on ranks \[0\] but shape \(9,\) requires_grad=False on ranks \[1\]",
+        ),
         (
             "shape",
             r"replicate: parameter 'layers\.1\.weight' differs across ranks: shape \(7, 9\) on ranks \[0\] but shape \(8, 9\) on ranks \[1\]",
@@ -96,12 +109,12 @@ def _shape_mismatch(rank: int, world_size: int, which: str) -> str:
         ),
     ],
 )
-def test_replicate_shape_mismatch_across_ranks_names_the_parameter(which: str, expected: str) -> None:
-    messages = run_on_ranks(_shape_mismatch, 2, which)
+def test_model_mismatch_across_ranks_names_the_parameter(which: str, expected: str, api: str) -> None:
+    """replicate, and fully_shard too: ranks that built different models (shapes, dtypes,
+    requires_grad) would run collectives of different sizes (gloo aborts, NCCL may hang)."""
+    messages = run_on_ranks(_shape_mismatch, 2, which, api)
     assert messages[0] == messages[1]  # the same message on every rank
-    import re
-
-    assert re.match(expected, messages[0]), messages[0]
+    assert re.match(expected.replace("{api}", api).replace("replicate:", f"{api}:"), messages[0]), messages[0]
 
 
 def _meta_skipped(rank: int, world_size: int) -> None:

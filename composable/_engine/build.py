@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -21,7 +22,7 @@ from .layout import DataParallelLayout
 from .mesh import compute_device
 from .optim_state import install_step_hook
 from .param import DTensorSpecLite, ManagedParam, ParamLayout
-from .replicas import sync_replicas
+from .replicas import check_same_model, sync_replicas
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class GroupOptions:
     bucket_cap_bytes: int | None = None  # bucketed all-reduce during backward (replicate)
     accepts_dtensors: bool = True  # tensor-parallel parameters (fully_shard only)
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None  # fully_shard: Shard(d) per parameter
-    sync_replicas: bool = False  # check shapes across ranks and broadcast rank 0's values (replicate)
+    sync_replicas: bool = False  # broadcast rank 0's values at the call (replicate); every API checks shapes
 
 
 def build_group(
@@ -54,10 +55,12 @@ def build_group(
     device = compute_device(mesh)
     move_buffers(module, device)
     sources = [_local_on_device(p, device) for p in originals]
+    described = [(fqn, src, p.requires_grad) for (fqn, _, p), src in zip(claimed, sources)]
     if options.sync_replicas:
-        sync_replicas(
-            api, module, [(fqn, src) for (fqn, _, _), src in zip(claimed, sources)], mesh.get_group(0), device
-        )
+        sync_replicas(api, module, described, mesh.get_group(0), device)
+    elif claimed and dist.is_initialized():
+        # Ranks that built different models would run collectives of different sizes.
+        check_same_model(api, module, described, [mesh.get_group(d) for d in range(mesh.ndim)], device)
     watch_subtree(module, api)
     if not claimed:
         return None
