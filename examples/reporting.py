@@ -6,6 +6,7 @@ Everything here runs on rank 0 only (or on every rank without communicating): no
 from __future__ import annotations
 
 import csv
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -63,6 +64,53 @@ class MetricsLog:
         self._csv.close()
 
 
+# Steps at the start of a process that pay for compilation, autotuning, the allocator's growth
+# and the optimizer's lazy state: at least the first 3, else the first 10% of the steps it ran.
+WARMUP_STEPS, WARMUP_FRACTION = 3, 0.1
+
+
+def steady_throughput(
+    history: list[dict[str, Any]], first_step: int, tokens_per_step: int, busy_steps: set[int]
+) -> dict[str, Any]:
+    """The steady-state throughput of the steps this process ran (`first_step` on; earlier
+    records come from the checkpoint a resumed run started from, and had a warm-up of their own).
+
+    Counted: the steps after the warm-up (the first max(WARMUP_STEPS, ceil(WARMUP_FRACTION *
+    steps run)) of this process), less those in `busy_steps` (they ran an evaluation or saved
+    a checkpoint). The figure is their tokens over their time (each step's `time_s` covers its
+    forward, backward and optimizer step only): `tokens_per_step` / their mean step time. None
+    when no step is left to count.
+    """
+    ran = [h for h in history if h["step"] >= first_step]
+    warmup = min(len(ran), max(WARMUP_STEPS, math.ceil(WARMUP_FRACTION * len(ran))))
+    after = ran[warmup:]
+    counted = [h for h in after if h["step"] not in busy_steps]
+    seconds = sum(h["time_s"] for h in counted)
+    return {
+        "tokens_per_s": tokens_per_step * len(counted) / seconds if seconds > 0 else None,
+        "steps": {
+            "run": len(ran),
+            "warmup": warmup,
+            "first": after[0]["step"] if after else None,
+            "last": after[-1]["step"] if after else None,
+            "excluded": [h["step"] for h in after if h["step"] in busy_steps],
+            "counted": len(counted),
+        },
+    }
+
+
+def _describe_steps(steps: dict[str, Any]) -> str:
+    """Which steps the steady-state throughput counts, in words (see steady_throughput)."""
+    if not steps["counted"]:
+        return f"n/a: of the {steps['run']} steps run, the first {steps['warmup']} are warm-up (run more steps)"
+    excluded = len(steps["excluded"])
+    return (
+        f"steady state: steps {steps['first']}-{steps['last']}"
+        + (f" less {excluded} evaluating/checkpointing" if excluded else "")
+        + f" ({steps['counted']} steps)"
+    )
+
+
 def write_plot(out: str, history: list[dict[str, Any]], title: str, say: Callable[[str], Any]) -> None:
     """loss.png under `out` (rank 0): train and validation curves."""
     try:
@@ -107,7 +155,10 @@ def print_summary(s: dict[str, Any], out: str) -> None:
         f"  steps         {s['steps']}" + (f" (resumed from {s['resumed_from']})" if s["resumed_from"] else ""),
         f"  train loss    {fmt(s['first_train_loss'], '.4f')} -> {fmt(s['final_train_loss'], '.4f')}",
         f"  val loss      {fmt(s['final_val_loss'], '.4f')}",
-        f"  throughput    {fmt(s['tokens_per_s'], ',.0f')} tokens/s ({fmt(s['tokens_per_s_per_rank'], ',.0f')} per rank)",
+        f"  throughput    {fmt(s['tokens_per_s'], ',.0f')} tokens/s ({fmt(s['tokens_per_s_per_rank'], ',.0f')} per rank), "
+        + _describe_steps(s["throughput_steps"]),
+        f"  warm-up       time to first step {fmt(s['time_to_first_step_s'], '.1f')} s; "
+        f"{fmt(s['tokens_per_s_all_steps'], ',.0f')} tokens/s over all steps",
         f"  memory        {fmt(s['peak_mem_gib'], '.2f')} GiB peak (rank 0)",
         f"  time          {s['train_time_s']:.1f} s training, {s['wall_time_s']:.1f} s in all",
         f"  outputs       {os.path.join(out, 'metrics.json')}, metrics.csv, loss.png"

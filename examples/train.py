@@ -53,7 +53,7 @@ from launch import run_rank, spawn_local  # noqa: E402
 from model import ModelConfig, Transformer, count_parameters, lm_loss  # noqa: E402
 from options import FAULT, check_memory, host_memory_bytes, model_config, parse_args  # noqa: E402
 from parallel import UsageError, build_mesh, parallelize  # noqa: E402
-from reporting import MetricsLog, memory_string, print_summary, write_plot  # noqa: E402
+from reporting import MetricsLog, memory_string, print_summary, steady_throughput, write_plot  # noqa: E402
 from runs import Run, identity, identity_differences, mismatch_message, open_run  # noqa: E402
 from schedule import build_optimizer, evaluate, lr_at, world_mean  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
@@ -247,6 +247,8 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
     hsdp_accum = args.parallel == "hsdp" and args.grad_accum > 1
     bar = tqdm(total=args.steps, initial=start_step, disable=not verbose, unit="step", dynamic_ncols=True, leave=True)
     train_time, train_tokens = 0.0, 0
+    first_step_done: float | None = None  # seconds from the start to the end of this process's first step
+    busy_steps: set[int] = set()  # steps that ran an evaluation or saved a checkpoint
     last_val = next((h["val_loss"] for h in reversed(history) if h.get("val_loss") is not None), None)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -297,6 +299,8 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
+        if first_step_done is None:
+            first_step_done = t0 + dt - job.t_start
         train_time += dt
         train_tokens += tokens_per_step
         mem_gib, mem = memory_string(device)
@@ -317,6 +321,8 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
             say(f"step {step:>5}: train loss {train_loss:.4f}  val loss {last_val:.4f}")
         history.append(record)
         saving = args.ckpt_every and (step % args.ckpt_every == 0 or step == args.steps)
+        if evaluating or saving:
+            busy_steps.add(step)
         if metrics is not None:
             metrics.append(record)
             if evaluating or saving:
@@ -348,6 +354,7 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
 
     wall = time.perf_counter() - job.t_start
     final = history[-1] if history else {}
+    steady = steady_throughput(history, start_step + 1, tokens_per_step, busy_steps)
     summary = {
         "params": n_params,
         "preset": args.preset,
@@ -361,8 +368,13 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
         "final_train_loss": final.get("loss"),
         "final_val_loss": final.get("val_loss"),
         "first_train_loss": history[0]["loss"] if history else None,
-        "tokens_per_s": train_tokens / train_time if train_time else None,
-        "tokens_per_s_per_rank": train_tokens / train_time / world if train_time else None,
+        # Steady state (reporting.steady_throughput says which steps count); compile warm-up
+        # shows in the time to the first step and in the figure over all steps.
+        "tokens_per_s": steady["tokens_per_s"],
+        "tokens_per_s_per_rank": steady["tokens_per_s"] / world if steady["tokens_per_s"] else None,
+        "throughput_steps": steady["steps"],
+        "tokens_per_s_all_steps": train_tokens / train_time if train_time else None,
+        "time_to_first_step_s": first_step_done,
         "train_time_s": train_time,
         "wall_time_s": wall,
         "peak_mem_gib": max((h["mem_gib"] for h in history), default=None),

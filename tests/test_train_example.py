@@ -26,6 +26,7 @@ if str(EXAMPLES) not in sys.path:
     sys.path.insert(0, str(EXAMPLES))
 
 import checkpointing  # noqa: E402
+import reporting  # noqa: E402
 import train as train_script  # noqa: E402
 from model import ModelConfig, Transformer, apply_rope, count_parameters, get_config, rope_tables  # noqa: E402
 
@@ -129,6 +130,55 @@ def test_loss_falls_and_outputs_are_written(tmp_path: Path) -> None:
     assert (run_dir / "metrics.csv").read_text().count("\n") == 17
     pytest.importorskip("matplotlib")
     assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_summary_reports_steady_throughput_and_time_to_first_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 12 steps: warm-up 1-3 (at least 3), evaluations at 5, 10, 12, checkpoints at 10, 12.
+    argv = SMALL + ["--steps", "12", "--eval-every", "5", "--ckpt-every", "10", "--out", str(tmp_path)]
+    result = _run(argv)
+    summary = json.loads((Path(result["run_dir"]) / "metrics.json").read_text())["summary"]
+    history = result["history"]
+    assert summary["throughput_steps"] == {
+        "run": 12,
+        "warmup": 3,
+        "first": 4,
+        "last": 12,
+        "excluded": [5, 10, 12],
+        "counted": 6,
+    }
+    tokens_per_step = 4 * 32 * 2  # batch x sequence x data-parallel ranks
+    counted = [h for h in history if h["step"] in (4, 6, 7, 8, 9, 11)]
+    steady = tokens_per_step * 6 / sum(h["time_s"] for h in counted)
+    assert summary["tokens_per_s"] == pytest.approx(steady, rel=1e-9)
+    assert summary["tokens_per_s_per_rank"] == pytest.approx(steady / 2, rel=1e-9)
+    everything = tokens_per_step * 12 / sum(h["time_s"] for h in history)
+    assert summary["tokens_per_s_all_steps"] == pytest.approx(everything, rel=1e-9)
+    # From the start of train() to the end of step 1: its setup and the step itself.
+    assert history[0]["time_s"] < summary["time_to_first_step_s"] < summary["wall_time_s"]
+
+    reporting.print_summary(summary, str(tmp_path))
+    printed = capsys.readouterr().out
+    assert f"throughput    {steady:,.0f} tokens/s" in printed, printed
+    assert "steady state: steps 4-12 less 3 evaluating/checkpointing (6 steps)" in printed, printed
+    assert f"time to first step {summary['time_to_first_step_s']:.1f} s" in printed, printed
+    assert f"{everything:,.0f} tokens/s over all steps" in printed, printed
+
+
+def test_steady_throughput_skips_warm_up_busy_steps_and_checkpointed_history() -> None:
+    # Steps 1-6 came from a checkpoint; this process ran 7-36: warm-up 7-9 (3 = max(3, 10% of
+    # 30)), step 20 evaluated. A slow warm-up or evaluation step leaves the figure alone.
+    history = [{"step": s, "time_s": 100.0 if s in (1, 7, 8, 9, 20) else 0.5} for s in range(1, 37)]
+    got = reporting.steady_throughput(history, 7, 1000, busy_steps={20})
+    assert got["tokens_per_s"] == pytest.approx(2000.0)
+    assert got["steps"] == {"run": 30, "warmup": 3, "first": 10, "last": 36, "excluded": [20], "counted": 26}
+    # 100 steps: the warm-up is 10% of them.
+    got = reporting.steady_throughput([{"step": s, "time_s": 1.0} for s in range(1, 101)], 1, 10, set())
+    assert got["steps"]["warmup"] == 10 and got["steps"]["first"] == 11 and got["tokens_per_s"] == pytest.approx(10.0)
+    # Nothing after the warm-up: no figure, rather than the warm-up's.
+    got = reporting.steady_throughput([{"step": s, "time_s": 1.0} for s in (1, 2)], 1, 10, set())
+    assert got["tokens_per_s"] is None and got["steps"]["counted"] == 0
 
 
 @pytest.mark.parametrize(
