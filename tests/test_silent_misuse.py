@@ -72,6 +72,23 @@ def test_replaced_parameter_added_later_to_a_good_optimizer_is_refused() -> None
             opt.step()
 
 
+@pytest.mark.parametrize("api", APIS)
+def test_optimizer_built_before_load_state_dict_with_assign_refuses_to_step(api: str) -> None:
+    """`load_state_dict(assign=True)` replaces the sharded parameters themselves: an optimizer
+    built before holds the old ones (PyTorch documents that it must be built after)."""
+    with fake_process_group(2):
+        model = MLP(5)
+        _apply(api, model, init_device_mesh("cpu", (2,)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        _step(model, opt)
+        saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        model.load_state_dict(saved, assign=True)
+        model(torch.randn(2, 5)).sum().backward()  # the group adopts the new parameters here
+        with pytest.raises(RuntimeError, match=rf"SGD\.step\(\): 4 of its parameters .* replaced by {api}"):
+            opt.step()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+
+
 def test_unrelated_optimizers_are_untouched() -> None:
     """Plain parameters of an unmanaged model step as usual once the hook is installed."""
     with fake_process_group(2):

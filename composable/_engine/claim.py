@@ -13,6 +13,9 @@ from .contract import iter_param_states
 # parameter that carries it and is not claimed by a descendant is managed by an ancestor.
 MANAGED_BY_ATTR = "_composable_managed_by"
 REPLACED_BY_ATTR = "_composable_replaced_by"
+# How many times parameters were marked replaced: an optimizer checked before the latest
+# replacement must be checked again.
+_replacements = [0]
 
 
 def claim_parameters(
@@ -64,6 +67,12 @@ def mark_replaced(params: list[nn.Parameter], api: str) -> None:
     outside that subtree still holding one (a tied weight) must not be claimed again."""
     for param in params:
         setattr(param, REPLACED_BY_ATTR, api)
+    _replacements[0] += 1
+
+
+def replacement_count() -> int:
+    """Bumped by every `mark_replaced` call."""
+    return _replacements[0]
 
 
 def check_same_device(api: str, params: list[torch.Tensor]) -> None:

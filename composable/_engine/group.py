@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from . import collectives as comm
 from . import extension
 from .buckets import BucketedReducer
+from .claim import mark_replaced
 from .gather import PendingGather, finish_gather, free_storages, gathers_directly, start_gather
 from .layout import DataParallelLayout
 from .optim_state import track_for_optimizers
@@ -189,6 +190,9 @@ class ParamGroup:
                     raise RuntimeError(
                         f"fully_shard: parameter '{mp.fqn}' was replaced by a {type(registered).__name__} of shape {tuple(registered.shape)}; expected a DTensor of shape {tuple(mp.spec.shape)}"
                     )
+                # The old one is gone from the model: an optimizer still holding it (built before
+                # `load_state_dict(assign=True)`) would train nothing, so its step refuses it.
+                mark_replaced([mp.sharded_param], self.config.api)
                 mp.sharded_param = registered
                 mp.register(registered)
             if mp.sharded_param._local_tensor is not mp.local_registered:

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .claim import REPLACED_BY_ATTR
+from .claim import REPLACED_BY_ATTR, replacement_count
 from .wrappers import new_dtensor
 
 STEP_KEY = "step"
@@ -72,10 +72,11 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
 def check_no_replaced_params(optimizer: torch.optim.Optimizer) -> None:
     """Raise `RuntimeError` if `optimizer` holds a parameter that `fully_shard`/`replicate`
     replaced by a sharded DTensor: built before the API call, it would step tensors the model
-    no longer uses, silently, step after step. Checked again only when the optimizer's
-    parameter groups change (`add_param_group`)."""
+    no longer uses, silently, step after step. The same after `load_state_dict(assign=True)`
+    replaced the sharded parameters themselves. Checked again only when the optimizer's
+    parameter groups change (`add_param_group`) or parameters were replaced since."""
     groups = optimizer.param_groups
-    shape = (id(groups), *(len(g["params"]) for g in groups))
+    shape = (replacement_count(), id(groups), *(len(g["params"]) for g in groups))
     if _checked.get(optimizer) == shape:
         return
     stale = [(i, p) for i, g in enumerate(groups) for p in g["params"] if hasattr(p, REPLACED_BY_ATTR)]
