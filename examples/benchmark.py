@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--trace-dir",
         default=None,
-        help="with --profile: write rank 0's Chrome trace of each profiled run here (gzipped)",
+        help="with --profile: write every rank's Chrome trace of each profiled run here (gzipped)",
     )
     p.add_argument("--cpu-overhead", action="store_true", help="measure hook CPU overhead on 64 tiny blocks (no GPU)")
     args = p.parse_args(argv)
@@ -217,7 +217,8 @@ def profile_steps(
     run: str, c: Contender, opt: torch.optim.Optimizer, tokens: torch.Tensor, args: argparse.Namespace
 ) -> None:
     """Print where device time goes in 2 steps (rank 0): top kernels and communication share.
-    With `--trace-dir`, rank 0 also writes `<run>_b<batch>.json.gz`, a Chrome trace of them."""
+    With `--trace-dir`, every rank also writes `<run>_b<batch>_rank<r>.json.gz`, a Chrome trace
+    of them (trace_overlap.py reads one, trace_nccl.py lines up the ranks' collectives)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if tokens.device.type == "cuda" else [])
@@ -231,8 +232,9 @@ def profile_steps(
         comm = sum(e.self_device_time_total for e in events if "nccl" in e.key.lower())
         print(f"[profile {run}] device time {total / 2e3:.1f} ms/step, of which NCCL {comm / 2e3:.1f} ms/step")
         print(events.table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=60))
-        if args.trace_dir:
-            write_trace(prof, os.path.join(args.trace_dir, f"{run}_b{args.batch_size}.json.gz"))
+    if args.trace_dir:
+        name = f"{run}_b{args.batch_size}_rank{dist.get_rank()}.json.gz"
+        write_trace(prof, os.path.join(args.trace_dir, name))
 
 
 def round_order(runs: list[str], r: int) -> list[str]:

@@ -1,6 +1,6 @@
 """Where the GPU's time goes in a Chrome trace written by `benchmark.py --profile RUN --trace-dir DIR`.
 
-    python examples/trace_overlap.py DIR/fully_shard_b4.json.gz [DIR/floor_b4.json.gz ...]
+    python examples/trace_overlap.py DIR/fully_shard_b4_rank0.json.gz [DIR/floor_b4_rank0.json.gz ...]
 
 For each trace it prints, over the profiled window: the span from the first to the last
 kernel, the time some compute kernel runs, the time only communication (NCCL) runs, i.e.
