@@ -68,6 +68,8 @@ def _raises(
 @pytest.mark.parametrize("api", [fully_shard, replicate, checkpoint], ids=lambda f: f.__name__)
 @pytest.mark.parametrize("bad", [None, 3, "model", [nn.Linear(2, 2)], torch.zeros(2), nn.Linear], ids=repr)
 def test_not_a_module(world2: DeviceMesh, api: Any, bad: Any) -> None:
+    if api is fully_shard and isinstance(bad, list):
+        bad = [*bad, 3]  # a list of modules is one fully_shard group: a list holding a non-module is refused
     with pytest.raises(TypeError, match=rf"{api.__name__}: argument 'module' must be an nn\.Module"):
         api(bad)
 

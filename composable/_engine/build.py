@@ -5,7 +5,7 @@ that owns them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,12 +41,22 @@ class GroupOptions:
 
 
 def build_group(
-    api: str, module: nn.Module, mesh: DeviceMesh, ignored: set[nn.Parameter], options: GroupOptions
+    api: str,
+    module: nn.Module | Sequence[nn.Module],
+    mesh: DeviceMesh,
+    ignored: set[nn.Parameter],
+    options: GroupOptions,
 ) -> ParamGroup | None:
     """Manage the parameters of `module`'s subtree that no API applied to a descendant manages
     (minus `ignored`): register their sharded DTensors in every slot and return the group, or
     None when there is nothing to manage. Buffers move to the compute device. Raises
-    `RuntimeError` for forbidden compositions and `ValueError` for parameters on several devices."""
+    `RuntimeError` for forbidden compositions and `ValueError` for parameters on several devices.
+
+    A sequence of modules makes one group of the parameters of all their subtrees (a weight
+    tied between two of them is one parameter with a slot in each); its FQNs are those the
+    parameters would have in an `nn.ModuleList` of the modules: `"0.weight"`, `"1.bias"`."""
+    if not isinstance(module, nn.Module):
+        module = ListedModules(module)
     claimed = claim_parameters(module, ignored, api)
     originals = [p for _, _, p in claimed]
     check_same_device(api, originals)
@@ -89,6 +99,16 @@ def build_group(
     install_step_hook()  # refuses optimizers built before this call, holding `originals`
     mark_managed([mp.sharded_param for mp in params], api)
     return group
+
+
+class ListedModules(nn.Module):
+    """A stand-in parent of the modules of one group (`fully_shard([m1, m2])`), made only to
+    claim, check and watch their subtrees as one tree: the modules are put into `_modules`
+    directly (no registration hooks run, nothing about them changes) and nothing keeps it."""
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self._modules.update((str(i), m) for i, m in enumerate(modules))
 
 
 def _check_extension(api: str, mp: ManagedParam, layout: DataParallelLayout, options: GroupOptions) -> None:

@@ -8,7 +8,7 @@ stored in the module's ``__dict__`` under a private key (so it is invisible to
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
@@ -65,9 +65,14 @@ def iter_param_states(module: nn.Module) -> Iterator[tuple[str, nn.Module, Any]]
                 yield api, sub, states[api]
 
 
-def param_states(module: nn.Module) -> list[Any]:
-    """Every parameter-owning state in `module`'s subtree, pre-order."""
-    return [state for _, _, state in iter_param_states(module)]
+def param_states(module: nn.Module | Sequence[nn.Module]) -> list[Any]:
+    """Every parameter-owning state in the subtree of `module` (or of each module of a
+    sequence), pre-order, each once: the state of `fully_shard([m1, m2])` sits on both."""
+    found: dict[int, Any] = {}
+    for root in (module,) if isinstance(module, nn.Module) else module:
+        for _, _, state in iter_param_states(root):
+            found.setdefault(id(state), state)
+    return list(found.values())
 
 
 def check_composable(api: str, module: nn.Module) -> None:

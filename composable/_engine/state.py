@@ -12,13 +12,19 @@ Order of events for one module (root marked *):
   final*        reduce groups whose post_backward never fired (inputs without grad),
                 wait for all reductions, reshard everything, reset
 During backward a re-run forward (activation checkpointing) neither reshards nor re-hooks.
+
+One state may drive one group for several modules (`fully_shard([norm, head])`, as FSDP2):
+hooks on each; the first of them to run in the root's forward unshards, the last to finish
+reshards (a pass that ran only some of them is finished by the root's post_forward; one
+called outside the root's forward is a pass of its own), and the group reduces once, after
+the post-backward of every listed module that ran.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.nn as nn
@@ -59,13 +65,14 @@ class ModuleState:
 
     def __init__(
         self,
-        module: nn.Module,
+        module: nn.Module | Sequence[nn.Module],
         group: ParamGroup | None,
         mp_policy: MixedPrecisionPolicy,
         reshard_after_forward: bool | int,
         reshard_is_default: bool,
     ) -> None:
-        self.module = module
+        self.modules: tuple[nn.Module, ...] = (module,) if isinstance(module, nn.Module) else tuple(module)
+        self.module = self.modules[0]
         self.group = group
         self.mp_policy = mp_policy
         self.reshard_after_forward = reshard_after_forward
@@ -80,17 +87,26 @@ class ModuleState:
         self.backward_prefetch: list[ModuleState] = []
         self._forward_index: int | None = None  # position in the root's forward order
         self._ran_forward_with_grad = False  # since the last end of backward
+        # Several modules only: positions of those yet to run in this pass; post-backward functions
+        # attached and not run yet; whether one ran with grad but no input needing grad (nothing
+        # tells when its gradients are done: the end of backward reduces).
+        self._forward_pending: set[int] = set()
+        self._backward_pending = 0
+        self._backward_untracked = False
         # Bound methods (not closures), so `copy.deepcopy(model)` rebinds them to the copy's state.
         # Pre-hook before the user's, post-hook after theirs (see `contract.register_api_pre_hook`).
-        self._hook_handles = [
-            register_api_pre_hook(module, self._pre_forward),
-            module.register_forward_hook(self._post_forward, always_call=False),
-            # Between forward and backward a group may still be unsharded: state dicts must
-            # see (and load into) the sharded DTensors all the same.
-            module.register_state_dict_pre_hook(lambda *_: self.reshard()),
-            module.register_state_dict_post_hook(offset_free_state_dict),  # picklable values
-            module.register_load_state_dict_pre_hook(lambda *_: self.reshard()),
-        ]
+        self._hook_handles = []
+        for m in self.modules:
+            self._hook_handles += [
+                register_api_pre_hook(m, self._pre_forward),
+                m.register_forward_hook(self._post_forward, always_call=False),
+                # Between forward and backward a group may still be unsharded: state dicts must
+                # see (and load into) the sharded DTensors all the same.
+                m.register_state_dict_pre_hook(lambda *_: self.reshard()),
+                m.register_state_dict_post_hook(offset_free_state_dict),  # picklable values
+                m.register_load_state_dict_pre_hook(lambda *_: self.reshard()),
+            ]
+        self._post_hook_ids = [h.id for h in self._hook_handles[1::5]]  # per listed module
 
     # -- public helpers ---------------------------------------------------------------------
     @property
@@ -117,7 +133,7 @@ class ModuleState:
         True reduces everything accumulated."""
         check_bool("set_requires_gradient_sync", "requires_gradient_sync", requires_gradient_sync)
         check_bool("set_requires_gradient_sync", "recurse", recurse)
-        targets = param_states(self.module) if recurse else [self]
+        targets = param_states(self.modules) if recurse else [self]
         for state in targets:
             state.requires_gradient_sync = requires_gradient_sync
 
@@ -125,6 +141,12 @@ class ModuleState:
     def _lazy_init(self) -> None:
         if self.is_root is not None:
             return
+        if len(self.modules) > 1:
+            raise RuntimeError(
+                f"{self.api_name}: the group of modules [{', '.join(type(m).__name__ for m in self.modules)}] ran forward outside any module that an API manages; "
+                f"as with FSDP2, a group of several modules cannot be the root: apply {self.api_name} to a module "
+                f"containing them too (e.g. {self.api_name}(model)) and run that"
+            )
         self.is_root = True
         context = RootContext(self, param_states(self.module))
         for state in context.states:
@@ -153,20 +175,32 @@ class ModuleState:
             if self.group is not None:
                 self.group.unshard()
             return self._cast_inputs(args, kwargs)
-        keep_post_hook_last(module, self._hook_handles[1].id)
-        self._lazy_init()
-        if self.is_root:
-            self._root_pre_forward()
-        self.training_state = TrainingState.FORWARD
+        grouped = len(self.modules) > 1
+        keep_post_hook_last(module, self._post_hook_ids[self.modules.index(module)])
+        # Several modules: only the first of this pass (whichever it is) starts the pass.
+        first = not grouped or self.training_state is not TrainingState.FORWARD
+        if first:
+            self._lazy_init()
+            if self.is_root:
+                self._root_pre_forward()
+            self.training_state = TrainingState.FORWARD
+            if grouped:
+                self._forward_pending = set(range(len(self.modules)))
         self._ran_forward_with_grad |= torch.is_grad_enabled()
         if self.group is not None:
-            self.group.unshard()
-            self._after_unshard()
-            for other in self.forward_prefetch:
-                if other.group is not None:
-                    other.group.unshard(async_op=True)
+            self.group.unshard()  # a no-op for the later modules of a pass
+            if first:
+                self._after_unshard()
+                for other in self.forward_prefetch:
+                    if other.group is not None:
+                        other.group.unshard(async_op=True)
         args, kwargs = self._cast_inputs(args, kwargs)
         if torch.is_grad_enabled():
+            if grouped:  # the group reduces after the last of its post-backwards (see `_post_backward`)
+                if any_requires_grad((args, kwargs)):
+                    self._backward_pending += 1
+                else:
+                    self._backward_untracked = True
             args, kwargs = attach_post_backward(self, args, kwargs)
         return args, kwargs
 
@@ -189,6 +223,44 @@ class ModuleState:
         if self._in_backward():
             return output
         backward_follows = torch.is_grad_enabled() and any_requires_grad(output)
+        if len(self.modules) > 1 and self._others_pending(module):
+            # Not the last listed module of this pass: the group stays unsharded for the others.
+            # Backward may reach this module first, so its output gradient unshards too.
+            if backward_follows:
+                output = attach_pre_backward(self, output)
+        else:
+            if self.is_root:  # before the root's own: backward reaches the root first
+                output = self._finish_open_passes(module, output, backward_follows)
+            output = self._finish_forward(module, output, backward_follows)
+            if self.is_root:
+                for streams in self._tree_streams():
+                    streams.release_gather_buffers()
+        if self.mp_policy.output_dtype is not None:
+            output = cast_floating(output, self.mp_policy.output_dtype)
+        return output
+
+    def _others_pending(self, module: nn.Module) -> bool:
+        """Several modules: mark `module` done in this pass; whether others are still to run.
+        A pass lasts at most as long as the root's forward: a listed module called outside it
+        (a head called per chunk of the loss, `generate`) is a pass of its own."""
+        self._forward_pending.discard(self.modules.index(module))
+        context = self.root_context
+        in_root_forward = context is not None and context.root.training_state is TrainingState.FORWARD
+        return in_root_forward and self.training_state is TrainingState.FORWARD and bool(self._forward_pending)
+
+    def _finish_open_passes(self, module: nn.Module, output: Any, backward_follows: bool) -> Any:
+        """Root: a group of several modules whose pass ran only some of them (the rest may run
+        later, e.g. a head called per chunk of the loss, or not at all) ends its pass with the
+        root's, as FSDP2 does: resharded per its policy, unsharded again by the gradient of the
+        root's output."""
+        for state in self.root_context.states if self.root_context is not None else []:
+            if state._forward_pending and state.training_state is TrainingState.FORWARD:
+                output = state._finish_forward(module, output, backward_follows)
+        return output
+
+    def _finish_forward(self, module: nn.Module, output: Any, backward_follows: bool) -> Any:
+        """The end of this state's forward pass: reshard (per policy), hook the start of its
+        backward on `output`, remember the order for backward prefetching."""
         # In eval mode a backward rarely follows (a validation forward without no_grad): reshard
         # so the sharded parameters are registered again (state_dict, checkpointing); a
         # backward that does follow gathers them again in pre_backward.
@@ -207,11 +279,7 @@ class ModuleState:
                 self._forward_index = len(context.forward_order)
                 context.forward_order.append(self)
         self.training_state = TrainingState.IDLE
-        if self.is_root:
-            for streams in self._tree_streams():
-                streams.release_gather_buffers()
-        if self.mp_policy.output_dtype is not None:
-            output = cast_floating(output, self.mp_policy.output_dtype)
+        self._forward_pending.clear()
         return output
 
     def _tree_streams(self) -> list[CommStreams]:
@@ -258,6 +326,10 @@ class ModuleState:
 
     @labelled("composable::post_backward")
     def _post_backward(self) -> None:
+        if len(self.modules) > 1:
+            self._backward_pending -= 1
+            if self._backward_pending > 0 or self._backward_untracked:
+                return  # gradients of other listed modules may still come: the last (or the end of backward) reduces
         self.training_state = TrainingState.POST_BACKWARD
         if self.group is None:
             return
@@ -302,6 +374,8 @@ class ModuleState:
             state.training_state = TrainingState.IDLE
             state._forward_index = None
             state._ran_forward_with_grad = False
+            state._forward_pending.clear()
+            state._backward_pending, state._backward_untracked = 0, False
         context.final_callback_queued = False
         if not self.is_last_backward:
             return  # reductions finish at the next forward (set_is_last_backward(False): micro-batches)

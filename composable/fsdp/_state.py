@@ -61,8 +61,9 @@ class FSDPState(ModuleState):
 
     def _fsdp_states(self, recurse: bool) -> list["FSDPState"]:
         """This module's fully_shard state and, with `recurse`, every one below it."""
-        modules = self.module.modules() if recurse else [self.module]
-        return [s for m in modules if (s := get_state(m, "fully_shard")) is not None]
+        modules = [sub for m in self.modules for sub in m.modules()] if recurse else self.modules
+        found = {id(s): s for m in modules if (s := get_state(m, "fully_shard")) is not None}
+        return list(found.values())  # once each: a state of several modules sits on each
 
     def set_reshard_after_forward(self, reshard_after_forward: bool | int, recurse: bool = True) -> None:
         """Change `reshard_after_forward` (bool, or an int N dividing the shard world: see

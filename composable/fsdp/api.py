@@ -9,7 +9,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from .._engine.build import GroupOptions, build_group
+from .._engine.build import GroupOptions, ListedModules, build_group
 from .._engine.contract import check_composable, check_module, install_state, owning_api, state_of
 from .._engine.mesh import check_mesh, default_mesh
 from .._engine.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, check_policies
@@ -20,7 +20,7 @@ Policy = set[type[nn.Module]] | Callable[[nn.Module], bool]
 
 
 def fully_shard(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
@@ -30,7 +30,7 @@ def fully_shard(
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
-) -> nn.Module:
+) -> nn.Module | list[nn.Module]:
     """Shard `module`'s parameters across `mesh` (FSDP) and return `module` itself.
 
     Manages the parameters of the subtree that no API applied earlier to a descendant
@@ -48,13 +48,24 @@ def fully_shard(
     `shard_placement_fn(param)` returns `Shard(d)` to shard that parameter on dim `d` (uneven
     sizes allowed) or None for `Shard(0)`. Raises `TypeError`/
     `ValueError` for bad arguments and `RuntimeError` for forbidden compositions.
+
+    A list (or tuple) of modules, none inside another, makes one group of the parameters of
+    all their subtrees (as FSDP2's `fully_shard([norm, output])`; a weight tied between them is
+    one parameter): gathered before the first of them runs in a forward pass (whichever it
+    is) and resharded after the last; a pass that runs only some of them ends with the
+    root's forward. Backward reduces the group once, after every listed module that ran is
+    done. The same state is installed on each (`fully_shard.state(m)`); its `param_names` are
+    FQNs as in an `nn.ModuleList` of the modules (`"0.weight"`, `"1.weight"`); `policy`
+    applies within each module's subtree. Such a group cannot be the root: a module
+    containing them must have `fully_shard` (or `replicate`) too. Returns the list.
     """
     api = "fully_shard"
-    check_module(api, module)
+    modules = _check_modules(module)
     check_policies(api, mp_policy, offload_policy)
-    check_composable(api, module)
+    for m in modules:
+        check_composable(api, m)
     if mesh is None:
-        mesh = default_mesh(api, module)
+        mesh = default_mesh(api, modules[0] if len(modules) == 1 else ListedModules(modules))
     check_mesh(api, mesh, (1, 2))
     strategy, reshard, reshard_is_default = resolve_strategy(mesh.ndim, strategy, reshard_after_forward)
     if strategy is not ShardingStrategy.NO_SHARD:
@@ -65,17 +76,19 @@ def fully_shard(
             f"fully_shard: 'shard_placement_fn' must be a callable(param) -> Shard | None, got {shard_placement_fn!r:.80}"
         )
     if policy is not None:
-        _auto_wrap(
-            module,
-            _check_policy(policy),
-            mesh=mesh,
-            reshard_after_forward=reshard_after_forward,
-            strategy=strategy,
-            mp_policy=mp_policy,
-            offload_policy=offload_policy,
-            ignored_params=ignored,
-            shard_placement_fn=shard_placement_fn,
-        )
+        matches = _check_policy(policy)
+        for m in modules:
+            _auto_wrap(
+                m,
+                matches,
+                mesh=mesh,
+                reshard_after_forward=reshard_after_forward,
+                strategy=strategy,
+                mp_policy=mp_policy,
+                offload_policy=offload_policy,
+                ignored_params=ignored,
+                shard_placement_fn=shard_placement_fn,
+            )
 
     options = GroupOptions(
         sharded=strategy is not ShardingStrategy.NO_SHARD,
@@ -85,11 +98,11 @@ def fully_shard(
         pin_memory=getattr(offload_policy, "pin_memory", False),
         shard_placement_fn=shard_placement_fn,
     )
-    group = build_group(api, module, mesh, ignored, options)
+    group = build_group(api, module if isinstance(module, nn.Module) else modules, mesh, ignored, options)
     if group is not None and not isinstance(reshard, bool):
         group.layout.post_forward_group(reshard)  # collective: made here, on every rank alike
     state = FSDPState(
-        module,
+        module if isinstance(module, nn.Module) else modules,
         group,
         mesh=mesh,
         strategy=strategy,
@@ -98,8 +111,42 @@ def fully_shard(
         reshard_after_forward=reshard,
         reshard_is_default=reshard_is_default,
     )
-    install_state(module, api, state)
+    for m in modules:
+        install_state(m, api, state)
     return module
+
+
+def _check_modules(module: object) -> tuple[nn.Module, ...]:
+    """The module, or the modules of a list/tuple: non-empty, all modules, each once, none
+    inside another (`TypeError`/`ValueError` naming fully_shard, 'module' and the value)."""
+    if not isinstance(module, (list, tuple)):
+        return (check_module("fully_shard", module),)
+    if not module:
+        raise ValueError(
+            f"fully_shard: argument 'module' must be an nn.Module or a non-empty list of them, got {module!r}"
+        )
+    for i, m in enumerate(module):
+        if not isinstance(m, nn.Module):
+            raise TypeError(
+                f"fully_shard: argument 'module' must be an nn.Module or a list of nn.Modules, got a "
+                f"{type(module).__name__} holding {type(m).__name__} at index {i}: {m!r:.80}"
+            )
+    positions = {id(m): i for i, m in reversed(list(enumerate(module)))}  # first index of each
+    for i, m in enumerate(module):
+        if positions[id(m)] != i:
+            raise ValueError(
+                f"fully_shard: argument 'module' lists the same {type(m).__name__} twice (indices {positions[id(m)]} "
+                f"and {i}); list each module once"
+            )
+    for i, m in enumerate(module):
+        for sub in m.modules():
+            j = positions.get(id(sub), i)
+            if j != i:
+                raise ValueError(
+                    f"fully_shard: argument 'module' lists {type(sub).__name__} (index {j}) inside "
+                    f"{type(m).__name__} (index {i}); list only the outer one (its subtree is in the group)"
+                )
+    return tuple(module)
 
 
 def _check_ignored(ignored_params: object) -> set[nn.Parameter]:
