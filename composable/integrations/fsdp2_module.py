@@ -1,0 +1,209 @@
+"""FSDP2's module interface (`torch.distributed.fsdp.FSDPModule`) over composable's `fully_shard`.
+
+Frameworks written for PyTorch FSDP2 find sharded modules with `isinstance(m, FSDPModule)` and
+call FSDP2's methods on them (`m.set_requires_gradient_sync(False)` for gradient accumulation,
+`m.set_gradient_divide_factor(1.0)`, `m.unshard()`, ...). composable's core never swaps classes:
+its state, `fully_shard.state(m)`, has those methods. This opt-in adapter does what FSDP2 does
+and the core does not: `as_fsdp_module(m)` swaps `m.__class__` for a subclass of
+`(ComposableFSDPModule, type(m))`, where `ComposableFSDPModule` derives from FSDP2's
+`FSDPModule` and forwards each method to `fully_shard.state(m)`. FSDP2 methods composable has no
+counterpart for raise `NotImplementedError` naming the method. Parameter names, `state_dict()`
+and `copy.deepcopy` are unchanged; `restore_class(m)` undoes the swap.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+
+import composable
+from composable import fully_shard
+
+__all__ = ["ComposableFSDPModule", "as_fsdp_module", "as_fsdp_modules", "restore_class", "fsdp2_fully_shard"]
+
+
+class ComposableFSDPModule(FSDPModule):
+    """Mixin placed before the module's own class: FSDP2's methods, run by composable's state."""
+
+    _composable_orig_cls: type[nn.Module]  # set on each generated subclass
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # Constructing the class anew (a container sliced, `type(m)(...)`) builds the original
+        # class, as FSDP2 does; allocation without arguments (copy.deepcopy, pickle's protocol 2)
+        # keeps the adapted class so the copy keeps the interface.
+        if args or kwargs:
+            orig = cls._composable_orig_cls
+            module = orig.__new__(orig)
+            module.__init__(*args, **kwargs)
+            return module
+        return object.__new__(cls)
+
+    def _composable_state(self, method: str) -> Any:
+        state = fully_shard.state(self)
+        if state is None:
+            raise RuntimeError(
+                f"{method}: {type(self).__name__} has FSDP2's interface but composable's fully_shard does not "
+                "manage it (it was constructed anew, or fully_shard was never applied to it)"
+            )
+        return state
+
+    # FSDP2's methods, same names and arguments, forwarded to composable's state.
+    def unshard(self, async_op: bool = False) -> Any:
+        return self._composable_state("unshard").unshard(async_op=async_op)
+
+    def reshard(self) -> None:
+        self._composable_state("reshard").reshard()
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        self._composable_state("set_is_last_backward").set_is_last_backward(is_last_backward)
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        self._composable_state("set_requires_gradient_sync").set_requires_gradient_sync(
+            requires_gradient_sync, recurse=recurse
+        )
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        self._composable_state("set_requires_all_reduce").set_requires_all_reduce(requires_all_reduce, recurse=recurse)
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        self._composable_state("set_reshard_after_forward").set_reshard_after_forward(
+            reshard_after_forward, recurse=recurse
+        )
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        self._composable_state("set_reshard_after_backward").set_reshard_after_backward(
+            reshard_after_backward, recurse=recurse
+        )
+
+    def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
+        self._composable_state("set_modules_to_forward_prefetch").set_modules_to_forward_prefetch(modules)
+
+    def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
+        self._composable_state("set_modules_to_backward_prefetch").set_modules_to_backward_prefetch(modules)
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        self._composable_state("set_gradient_divide_factor").set_gradient_divide_factor(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:  # FSDP2's older name
+        self.set_gradient_divide_factor(factor)
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        # Skip FSDPModule._apply (it needs FSDP2's own state); composable's hooks adopt the result.
+        return super(FSDPModule, self)._apply(*args, **kwargs)
+
+
+def _unsupported(name: str) -> Any:
+    def method(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            f"{name}: PyTorch FSDP2's FSDPModule.{name} has no composable counterpart "
+            f"(module {type(self).__name__}); see composable.fully_shard.state(module) for what it offers"
+        )
+
+    method.__name__ = name
+    return method
+
+
+# Every other FSDPModule method of the installed torch (FSDP2 adds some in each release) fails
+# loudly instead of reaching FSDP2's missing state.
+for _name, _value in vars(FSDPModule).items():
+    if callable(_value) and not _name.startswith("__") and _name not in vars(ComposableFSDPModule):
+        setattr(ComposableFSDPModule, _name, _unsupported(_name))
+
+_classes: dict[type[nn.Module], type[nn.Module]] = {}
+
+
+def as_fsdp_module(module: nn.Module) -> nn.Module:
+    """Give `module`, which `fully_shard` manages, FSDP2's module interface; returns `module`.
+
+    Afterwards `isinstance(module, torch.distributed.fsdp.FSDPModule)` holds and FSDP2's methods
+    (`set_requires_gradient_sync`, `set_gradient_divide_factor`, `unshard`, ...) act on
+    `fully_shard.state(module)`. Idempotent. Raises `TypeError` for a non-module and
+    `ValueError` when `fully_shard` does not manage `module`.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"as_fsdp_module: argument 'module' must be an nn.Module, got {type(module).__name__}")
+    if isinstance(module, ComposableFSDPModule):
+        return module
+    if fully_shard.state(module) is None:
+        raise ValueError(
+            f"as_fsdp_module: composable's fully_shard does not manage module {type(module).__name__}; apply it first"
+        )
+    cls = type(module)
+    adapted = _classes.get(cls)
+    if adapted is None:
+        adapted = type(f"Composable{cls.__name__}", (ComposableFSDPModule, cls), {"_composable_orig_cls": cls})
+        adapted.__module__ = cls.__module__
+        _classes[cls] = adapted
+    module.__class__ = adapted
+    return module
+
+
+def as_fsdp_modules(root: nn.Module) -> nn.Module:
+    """`as_fsdp_module` on every module of `root`'s tree that `fully_shard` manages; returns `root`."""
+    for module in root.modules():
+        if fully_shard.state(module) is not None:
+            as_fsdp_module(module)
+    return root
+
+
+def restore_class(module: nn.Module) -> nn.Module:
+    """Undo `as_fsdp_module`: `module` gets its own class back; returns `module`."""
+    if isinstance(module, ComposableFSDPModule):
+        module.__class__ = type(module)._composable_orig_cls
+    return module
+
+
+def _policies(mp_policy: Any, offload_policy: Any) -> tuple[composable.MixedPrecisionPolicy, composable.OffloadPolicy]:
+    """FSDP2's (or composable's) policies as composable's: same fields, same meaning."""
+    mp = composable.MixedPrecisionPolicy(
+        param_dtype=mp_policy.param_dtype,
+        reduce_dtype=mp_policy.reduce_dtype,
+        output_dtype=mp_policy.output_dtype,
+        cast_forward_inputs=mp_policy.cast_forward_inputs,
+    )
+    if type(offload_policy).__name__ == "CPUOffloadPolicy":  # FSDP2's or ours
+        return mp, composable.CPUOffloadPolicy(pin_memory=offload_policy.pin_memory)
+    if type(offload_policy).__name__ == "OffloadPolicy":
+        return mp, composable.OffloadPolicy()
+    raise TypeError(f"fully_shard: 'offload_policy' must be an OffloadPolicy, got {offload_policy!r:.80}")
+
+
+def fsdp2_fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: Any = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Any = None,
+    mp_policy: Any = None,
+    offload_policy: Any = None,
+    ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: Any = None,
+) -> Any:
+    """PyTorch FSDP2's `fully_shard` signature, sharding with composable's `fully_shard`.
+
+    Takes FSDP2's policy objects (`torch.distributed.fsdp.MixedPrecisionPolicy`,
+    `OffloadPolicy`, `CPUOffloadPolicy`) as well as composable's, and gives the sharded
+    module(s) FSDP2's module interface (`as_fsdp_module`), so a framework that calls FSDP2's
+    `fully_shard` and then FSDP2's methods can be handed this function instead. torch 2.13's
+    `dp_mesh_dims` (full-DTensor storage meshes) is not supported: `NotImplementedError`.
+    """
+    if dp_mesh_dims is not None:
+        raise NotImplementedError(f"fully_shard: 'dp_mesh_dims' is not supported by composable, got {dp_mesh_dims!r}")
+    mp, offload = _policies(
+        mp_policy if mp_policy is not None else composable.MixedPrecisionPolicy(),
+        offload_policy if offload_policy is not None else composable.OffloadPolicy(),
+    )
+    result = fully_shard(
+        module,
+        mesh=mesh,
+        reshard_after_forward=reshard_after_forward,
+        shard_placement_fn=shard_placement_fn,
+        mp_policy=mp,
+        offload_policy=offload,
+        ignored_params=ignored_params,
+    )
+    for m in result if isinstance(result, list) else [result]:
+        as_fsdp_module(m)
+    return result
