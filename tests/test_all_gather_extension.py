@@ -80,6 +80,35 @@ class BF16GatherWeight(torch.Tensor):
         return unsharded, (unsharded,)
 
 
+class AliasingGatherWeight(BF16GatherWeight):
+    """Gathers its fp32 data as is and computes with the all-gather output itself, so the
+    `out=` refill does nothing: as torchao's float8 weights (which only swap the scale), it
+    relies on later gathers writing into the same outputs."""
+
+    def fsdp_pre_all_gather(self, mesh: Any, outer_size: Any, outer_stride: Any, module: Any, mp_policy: Any) -> tuple:
+        return (self._data,), None
+
+    def fsdp_post_all_gather(self, outputs: tuple, metadata: Any, param_dtype: torch.dtype, *, out: Any = None) -> Any:
+        (data,) = outputs
+        if out is not None:
+            return None
+        return data, (data,)
+
+
+class Float8GatherWeight(BF16GatherWeight):
+    """Gathers its data as float8 (e4m3, unscaled: the test's weights are small); composable
+    moves float8 as bytes, which gloo can carry (FSDP2 does so only in groups that mix dtypes,
+    as every group here does)."""
+
+    def fsdp_pre_all_gather(self, mesh: Any, outer_size: Any, outer_stride: Any, module: Any, mp_policy: Any) -> tuple:
+        return (self._data.to(torch.float8_e4m3fn),), None
+
+
+KINDS = {"bf16": BF16GatherWeight, "aliasing": AliasingGatherWeight, "float8": Float8GatherWeight}
+# What each block's extension weight all-gathers in (the flat buffers gather fp32).
+GATHER_DTYPES = {"bf16": "torch.bfloat16", "aliasing": "torch.float32", "float8": "torch.uint8"}
+
+
 class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -92,17 +121,17 @@ class Net(nn.Module):
         return self.head(x)
 
 
-def _with_extension_weights(model: Net) -> Net:
+def _with_extension_weights(model: Net, kind: str = "bf16") -> Net:
     for block in model.blocks:
-        block[0].weight = nn.Parameter(BF16GatherWeight(block[0].weight.detach().clone()))
+        block[0].weight = nn.Parameter(KINDS[kind](block[0].weight.detach().clone()))
     return model
 
 
-def _vs_fsdp2(rank: int, world: int) -> None:
+def _vs_fsdp2(rank: int, world: int, kind: str = "bf16") -> None:
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     torch.manual_seed(0)
-    theirs = _with_extension_weights(Net())
+    theirs = _with_extension_weights(Net(), kind)
     ours = copy.deepcopy(theirs)
     mesh = init_device_mesh("cpu", (world,))
     for block in theirs.blocks:
@@ -111,15 +140,15 @@ def _vs_fsdp2(rank: int, world: int) -> None:
     for block in ours.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(ours, mesh=mesh)
-    assert isinstance(ours.blocks[0][0].weight.to_local(), BF16GatherWeight), "the local shard keeps its kind"
+    assert isinstance(ours.blocks[0][0].weight.to_local(), KINDS[kind]), "the local shard keeps its kind"
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
     for step in range(3):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step * world + rank))
         with trace_collectives() as t:
             our_loss = ours(x).square().mean()
-        # Each block: its flat buffer (the bias) in fp32 and its extension weight in bf16.
+        # Each block: its flat buffer (the bias) in fp32 and its extension weight as it says.
         gathered = sorted(str(r.dtype) for r in t.records if r.kind == "all_gather")
-        assert gathered == ["torch.bfloat16"] * 2 + ["torch.float32"] * 3, t.render()
+        assert gathered == sorted([GATHER_DTYPES[kind]] * 2 + ["torch.float32"] * 3), t.render()
         losses = [our_loss, theirs(x).square().mean()]
         for loss in losses:
             loss.backward()
@@ -136,3 +165,11 @@ def _vs_fsdp2(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_all_gather_extension_matches_torch_fsdp2(world: int) -> None:
     run_on_ranks(_vs_fsdp2, world)
+
+
+@pytest.mark.parametrize("kind", ["aliasing", "float8"])
+def test_extension_protocol_matches_torch_fsdp2(kind: str) -> None:
+    """aliasing: later gathers refill the all-gather outputs the unsharded parameter was made
+    from (fresh outputs each time left it reading freed storage from the first backward on). float8:
+    gathered as bytes (gloo has no float8: "Invalid scalar type")."""
+    run_on_ranks(_vs_fsdp2, 2, kind)

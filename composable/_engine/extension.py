@@ -8,13 +8,27 @@ time), or refills it in place (`out=`), naming the inner tensors whose storage m
 between uses. These parameters keep their own storage (they are not in the group's flat
 buffer) and get one all-gather per input tensor; their gradients are plain and go through
 the group's usual reduction.
+
+The protocol is FSDP2's (torch/distributed/fsdp/_fully_shard/_fsdp_param.py), to the letter
+where subclasses rely on it:
+- `fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy)` (or the older
+  `fsdp_pre_all_gather(mesh)`) gets the shard mesh (the mesh's last dim under HSDP), the
+  parameter's global size and contiguous stride, the module it is registered on, and the
+  group's mixed-precision policy;
+- the all-gather outputs are made once per parameter and gathered into again every time
+  (their storage freed in between), and each is handed to `fsdp_post_all_gather` as
+  `output.view(-1, *input_shape[1:])`. A subclass may keep them as its inner tensors: torchao's
+  `out=` path only swaps the scale and relies on the data being gathered into the same storage.
+- float8 (1-byte, non-integer) tensors travel as their bytes (`uint8` views): exact, and gloo
+  has no float8 type at all (NCCL moves them as bytes too).
 """
 
 from __future__ import annotations
 
 import inspect
+import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -22,10 +36,15 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import collectives as comm
+from .optim_state import track_for_optimizers
 from .param import ManagedParam, _contiguous_stride
 from .policies import MixedPrecisionPolicy
 
 HOOKS = ("fsdp_pre_all_gather", "fsdp_post_all_gather")
+
+# Meshes handed to `fsdp_pre_all_gather`: the shard mesh of each group's mesh, found once.
+# Keyed by identity (equal meshes of earlier process groups must not answer), held weakly.
+_SHARD_MESHES: dict[int, tuple[weakref.ref, DeviceMesh]] = {}
 
 
 def has_extension(tensor: object) -> bool:
@@ -38,32 +57,106 @@ class PendingGather:
     """One extension parameter's all-gathers in flight."""
 
     works: list[Any]
-    outputs: list[torch.Tensor]  # 1D, world x input numel each
     input_shapes: list[torch.Size]
     metadata: Any
+    fresh: bool  # new all-gather outputs: `fsdp_post_all_gather` makes the unsharded parameter
+    versions: tuple[int, ...]  # the outputs' version counters before the collectives wrote them
+
+
+def init_shards(
+    params: list[ManagedParam],
+    sources: list[torch.Tensor],
+    local_rows: Callable[[ManagedParam, torch.Tensor], torch.Tensor],
+    storage_device: Callable[[torch.Tensor], torch.device],
+) -> None:
+    """Make each parameter's sharded DTensor: its local shard is this rank's rows of the
+    parameter itself (`local_rows`, also on the meta device: the rows, not the whole), taken
+    through the subclass's own ops so that it stays of its kind (a copy, on the storage device)."""
+    with torch.no_grad():
+        for mp, src in zip(params, sources):
+            mp.sharded_param = mp.make_sharded_param(local_rows(mp, src).to(storage_device(src)).clone())
+            _adopt(mp)
+
+
+def _adopt(mp: ManagedParam) -> None:
+    track_for_optimizers(mp.sharded_param)  # type: ignore[arg-type]
+    mp.local_registered = mp.sharded_param._local_tensor  # type: ignore[union-attr]
+
+
+def shard_mesh(mesh: DeviceMesh, group: dist.ProcessGroup) -> DeviceMesh:
+    """The mesh FSDP2 hands to `fsdp_pre_all_gather`: `mesh` itself when 1D, else its last
+    (sharded) dim, by name when the mesh has names (the sub-mesh FSDP2 uses), else wrapped
+    around the shard process group."""
+    if mesh.ndim == 1:
+        return mesh
+    found = _SHARD_MESHES.get(id(mesh))
+    if found is None or found[0]() is not mesh:
+        names = mesh.mesh_dim_names
+        sub = mesh[names[-1]] if names else DeviceMesh.from_group(group, mesh.device_type)
+        found = _SHARD_MESHES[id(mesh)] = (weakref.ref(mesh), sub)
+    return found[1]
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """float8 as `uint8` (the same bytes); any other dtype as it is."""
+    if tensor.element_size() == 1 and tensor.dtype not in (torch.uint8, torch.int8, torch.bool):
+        return tensor.view(torch.uint8)
+    return tensor
+
+
+def _alloc(tensor: torch.Tensor) -> None:
+    """Re-grow storage that `free` released (a no-op where it is allocated)."""
+    storage = tensor.untyped_storage()
+    nbytes = (tensor.storage_offset() + tensor.numel()) * tensor.element_size()
+    if storage.size() < nbytes:
+        storage.resize_(nbytes)
+
+
+def _pre_all_gather(local: torch.Tensor, mesh: DeviceMesh, mp: ManagedParam, mp_policy: MixedPrecisionPolicy) -> Any:
+    pre = local.fsdp_pre_all_gather  # type: ignore[attr-defined]
+    if len(inspect.signature(pre).parameters) == 1:  # FSDP2's older signature: mesh only
+        return pre(mesh)
+    shape = mp.layout.shape
+    return pre(mesh, shape, _contiguous_stride(shape), mp.slots[0][0], mp_policy)
+
+
+def _outputs_fit(mp: ManagedParam, inputs: list[torch.Tensor], world: int) -> bool:
+    """Whether the outputs made at an earlier gather take these inputs (they always should;
+    a subclass that changes what it sends gets a fresh unsharded parameter)."""
+    outs = mp.extension_outputs
+    return (
+        mp.unsharded_param is not None
+        and len(outs) == len(inputs)
+        and all(
+            o.dtype == t.dtype and o.numel() == world * t.numel() and o.device == t.device for o, t in zip(outs, inputs)
+        )
+    )
 
 
 def start_gathers(
     params: list[ManagedParam], group: dist.ProcessGroup, mesh: DeviceMesh, world: int, mp_policy: MixedPrecisionPolicy
 ) -> list[PendingGather]:
-    """Ask each parameter's local shard what to all-gather and launch those all-gathers."""
+    """Ask each parameter's local shard what to all-gather and launch those all-gathers into
+    the parameter's all-gather outputs (made at the first gather, re-grown after)."""
+    mesh = shard_mesh(mesh, group)
     pending = []
     for mp in params:
-        local = mp.sharded_param._local_tensor  # type: ignore[union-attr]
-        pre = local.fsdp_pre_all_gather
-        if len(inspect.signature(pre).parameters) == 1:  # FSDP2's older signature: mesh only
-            inputs, metadata = pre(mesh)
+        inputs, metadata = _pre_all_gather(mp.sharded_param._local_tensor, mesh, mp, mp_policy)  # type: ignore[union-attr]
+        inputs = [t.contiguous() for t in inputs]
+        fresh = not _outputs_fit(mp, inputs, world)
+        if fresh:
+            mp.extension_outputs = [torch.empty(world * t.numel(), dtype=t.dtype, device=t.device) for t in inputs]
+            mp.extension_inner = []
         else:
-            module = mp.slots[0][0]
-            inputs, metadata = pre(mesh, mp.layout.shape, _contiguous_stride(mp.layout.shape), module, mp_policy)
-        outputs, works, shapes = [], [], []
-        for tensor in inputs:
-            flat = tensor.contiguous().view(-1)
-            out = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
-            works.append(comm.all_gather(out, flat, group, async_op=True))
-            outputs.append(out)
-            shapes.append(tensor.shape)
-        pending.append(PendingGather(works, outputs, shapes, metadata))
+            for out in mp.extension_outputs:
+                _alloc(out)
+        outputs = mp.extension_outputs
+        versions = tuple(o._version for o in outputs)
+        works = [
+            comm.all_gather(_as_bytes(out), _as_bytes(t.view(-1)), group, async_op=True)
+            for out, t in zip(outputs, inputs)
+        ]
+        pending.append(PendingGather(works, [t.shape for t in inputs], metadata, fresh, versions))
     return pending
 
 
@@ -77,21 +170,36 @@ def finish_gathers(
         for work in gather.works:
             if work is not None:
                 work.wait()
-        outputs = tuple(o.view(world * s[0], *s[1:]) for o, s in zip(gather.outputs, gather.input_shapes))
+        outputs = tuple(o.view(-1, *s[1:]) for o, s in zip(mp.extension_outputs, gather.input_shapes))
         local = mp.sharded_param._local_tensor  # type: ignore[union-attr]
-        if mp.unsharded_param is None:
+        if gather.fresh:
             unsharded, inner = local.fsdp_post_all_gather(outputs, gather.metadata, param_dtype)
             mp.unsharded_param = nn.Parameter(unsharded, requires_grad=mp.wants_grad)
             mp.extension_inner = list(inner)
-            continue
-        for tensor in mp.extension_inner:
-            tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
-        with comm.refilling(mp.unsharded_param, *mp.extension_inner):
-            local.fsdp_post_all_gather(outputs, gather.metadata, param_dtype, out=mp.unsharded_param)
+        else:
+            for tensor in mp.extension_inner:
+                _alloc(tensor)
+            with comm.refilling(mp.unsharded_param, *mp.extension_inner):  # type: ignore[arg-type]
+                local.fsdp_post_all_gather(outputs, gather.metadata, param_dtype, out=mp.unsharded_param)
+        # The collectives wrote into storage the unsharded parameter may hold (inner tensors).
+        torch._C._autograd._unsafe_set_version_counter(tuple(mp.extension_outputs), gather.versions)
 
 
 def free(params: list[ManagedParam]) -> None:
-    """Release the inner tensors' storage between uses (the parameter objects stay)."""
+    """Release the all-gather outputs' and inner tensors' storage between uses (the parameter
+    objects stay)."""
     for mp in params:
-        for tensor in mp.extension_inner:
+        for tensor in (*mp.extension_outputs, *mp.extension_inner):
             tensor.untyped_storage().resize_(0)
+
+
+def adopt_swapped(params: list[ManagedParam]) -> None:
+    """Adopt local shards that were swapped (`to_empty`, `module.half()`, a
+    `load_state_dict(assign=True)`) while resharded: the next gather starts from scratch (a
+    fresh unsharded parameter; the old one may have another dtype)."""
+    for mp in params:
+        if mp.sharded_param._local_tensor is not mp.local_registered:  # type: ignore[union-attr]
+            _adopt(mp)
+            mp.unsharded_param = None
+            mp.extension_outputs = []
+            mp.extension_inner = []

@@ -91,7 +91,7 @@ class ParamGroup:
             fresh=True,
             dtype_if_empty=extension_sources[0].dtype if extension_sources else torch.float32,
         )
-        self._init_extension_shards(extension_sources)
+        extension.init_shards(self.extension_params, extension_sources, self._local_rows, self._storage_device)
 
     _SHARED_ON_COPY = ("streams",)  # runtime handles: a deep copy of the model shares them
 
@@ -161,16 +161,6 @@ class ParamGroup:
             and device.type != "meta"
         )
 
-    def _init_extension_shards(self, sources: list[torch.Tensor]) -> None:
-        """Extension parameters: the local shard is this rank's rows of the parameter itself,
-        taken through its own ops so that it stays of its kind (a copy, on the storage device)."""
-        with torch.no_grad():
-            for mp, src in zip(self.extension_params, sources):
-                rows = src if src.device.type == "meta" else self._local_rows(mp, src).to(self._storage_device(src))
-                mp.sharded_param = mp.make_sharded_param(rows.clone())
-                track_for_optimizers(mp.sharded_param)
-                mp.local_registered = mp.sharded_param._local_tensor
-
     def _local_rows(self, mp: ManagedParam, full: torch.Tensor) -> torch.Tensor:
         if mp.layout.replicated or full.dim() == 0:
             return full.detach()
@@ -182,7 +172,7 @@ class ParamGroup:
         """Adopt sharded parameters that were swapped or re-materialised behind our back
         (`model.half()`, `to_empty`, `load_state_dict(assign=True)`) so the flat buffer, the
         local shards and the registered parameters agree again."""
-        stale = False
+        stale = swapped = False
         for mp in self.params:
             registered = mp.registered()
             if registered is not mp.sharded_param and not self._unsharded_registered:
@@ -196,7 +186,10 @@ class ParamGroup:
                 mp.sharded_param = registered
                 mp.register(registered)
             if mp.sharded_param._local_tensor is not mp.local_registered:
-                stale = True
+                stale, swapped = stale or not mp.extension, swapped or mp.extension
+        if swapped:  # extension parameters keep their own storage: the next gather starts afresh
+            self.reshard()
+            extension.adopt_swapped(self.extension_params)
         if stale:
             self.reshard()  # unsharded storage kept from an earlier forward belongs to the old shards
             self._build_flat_shard(

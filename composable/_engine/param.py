@@ -129,6 +129,7 @@ class ManagedParam:
     bucket_index: int | None = None  # replicate: which all-reduce bucket the gradient goes in
     hooked_param: nn.Parameter | None = None  # replicate: the unsharded parameter with our grad hook
     extension: bool = False  # the local shard implements FSDP2's all-gather extension (extension.py)
+    extension_outputs: list = field(default_factory=list)  # its all-gather outputs, 1D (made once, freed between uses)
     extension_inner: list = field(default_factory=list)  # its unsharded inner tensors (freed between uses)
     grad_standins: dict = field(default_factory=dict, repr=False)  # see `make_sharded_grad`
 
@@ -299,11 +300,14 @@ class ManagedParam:
         memo[id(self)] = new
         freed = self.unsharded_padded is not None and not self.is_unsharded_allocated()
         drop = freed or self.unsharded_alias_of is not None
+        gathered_freed = any(is_freed(t) for t in self.extension_outputs)
         for name, value in vars(self).items():
             if name == "hooked_param" or (
                 drop and name in ("unsharded_param", "unsharded_padded", "unsharded_alias_of")
             ):
                 value = None
+            elif gathered_freed and name in _EXTENSION_GATHERED:  # the copy gathers afresh
+                value = [] if name != "unsharded_param" else None
             elif freed and (value is self.unsharded_param or is_freed(value)):  # nothing that points at freed storage
                 value = None
             setattr(new, name, copy.deepcopy(value, memo))
@@ -341,6 +345,10 @@ class DTensorSpecLite:
             meta = TensorMeta(self.shape, _contiguous_stride(self.shape), local.dtype)
             spec = self._specs[local.dtype] = DTensorSpec(self.mesh, tuple(self.placements), tensor_meta=meta)
         return new_dtensor(local, spec)
+
+
+# What an all-gather extension parameter's gathers made (see extension.py).
+_EXTENSION_GATHERED = ("unsharded_param", "extension_outputs", "extension_inner")
 
 
 def is_freed(value: object) -> bool:
