@@ -204,6 +204,6 @@ def fsdp2_fully_shard(
         offload_policy=offload,
         ignored_params=ignored_params,
     )
-    for m in result if isinstance(result, list) else [result]:
+    for m in result if isinstance(result, (list, tuple)) else [result]:
         as_fsdp_module(m)
     return result
