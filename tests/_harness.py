@@ -4,6 +4,10 @@
 ``run_on_ranks`` uses a persistent pool of spawned workers (a few hundredths of a second per
 call, where spawning per test costs 3.5-9 s on 2 cores); ``fake_process_group`` makes this
 process one rank of any world; ``count_collectives``/``trace_collectives`` record collectives.
+
+A worker that dies (segfault, abort) is reported in a ``RankError`` with the C++ stacks of all
+its threads (the crashing one first) and its Python stacks; a worker's stderr goes to the file
+they are read from, not to the terminal.
 """
 
 from __future__ import annotations
@@ -11,11 +15,13 @@ from __future__ import annotations
 import atexit
 import contextlib
 import faulthandler
+import gc
 import importlib
 import multiprocessing as mp
 import os
 import pickle
 import random
+import re
 import shutil
 import signal
 import sys
@@ -56,6 +62,7 @@ __all__ = [
 
 FAILURE_GRACE_S = 5.0  # after one rank fails, how long the others get to finish or fail
 STARTUP_TIMEOUT_S = 180.0  # spawning + importing torch; generous for a loaded 2-core machine
+FAULT_TEXT_LIMIT = 200_000  # characters of a dead worker's fault file that go into the RankError
 
 
 class RankError(AssertionError):
@@ -94,9 +101,17 @@ def _worker_main(conn: Connection, fault_path: str) -> None:
     """Worker loop: receive a task, run it on a fresh process group, send back the outcome."""
     # A segfault or abort leaves no traceback: faulthandler writes the Python stacks to a file
     # that the parent puts into the RankError; on SIGUSR1 it dumps the stacks of a hung worker.
+    # The crash may be in a native thread with no Python frame (gloo runs async collectives on
+    # threads of its own): torch's fatal-signal handler prints every thread's C++ stack to
+    # stderr, then chains to faulthandler. So stderr goes to the same file (fd 2 itself, for
+    # native writers); the parent reads what each call added to it.
     fault_file = open(fault_path, "w")  # noqa: SIM115 - open for the life of the worker
+    os.dup2(fault_file.fileno(), 2)
     faulthandler.enable(fault_file, all_threads=True)
     faulthandler.register(signal.SIGUSR1, fault_file, all_threads=True)
+    native_stacks = getattr(torch._C, "_set_print_stack_traces_on_fatal_signal", None)
+    if native_stacks is not None:  # installed after faulthandler's handler, so it chains to it
+        native_stacks(True)
     # Ctrl-C is for the parent; it tears the pool down itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     with contextlib.suppress(Exception):  # die with the parent even if it is SIGKILLed
@@ -108,6 +123,10 @@ def _worker_main(conn: Connection, fault_path: str) -> None:
     torch.set_num_threads(1)  # 2 cores shared by all ranks: oversubscription is the killer
     with contextlib.suppress(Exception):
         importlib.import_module("torch.distributed.tensor")  # warm it once, not per test
+    # What startup made (torch's modules: ~300k objects) is never garbage: out of every
+    # collection, so that the collection after each call costs milliseconds, not ~0.3 s.
+    gc.collect()
+    gc.freeze()
     stores: dict[int, dist.TCPStore] = {}
     conn.send(("ready", os.getpid()))
     while True:
@@ -150,6 +169,14 @@ def _worker_main(conn: Connection, fault_path: str) -> None:
             if dist.is_initialized():
                 dist.destroy_process_group()
             _forget_sharding_cache()
+            if ok:
+                # A model's hooks are bound methods of its state, so the model, its meshes and
+                # their process groups form reference cycles that outlive fn: a group's gloo
+                # threads and sockets then lived on until some collection inside a later call,
+                # which tore them down (joins, closed connections to peers) amid that call's
+                # own collectives. Torn down here instead, within the call that made them. Not
+                # after a failure: a peer may still be blocked in a collective of those groups.
+                gc.collect()
         except Exception:  # noqa: BLE001
             healthy = False
         try:
@@ -176,6 +203,7 @@ class _Pool:
         self.call_id = 0
         self.tmpdir = tempfile.mkdtemp(prefix="harness-")
         self.fault_paths: list[str] = []
+        self.marks: list[int] = []  # size of each fault file when the slot's current call began
 
     def start(self, slot: int) -> None:
         """(Re)start the worker of ``slot`` without waiting: it imports torch meanwhile.
@@ -193,29 +221,46 @@ class _Pool:
         if slot == len(self.procs):
             self.procs.append(p), self.conns.append(parent), self.ready.append(False)
             self.fault_paths.append(fault_path)
+            self.marks.append(0)
         else:
             self.procs[slot], self.conns[slot], self.ready[slot] = p, parent, False
             self.fault_paths[slot] = fault_path
+            self.marks[slot] = 0
 
-    def fault_text(self, slot: int) -> str:
-        with contextlib.suppress(OSError), open(self.fault_paths[slot]) as f:
-            return f.read().strip()
+    def fault_size(self, slot: int) -> int:
+        with contextlib.suppress(OSError):
+            return os.path.getsize(self.fault_paths[slot])
+        return 0
+
+    def fault_text(self, slot: int, since: int = 0) -> str:
+        """What the worker of ``slot`` wrote to its fault file (faulthandler, stderr) from byte
+        ``since`` on."""
+        with contextlib.suppress(OSError), open(self.fault_paths[slot], "rb") as f:
+            f.seek(since)
+            return f.read().decode(errors="replace").strip()
         return ""
 
     def death_note(self, slot: int) -> str:
-        """Why the worker of ``slot`` died: faulthandler's stacks and the exit code."""
+        """Why the worker of ``slot`` died: what it wrote since its current (or last) call
+        began, native stacks (the crashing thread's first) and Python stacks, and the exit code."""
         self.procs[slot].join(1.0)
-        return f"{self.fault_text(slot)}\nworker died (exit code {self.procs[slot].exitcode})"
+        text = _crashing_thread_first(self.fault_text(slot, self.marks[slot]))
+        if len(text) > FAULT_TEXT_LIMIT:  # the head names the crash, the tail holds the Python stacks
+            half = FAULT_TEXT_LIMIT // 2
+            text = f"{text[:half]}\n[... {len(text) - 2 * half} characters left out ...]\n{text[-half:]}"
+        return f"{text}\nworker died (exit code {self.procs[slot].exitcode})"
 
     def stacks(self, slots: list[int]) -> str:
         """The Python stacks of hung workers, dumped by faulthandler on SIGUSR1."""
+        sizes = {i: self.fault_size(i) for i in slots}
         for i in slots:
             with contextlib.suppress(Exception):
                 os.kill(self.procs[i].pid, signal.SIGUSR1)
         deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline and not all(self.fault_text(i) for i in slots):
+        while time.monotonic() < deadline and not all(self.fault_size(i) > sizes[i] for i in slots):
             time.sleep(0.05)
-        return "".join(f"\n----- stack of hung rank {i} -----\n{self.fault_text(i)}" for i in slots)
+        time.sleep(0.05)  # let a dump in progress finish
+        return "".join(f"\n----- stack of hung rank {i} -----\n{self.fault_text(i, sizes[i])}" for i in slots)
 
     def wait_ready(self, n: int) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -288,12 +333,24 @@ def run_on_ranks(
     if _pool is None:  # lazily: spawn copies sys.path, which pytest has set up by now
         _pool = _Pool()
     pool = _pool
+    died_idle: dict[int, str] = {}
     for slot in range(world_size):  # grow the pool; replace workers that died meanwhile
         if slot >= len(pool.procs) or not pool.procs[slot].is_alive():
+            if slot < len(pool.procs) and pool.procs[slot].exitcode:
+                died_idle[slot] = pool.death_note(slot)
             pool.start(slot)
+    if died_idle:  # a crash after a call returned (a collective or a group outliving it) must not pass unseen
+        raise RankError(
+            "".join(
+                f"harness worker of rank {r} died after its previous call returned:\n{note}\n"
+                for r, note in died_idle.items()
+            ),
+            died_idle,
+        )
     pool.wait_ready(world_size)
     pool.call_id += 1
     for rank in range(world_size):
+        pool.marks[rank] = pool.fault_size(rank)
         pool.conns[rank].send((pool.call_id, rank, world_size, pool.store.port, backend, blob))
 
     results: dict[int, Any] = {}
@@ -340,6 +397,23 @@ def _rank_error(errors: dict[int, str], results: dict[int, Any], stuck: list[int
         lines.append(f"ranks {sorted(results)} returned normally: did they skip a collective the others issued?")
     lines += [f"\n----- traceback of rank {r} -----\n{tb.rstrip()}" for r, tb in errors.items()]
     return RankError("\n".join(lines) + stacks, errors)
+
+
+# torch's fatal-signal handler prints one block per thread: "SIGSEGV(11), PID: 7, Thread 9: "
+# and its frames, then a blank line.
+_NATIVE_STACK_HEADER = re.compile(r"^[A-Z0-9]+\(\d+\), PID: \d+, Thread \d+: *$", re.MULTILINE)
+
+
+def _crashing_thread_first(text: str) -> str:
+    """Put the native stack of the thread that crashed (the one running the handler,
+    `fatalSignalHandler`, in its frames) before the other threads' stacks."""
+    for m in _NATIVE_STACK_HEADER.finditer(text):
+        end = text.find("\n\n", m.start())
+        block = text[m.start() : len(text) if end < 0 else end]
+        if "fatalSignalHandler" in block:
+            rest = text[: m.start()] + text[m.start() + len(block) :].lstrip("\n")
+            return f"----- native stack of the crashing thread -----\n{block}\n\n----- all threads -----\n{rest}"
+    return text
 
 
 def _is_peer_failure(tb: str) -> bool:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import faulthandler
+import os
+import threading
 import time
 import warnings
 
@@ -85,6 +88,29 @@ def _rank1_skips_collective_and_hangs(rank: int, world_size: int) -> None:
 def _rank1_segfaults(rank: int, world_size: int) -> None:
     if rank == 1:
         faulthandler._sigsegv()
+
+
+def _rank1_reads_address_zero(rank: int, world_size: int) -> None:
+    if rank == 1:
+        ctypes.string_at(0)  # a real SIGSEGV in native code, as a use-after-free would be
+
+
+def _rank1_segfaults_after_returning(rank: int, world_size: int) -> None:
+    """What a collective left in flight by a call would do: crash after the call returned."""
+    if rank == 1:
+        threading.Thread(target=lambda: (time.sleep(0.2), ctypes.string_at(0)), daemon=True).start()
+
+
+def _thread_count(rank: int, world_size: int) -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _group_left_in_a_cycle(rank: int, world_size: int) -> None:
+    """As a model does: its hooks (bound methods of its state) make a cycle that holds its
+    mesh and process groups."""
+    holder: dict = {"group": dist.new_group(backend="gloo")}
+    holder["self"] = holder
+    dist.barrier(group=holder["group"])
 
 
 def _unpicklable_result(rank: int, world_size: int) -> object:
@@ -185,6 +211,45 @@ def test_dead_worker_is_reported_with_its_stack_and_replaced() -> None:
     assert "Segmentation fault" in info.value.errors[1]
     assert "_rank1_segfaults" in info.value.errors[1]  # faulthandler's Python stack
     assert run_on_ranks(_all_reduce_ranks, 2) == [3.0, 3.0]
+
+
+def test_segfault_reports_native_and_python_stacks() -> None:
+    """A crash in native code (gloo's threads have no Python frame) is reported with torch's
+    native stacks of every thread, the crashing one first, and faulthandler's Python stacks."""
+    with pytest.raises(RankError, match=r"rank 1 failed: worker died \(exit code -11\)") as info:
+        run_on_ranks(_rank1_reads_address_zero, 2)
+    note = info.value.errors[1]
+    native = note.split("----- all threads -----")[0]
+    assert native.startswith("----- native stack of the crashing thread -----\n"), note[:2000]
+    assert "SIGSEGV(11)" in native and "fatalSignalHandler" in native and "frame #" in native, note[:2000]
+    assert "Fatal Python error: Segmentation fault" in note, note[-3000:]
+    assert "_rank1_reads_address_zero" in note  # faulthandler's Python stack
+    assert "_rank1_reads_address_zero" in str(info.value)
+    assert run_on_ranks(_all_reduce_ranks, 2) == [3.0, 3.0]
+
+
+def test_worker_dying_between_calls_fails_the_next_call() -> None:
+    """A crash after a call returned (something it left in flight) is reported by the next
+    call, with its stacks, instead of the worker being replaced silently."""
+    assert run_on_ranks(_rank1_segfaults_after_returning, 2) == [None, None]
+    deadline = time.monotonic() + 30
+    while _harness._pool.procs[1].is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with pytest.raises(RankError, match=r"(?s)rank 1 died after its previous call returned.*exit code -11") as info:
+        run_on_ranks(_noop, 2)
+    assert "fatalSignalHandler" in info.value.errors[1] and "<lambda>" in info.value.errors[1]
+    assert run_on_ranks(_all_reduce_ranks, 2) == [3.0, 3.0]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_process_groups_of_a_call_die_with_it() -> None:
+    """Process groups a call left in reference cycles are torn down before it returns (each
+    gloo group runs threads of its own): not at some collection during a later call, amid
+    that call's collectives."""
+    run_on_ranks(_group_left_in_a_cycle, 2)  # whatever a first use starts for good
+    before = run_on_ranks(_thread_count, 2)
+    run_on_ranks(_group_left_in_a_cycle, 2)
+    assert run_on_ranks(_thread_count, 2) == before
 
 
 def test_failed_init_retires_the_workers() -> None:
