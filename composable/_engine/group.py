@@ -296,12 +296,12 @@ class ParamGroup:
             streams,
             direct,
         )
+        self._pending_gather = pending  # first: waited for even if an extension gather below raises
         if self.extension_params:
             policy = MixedPrecisionPolicy(self.config.param_dtype, self.config.reduce_dtype)
             self._extension_gathers = extension.start_gathers(
                 self.extension_params, lay.shard_group, lay.mesh, lay.shard_world, policy
             )
-        self._pending_gather = pending
 
     def _raise_on_meta(self) -> None:
         names = [mp.fqn for mp in self.params]
