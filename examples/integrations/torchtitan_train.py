@@ -7,9 +7,14 @@ is torchtitan's.
         --model.name llama3_composable --model.flavor debugmodel --training.steps 10
 """
 
+import os
+import sys
+
 from torchtitan.train import Trainer, main
 
-from composable.integrations.torchtitan import register_llama3
+# A checkout that was not pip-installed still runs (the repository root holds the package).
+sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from composable.integrations.torchtitan import register_llama3  # noqa: E402
 
 if __name__ == "__main__":
     register_llama3()  # the one line a torchtitan user adds
