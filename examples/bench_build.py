@@ -2,12 +2,13 @@
 
 Every contender is built the same way, in the order the APIs need:
 1. the model on the meta device (no memory, no init cost);
-2. with `compile_backend`, every block (`TransformerBlock` / `LlamaDecoderLayer`) `.compile()`d,
+2. with `float8`, its linears swapped for torchao's `Float8Linear` (bench_float8.py);
+3. with `compile_backend`, every block (`TransformerBlock` / `LlamaDecoderLayer`) `.compile()`d,
    before any API is applied, as torchtitan does;
-3. the API: nothing (floor), `fully_shard` on every sharding unit bottom-up (ours or FSDP2),
+4. the API: nothing (floor), `fully_shard` on every sharding unit bottom-up (ours or FSDP2),
    or `replicate` on the root;
-4. materialised on the device and initialised *after* sharding (each rank fills its shards);
-5. DDP last: it broadcasts rank 0's initialised parameters when it is constructed.
+5. materialised on the device and initialised *after* sharding (each rank fills its shards);
+6. DDP last: it broadcasts rank 0's initialised parameters when it is constructed.
 The floor and DDP compute in fp32 under bf16 autocast; fully_shard, FSDP2 and replicate keep
 fp32 sharded parameters and compute in bf16 (`param_dtype`), reducing in fp32.
 """
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import NamedTuple
 
+import bench_float8
 import torch
 from model import ModelConfig, Transformer
 from torch import nn
@@ -34,6 +36,7 @@ class Contender(NamedTuple):
     model: nn.Module  # what the optimizer steps (the DDP wrapper for "ddp")
     autocast: Callable[[], AbstractContextManager[object]]
     logits: Callable[[nn.Module, torch.Tensor], torch.Tensor]  # (model, tokens) -> logits
+    after_step: Callable[[nn.Module], None] = lambda model: None  # (model) after each optimizer step
 
 
 def hf_available() -> bool:
@@ -74,6 +77,11 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     return list(model.layers) if isinstance(model, Transformer) else list(model.model.layers)
 
 
+def head(model: nn.Module) -> nn.Module:
+    """The output head (kept in high precision under `--float8`)."""
+    return model.output if isinstance(model, Transformer) else model.lm_head
+
+
 def sharding_units(model: nn.Module, wrap: str) -> list[nn.Module]:
     """The modules `fully_shard` (ours or FSDP2) is applied to, bottom-up, the root last.
 
@@ -86,9 +94,9 @@ def sharding_units(model: nn.Module, wrap: str) -> list[nn.Module]:
     if wrap == "blocks":
         ends: list[nn.Module] = []
     elif isinstance(model, Transformer):
-        ends = [model.tok_embeddings, model.output]
+        ends = [model.tok_embeddings, head(model)]
     else:
-        ends = [model.model.embed_tokens, model.lm_head]
+        ends = [model.model.embed_tokens, head(model)]
     return [*ends, *blocks(model), model]
 
 
@@ -111,14 +119,18 @@ def build(
     wrap: str = "separate-ends",
     model: str = "own",
     compile_backend: str | None = None,
+    float8: bool = False,
 ) -> Contender:
-    """Contender `run` (one of RUNS) on `device` for model `model` (one of MODELS); see the module doc."""
+    """Contender `run` (one of RUNS) on `device` for model `model` (one of MODELS), with
+    torchao float8 training if `float8`; see the module doc."""
     if run not in RUNS:
         raise ValueError(f"build: run must be one of {RUNS}, got {run!r}")
     if model not in MODELS:
         raise ValueError(f"build: model must be one of {MODELS}, got {model!r}")
     with torch.device("meta"):
         net = Transformer(cfg) if model == "own" else hf_llama(cfg)
+    if float8:
+        bench_float8.to_float8(net, head(net), run)
     if compile_backend is not None:
         for block in blocks(net):
             block.compile(backend=compile_backend)
@@ -145,6 +157,8 @@ def build(
     else:
         autocast = nullcontext
     logits = _own_logits if model == "own" else _hf_logits
+    if float8 and run in bench_float8.FSDP_RUNS:
+        return Contender(net, autocast, logits, bench_float8.after_step)
     return Contender(net, autocast, logits)
 
 

@@ -20,8 +20,11 @@ RATIOS = (("fully_shard", "fsdp2"), ("replicate", "ddp"), ("fully_shard", "floor
 def describe(args: argparse.Namespace) -> str:
     """The settings line under which a table was measured."""
     compiled = f"blocks compiled ({args.compile_backend})" if args.compile else "eager"
+    changed = [f"{k}={getattr(args, k)}" for k in ("dim", "n_layers", "n_heads", "ffn_dim") if getattr(args, k, None)]
+    shape = f" ({' '.join(changed)})" if changed else ""
+    float8 = ", float8 (torchao)" if getattr(args, "float8", False) else ""
     return (
-        f"model {args.model}, preset {args.preset}, local batch {args.batch_size}, seq {args.seq_len}, "
+        f"model {args.model}, preset {args.preset}{shape}{float8}, local batch {args.batch_size}, seq {args.seq_len}, "
         f"wrap {args.wrap}, {compiled}, {args.rounds} rounds x {args.steps} steps, torch {torch.__version__}"
     )
 

@@ -3,16 +3,19 @@
     torchrun --nproc_per_node 2 examples/benchmark.py --preset 1b --batch-size 4
     torchrun --nproc_per_node 2 examples/benchmark.py --preset 1b --batch-size 4 --compile
     torchrun --nproc_per_node 2 examples/benchmark.py --preset 1b --batch-size 4 --model hf-llama
+    torchrun --nproc_per_node 2 examples/benchmark.py --preset 1b --dim 4096 --n-layers 16 --compile --float8
     python examples/benchmark.py --cpu-overhead        # CPU cost of the hooks, no GPU needed
 
 Runs, one after the other in one process group, once per round: a no-communication floor
 (each GPU trains its own copy with autocast), composable.fully_shard, PyTorch FSDP2,
 composable.replicate and PyTorch DDP (+autocast), all on the same model (ours, or
 HuggingFace's `LlamaForCausalLM` at the same shape with `--model hf-llama`), data and AdamW;
-with `--compile` every contender's blocks are compiled. Prints one table (median step time,
+with `--compile` every contender's blocks are compiled; with `--float8` every contender trains
+with torchao float8 linears (bench_float8.py; the FSDP-style ones all-gather in float8).
+`--dim` widens the preset (heads and ffn follow, Llama's rules: `width_overrides`). Prints one table (median step time,
 tokens/s per GPU, MFU, peak memory allocated and reserved) and the ratios ours/theirs.
 Without a GPU it runs on the CPU with gloo (timings only; a smoke test of the wiring).
-How contenders are built: bench_build.py; the report: bench_report.py; `--cpu-overhead`:
+MFU is always against the bf16 peak. How contenders are built: bench_build.py; the report: bench_report.py; `--cpu-overhead`:
 bench_overhead.py.
 """
 
@@ -31,8 +34,9 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # 
 import torch
 import torch.distributed as dist
 from bench_build import HF_MISSING, MODELS, RUNS, WRAPS, Contender, build, hf_available
+from bench_float8 import FLOAT8_MISSING, float8_available
 from bench_report import report, write_trace
-from model import PRESETS, get_config, lm_loss, model_flops_per_token
+from model import PRESETS, ModelConfig, get_config, lm_loss, model_flops_per_token
 from torch import nn
 
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0}
@@ -47,6 +51,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=MODELS,
         help="'own': examples/model.py; 'hf-llama': transformers' LlamaForCausalLM at the preset's shape",
     )
+    p.add_argument("--dim", type=int, default=None, help="model width instead of the preset's (see width_overrides)")
+    p.add_argument("--n-layers", type=int, default=None, help="number of blocks instead of the preset's")
+    p.add_argument(
+        "--n-heads", type=int, default=None, help="attention heads (default with --dim: the preset's head dim)"
+    )
+    p.add_argument("--ffn-dim", type=int, default=None, help="feed-forward width (default with --dim: Llama's 8/3 dim)")
     p.add_argument("--batch-size", type=int, default=4, help="local (per-GPU) batch")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--steps", type=int, default=10, help="timed steps per run per round")
@@ -63,6 +73,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "root (torchtitan's wrapping; faster and leaner for both); 'blocks' = each block + the root",
     )
     p.add_argument("--compile", action="store_true", help="compile every block of every contender (before the APIs)")
+    p.add_argument(
+        "--float8",
+        action="store_true",
+        help="every contender trains with torchao float8 linears (the head and dims not divisible by 16 excepted)",
+    )
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend for --compile")
     p.add_argument("--out", default=None, help="write results JSON here")
     p.add_argument("--profile", default="", help="comma list of runs to profile (2 extra steps each, first round)")
@@ -83,7 +98,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--runs: unknown run(s) {unknown or [args.runs]}; choose from {', '.join(RUNS)}")
     if args.model == "hf-llama" and not args.cpu_overhead and not hf_available():
         p.error(HF_MISSING)
+    if args.float8 and not args.cpu_overhead and not float8_available():
+        p.error(FLOAT8_MISSING)
+    for flag in ("dim", "n_layers", "n_heads", "ffn_dim"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    # Record the shape the width flags derive, so the table and the JSON name it.
+    args.__dict__.update(width_overrides(args.preset, args.dim, args.n_heads, args.ffn_dim))
+    try:
+        model_config(args)
+    except ValueError as e:
+        p.error(f"--dim/--n-heads: {e}")
     return args
+
+
+def width_overrides(preset: str, dim: int | None, n_heads: int | None, ffn_dim: int | None) -> dict[str, int]:
+    """The config fields that `--dim` / `--n-heads` / `--ffn-dim` change. With `--dim` alone,
+    heads keep the preset's head dim and the ffn is Llama's: 8/3 of the width rounded up to a
+    multiple of 256 (2048 -> 5632, the 1b preset's; 4096 -> 11008 with 32 heads, Llama-7B's)."""
+    out = {"dim": dim, "n_heads": n_heads, "ffn_dim": ffn_dim}
+    if dim is not None:
+        if n_heads is None:
+            out["n_heads"] = max(1, dim // PRESETS[preset].head_dim)
+        if ffn_dim is None:
+            out["ffn_dim"] = -(-(8 * dim // 3) // 256) * 256
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    """The preset, at `--seq-len`, with the width/depth flags applied."""
+    width = width_overrides(args.preset, args.dim, args.n_heads, args.ffn_dim)
+    return get_config(args.preset, max_seq_len=args.seq_len, n_layers=args.n_layers, **width)
 
 
 def train_step(c: Contender, opt: torch.optim.Optimizer, tokens: torch.Tensor) -> torch.Tensor:
@@ -92,6 +137,7 @@ def train_step(c: Contender, opt: torch.optim.Optimizer, tokens: torch.Tensor) -
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
+    c.after_step(c.model)  # float8 on FSDP-style runs: the next step's weight scales
     return loss.detach()
 
 
@@ -146,7 +192,7 @@ def forget_dtensor_caches() -> None:
 
 
 def time_run(run: str, args: argparse.Namespace, device: torch.device, profile: bool = False) -> dict:
-    cfg = get_config(args.preset, max_seq_len=args.seq_len)
+    cfg = model_config(args)
     # Peaks are counted above what was allocated before this run's model existed, so that
     # anything an earlier run left behind is not charged to this one.
     gc.collect()
@@ -161,7 +207,7 @@ def time_run(run: str, args: argparse.Namespace, device: torch.device, profile: 
         torch._dynamo.reset()
     forget_dtensor_caches()
     torch.manual_seed(0)
-    c = build(run, cfg, device, args.wrap, args.model, args.compile_backend if args.compile else None)
+    c = build(run, cfg, device, args.wrap, args.model, args.compile_backend if args.compile else None, args.float8)
     opt = torch.optim.AdamW(c.model.parameters(), lr=1e-4, fused=True)
     g = torch.Generator(device=device).manual_seed(dist.get_rank())
     tokens = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), device=device, generator=g)

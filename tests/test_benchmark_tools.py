@@ -6,6 +6,7 @@ gloo smoke run of the whole GPU path on the CPU, and the crash handling of --cpu
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
@@ -17,6 +18,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
 import bench_build
+import bench_float8
 import bench_overhead
 import benchmark
 import trace_overlap as overlap
@@ -174,6 +176,8 @@ def test_hf_llama_without_transformers_is_one_clear_line(
         (["--runs", "floor,fsdp3"], "--runs: unknown run(s) ['fsdp3']"),
         (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
         (["--model", "gpt"], "argument --model: invalid choice: 'gpt'"),
+        (["--dim", "4096", "--n-heads", "3"], "--dim/--n-heads: ModelConfig: dim 4096 must be divisible by n_heads 3"),
+        (["--n-layers", "0"], "--n-layers must be >= 1, got 0"),
     ],
 )
 def test_bad_flags_are_refused(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -247,6 +251,122 @@ def test_smoke_run_with_compiled_blocks() -> None:
     from _harness import run_on_ranks
 
     losses = run_on_ranks(_smoke, 2, ["--compile", "--compile-backend", "aot_eager"], timeout=300)[0]
+    assert list(losses) == list(bench_build.RUNS)
+    assert all(math.isfinite(v) and 4.0 < v < 7.0 for v in losses.values()), losses
+
+
+# --- --float8 (torchao) and the width flags ---
+
+needs_torchao = pytest.mark.skipif(not bench_float8.float8_available(), reason="torchao is not installed")
+
+
+def test_float8_without_torchao_is_one_clear_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(benchmark, "float8_available", lambda: False)
+    with pytest.raises(SystemExit) as exc:
+        benchmark.parse_args(["--float8"])
+    assert exc.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.endswith("error: --float8 needs torchao (float8 training), which is not installed: pip install torchao")
+
+
+def test_only_linears_with_dims_divisible_by_16_convert_and_never_the_head() -> None:
+    import torch.nn as nn
+
+    head = nn.Linear(32, 48)
+    assert bench_float8.convertible(nn.Linear(32, 48), head)
+    assert not bench_float8.convertible(head, head)
+    assert not bench_float8.convertible(nn.Linear(32, 40), head)  # out 40
+    assert not bench_float8.convertible(nn.Linear(24, 48), head)  # in 24
+    assert not bench_float8.convertible(nn.LayerNorm(32), head)
+
+
+@pytest.mark.parametrize(
+    "argv,shape",
+    [
+        ([], (2048, 16, 16, 5632)),
+        (["--dim", "2048"], (2048, 16, 16, 5632)),  # Llama's rule gives the preset back
+        (["--dim", "4096", "--n-layers", "8"], (4096, 8, 32, 11008)),  # Llama-7B's width
+        (["--dim", "4096", "--n-heads", "16", "--ffn-dim", "8192"], (4096, 16, 16, 8192)),
+    ],
+)
+def test_width_flags_override_the_preset(argv: list[str], shape: tuple[int, ...]) -> None:
+    args = benchmark.parse_args(["--preset", "1b", *argv])
+    cfg = benchmark.model_config(args)
+    assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.ffn_dim) == shape
+    assert cfg.max_seq_len == args.seq_len
+
+
+def test_width_flags_and_float8_are_named_in_the_table_header(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench_report import describe
+
+    monkeypatch.setattr(benchmark, "float8_available", lambda: True)
+    args = benchmark.parse_args(["--preset", "1b", "--dim", "4096", "--float8"])
+    assert "preset 1b (dim=4096 n_heads=32 ffn_dim=11008), float8 (torchao)," in describe(args)
+    assert "float8" not in describe(benchmark.parse_args([]))
+
+
+@needs_torchao
+@pytest.mark.filterwarnings("ignore:DTensor random operators")
+@pytest.mark.parametrize("model", MODELS)
+def test_float8_converts_every_block_linear_of_every_contender_but_the_head(model: str) -> None:
+    """Every block's 7 linears become `Float8Linear`s, the head does not; the FSDP-style runs
+    gather their weights in float8 (torchao's weight tensor inside the DTensor) and compute
+    the next scales after each step; the others keep plain weights and do nothing after it."""
+    import torch
+    from _harness import fake_process_group
+    from torchao.float8.float8_linear import Float8Linear
+
+    cfg = benchmark.get_config("tiny")
+    with fake_process_group(2):
+        for run in bench_build.RUNS:
+            if run == "ddp":
+                continue  # DDP needs real collectives at construction: the smoke run covers it
+            c = bench_build.build(run, cfg, torch.device("cpu"), model=model, compile_backend="aot_eager", float8=True)
+            converted = [name for name, m in c.model.named_modules() if isinstance(m, Float8Linear)]
+            assert len(converted) == 7 * cfg.n_layers, (run, converted)
+            assert not isinstance(bench_build.head(c.model), Float8Linear)
+            assert all(b._compiled_call_impl is not None for b in bench_build.blocks(c.model))
+            weight = c.model.get_submodule(converted[0]).weight
+            local = type(getattr(weight, "_local_tensor", weight)).__name__
+            if run in ("fully_shard", "fsdp2"):
+                assert local == "WeightWithDynamicFloat8CastTensor", run
+                assert c.after_step is bench_float8.after_step
+            else:
+                assert local in ("Parameter", "Tensor"), (run, local)
+                assert c.after_step is bench_build.Contender._field_defaults["after_step"]
+        plain = bench_build.build("fully_shard", cfg, torch.device("cpu"), model=model).model
+        assert not any(isinstance(m, Float8Linear) for m in plain.modules())
+
+
+def test_train_step_calls_after_step_once_after_the_optimizer_step() -> None:
+    """Where `precompute_float8_dynamic_scale_for_fsdp` runs: after the weights moved."""
+    import torch
+
+    net = torch.nn.Embedding(8, 8)
+    before = net.weight.detach().clone()
+    opt = torch.optim.SGD(net.parameters(), lr=1.0)
+    seen = []
+
+    def after(model: torch.nn.Module) -> None:
+        seen.append((model, net.weight.grad, torch.equal(net.weight, before)))
+
+    c = bench_build.Contender(net, contextlib.nullcontext, lambda m, t: m(t), after)
+    benchmark.train_step(c, opt, torch.randint(0, 8, (2, 5)))
+    assert seen == [(net, None, False)]  # once, the step taken and the gradients dropped
+
+
+@needs_torchao
+@pytest.mark.filterwarnings("ignore:DTensor random operators")
+def test_smoke_run_with_float8_on_two_gloo_ranks() -> None:
+    """Every contender trains a step in float8 on the CPU (gloo gathers float8 as bytes), the
+    FSDP-style ones recomputing their scales after each step."""
+    import math
+
+    from _harness import run_on_ranks
+
+    losses = run_on_ranks(_smoke, 2, ["--float8"], timeout=300)[0]
     assert list(losses) == list(bench_build.RUNS)
     assert all(math.isfinite(v) and 4.0 < v < 7.0 for v in losses.values()), losses
 
