@@ -123,7 +123,7 @@ def test_torchtitan_trainer_on_gpus(model: str, tmp_path) -> None:
     script = os.path.abspath(os.path.join(EXAMPLES, "torchtitan_train.py"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", script, "--model.name", model]
     cmd += ["--model.flavor", "debugmodel", "--model.hf_assets_path", "tests/assets/tokenizer"]
-    cmd += ["--training.steps", "10", "--training.dataset", "c4_test", "--training.seed", "0"]
+    cmd += ["--training.steps", "10", "--training.dataset", "c4_test", "--debug.seed", "0"]
     cmd += ["--checkpoint.enable", "--checkpoint.interval", "5", "--job.dump_folder", str(tmp_path)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env_without_launcher(), cwd=repo)
     assert done.returncode == 0, done.stderr[-4000:]
