@@ -96,17 +96,18 @@ class ModuleState:
         # Bound methods (not closures), so `copy.deepcopy(model)` rebinds them to the copy's state.
         # Pre-hook before the user's, post-hook after theirs (see `contract.register_api_pre_hook`).
         self._hook_handles = []
+        self._post_hook_ids: list[int] = []  # per listed module: its post-forward hook, kept last
         for m in self.modules:
+            post_hook = m.register_forward_hook(self._post_forward, always_call=False)
+            self._post_hook_ids.append(post_hook.id)
             self._hook_handles += [
                 register_api_pre_hook(m, self._pre_forward),
-                m.register_forward_hook(self._post_forward, always_call=False),
-                # Between forward and backward a group may still be unsharded: state dicts must
-                # see (and load into) the sharded DTensors all the same.
+                post_hook,
+                # State dicts see (and load into) the sharded DTensors, even between forward and backward.
                 m.register_state_dict_pre_hook(lambda *_: self.reshard()),
                 m.register_state_dict_post_hook(offset_free_state_dict),  # picklable values
                 m.register_load_state_dict_pre_hook(lambda *_: self.reshard()),
             ]
-        self._post_hook_ids = [h.id for h in self._hook_handles[1::5]]  # per listed module
 
     # -- public helpers ---------------------------------------------------------------------
     @property
