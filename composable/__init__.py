@@ -12,6 +12,7 @@ from .clip_grad import clip_grad_norm_
 from .forward_method import register_forward_method
 from .fsdp import ShardingStrategy, fully_shard
 from .grad_scaler import ShardedGradScaler
+from .graphed_step import GraphedStep, graphed_step
 from .replicate import replicate
 
 __all__ = [
@@ -27,4 +28,6 @@ __all__ = [
     "clip_grad_norm_",
     "ShardedGradScaler",
     "register_forward_method",
+    "graphed_step",
+    "GraphedStep",
 ]

@@ -1,0 +1,342 @@
+"""`graphed_step`: a whole training step captured once in a CUDA graph and replayed.
+
+At small per-GPU batches the host sets the pace: every step runs the hooks, the autograd
+engine, the optimizer's Python and thousands of kernel launches, and the GPU waits for them
+(BENCHMARKS.md). A replayed CUDA graph launches the whole step, forward, backward, every
+all-gather and reduction and the optimizer step, as one unit, with no Python in between.
+
+What a graph can and cannot see is the contract (`graphed_step`'s docstring); what would
+silently go wrong is checked before every replay (`_Snapshot`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from ._engine.contract import PARAM_OWNING_APIS, get_state
+
+_API = "graphed_step"
+T = TypeVar("T")
+
+
+def graphed_step(step: Callable[..., T], *, warmup: int = 2) -> "GraphedStep[T]":
+    """Wrap `step`, one whole training step, so that it runs as a replayed CUDA graph.
+
+    `step(*args, **kwargs)` does everything one training step does: forward, backward (with
+    any `no_sync` micro-batches, `checkpoint`, `clip_grad_norm_`, `ShardedGradScaler`), the
+    optimizer step and `zero_grad`, over modules under `fully_shard`/`replicate` (compiled or
+    not) or plain ones. Call the returned object as you would call `step`; every call is one
+    real training step:
+
+    - the first `warmup` calls run `step` eagerly, on a side stream (lazy initialisation,
+      compilation, NCCL communicators and cuBLAS workspaces happen there, outside the graph);
+    - the next call captures `step` in a CUDA graph and replays it;
+    - later calls copy their tensor arguments into the captured ones and replay.
+
+    It returns what `step` returns, tensors cloned (they stay valid after the next call).
+
+    What must stay as it was at capture (a graph replays the captured kernels, not the Python):
+    - the arguments: tensors (CUDA, no autograd history) of the same shapes, dtypes and
+      devices; every other argument equal. Else `ValueError` naming the argument.
+    - modules the step ran: train/eval mode, `requires_grad`, the settings of their
+      `fully_shard`/`replicate` states (`set_requires_gradient_sync`, reshard and prefetch
+      settings...); optimizers it stepped: their parameters, state tensors and non-tensor
+      hyperparameters. A change raises `RuntimeError` naming it before anything is replayed.
+      For a learning-rate schedule give the optimizer `lr` as a tensor (`torch.tensor(lr,
+      device=...)`) and change it in place: tensors are read at every replay.
+    - Python decisions inside `step` (branches, `.item()`, data-dependent shapes) are taken
+      once, at capture; a step that synchronises with the CPU cannot be captured and
+      raises `RuntimeError`. Optimizers need `capturable=True` (Adam, AdamW...): `ValueError`.
+
+    Memory: the graph keeps the step's temporaries in a private pool, about one step's peak.
+    """
+    if not callable(step):
+        raise TypeError(f"{_API}: 'step' must be callable, got {type(step).__name__}: {step!r:.80}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
+        raise ValueError(f"{_API}: 'warmup' must be an int >= 1 (the eager steps before capture), got {warmup!r}")
+    return GraphedStep(step, warmup)
+
+
+class GraphedStep(Generic[T]):
+    """The callable `graphed_step` returns; see there. `graph` is None until captured."""
+
+    def __init__(self, step: Callable[..., T], warmup: int) -> None:
+        self.step = step
+        self.warmup = warmup
+        self.calls = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self._inputs: _Inputs | None = None
+        self._output: Any = None
+        self._snapshot: _Snapshot | None = None
+        self._recorder: _Recorder | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> T:
+        if self.graph is None:
+            inputs = _Inputs.check_first((args, kwargs))
+            if self.calls < self.warmup:
+                last = self.calls == self.warmup - 1
+                out = self._eager(args, kwargs, record=last)
+                self.calls += 1
+                return out
+            self._capture(inputs)
+        else:
+            assert self._inputs is not None and self._snapshot is not None
+            self._inputs.load((args, kwargs))
+            self._snapshot.check()
+        assert self.graph is not None
+        self.graph.replay()
+        self.calls += 1
+        return pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), self._output)
+
+    def _eager(self, args: tuple[Any, ...], kwargs: dict[str, Any], record: bool) -> T:
+        """One eager step on a side stream (CUDA's rule for work before a capture)."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        recorder = _Recorder() if record else None
+        try:
+            with torch.cuda.stream(side):
+                if recorder is not None:
+                    with recorder:
+                        out = self.step(*args, **kwargs)
+                else:
+                    out = self.step(*args, **kwargs)
+        finally:
+            torch.cuda.current_stream().wait_stream(side)
+        if recorder is not None:
+            self._recorder = recorder
+        return out
+
+    def _capture(self, inputs: "_Inputs") -> None:
+        recorder = self._recorder
+        assert recorder is not None, "the last warm-up step records the modules and optimizers"
+        recorder.check_capturable()
+        snapshot = _Snapshot(recorder)
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()  # the warm-up steps are done; nothing of theirs runs into the graph
+        try:
+            with torch.cuda.graph(graph):
+                out = self.step(*inputs.args, **inputs.kwargs)
+        except Exception as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise RuntimeError(
+                f"{_API}: capturing the step failed ({type(err).__name__}: {first}); a captured step must not "
+                "synchronise with the CPU (.item(), .tolist(), printing or branching on a tensor's value)"
+            ) from err
+        _check_output(out)
+        self.graph, self._inputs, self._output, self._snapshot = graph, inputs, out, snapshot
+        self._recorder = None
+
+
+class _Inputs:
+    """The captured arguments: tensor leaves become static buffers, the rest stays as given."""
+
+    def __init__(self, tree: Any) -> None:
+        leaves, self.spec = pytree.tree_flatten_with_path(tree)
+        self.paths = [_where(path) for path, _ in leaves]
+        self.leaves = [leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf for _, leaf in leaves]
+        self.args, self.kwargs = pytree.tree_unflatten(self.leaves, self.spec)
+
+    @staticmethod
+    def check_first(tree: Any) -> "_Inputs":
+        """Check the arguments of a call before capture: CUDA tensors without autograd history."""
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"{_API}: CUDA graphs need a CUDA device, and torch.cuda.is_available() is False")
+        for path, leaf in pytree.tree_flatten_with_path(tree)[0]:
+            if isinstance(leaf, torch.Tensor):
+                if leaf.requires_grad:
+                    raise ValueError(
+                        f"{_API}: argument {_where(path)} requires grad: a graph cannot carry autograd history "
+                        "into the step; pass it detached"
+                    )
+                if leaf.device.type != "cuda":
+                    raise ValueError(
+                        f"{_API}: argument {_where(path)} is on {leaf.device}: a graphed step's tensors must be on CUDA"
+                    )
+        return _Inputs(tree)
+
+    def load(self, tree: Any) -> None:
+        """Check a replay's arguments against the captured ones and copy its tensors in."""
+        leaves, spec = pytree.tree_flatten(tree)
+        if spec != self.spec:
+            raise ValueError(f"{_API}: the arguments' structure changed since capture: {spec} (captured: {self.spec})")
+        for where, new, old in zip(self.paths, leaves, self.leaves):
+            if isinstance(old, torch.Tensor):
+                if not isinstance(new, torch.Tensor):
+                    raise ValueError(f"{_API}: argument {where} must be a tensor as at capture, got {new!r:.80}")
+                if new.shape != old.shape or new.dtype != old.dtype or new.device != old.device:
+                    raise ValueError(
+                        f"{_API}: argument {where} is {_describe(new)}, captured as {_describe(old)}: a graph "
+                        "replays fixed shapes (pad the batch, or make one graphed_step per shape)"
+                    )
+            elif new is not old and not _equal(new, old):
+                raise ValueError(
+                    f"{_API}: argument {where} is {new!r:.80}, captured as {old!r:.80}: non-tensor arguments are "
+                    "frozen at capture"
+                )
+        for new, old in zip(leaves, self.leaves):
+            if isinstance(old, torch.Tensor) and new is not old:
+                old.copy_(new, non_blocking=True)
+
+
+class _Recorder:
+    """While active (the last warm-up step), records the modules that ran a forward and the
+    optimizers that stepped: what the captured step will depend on."""
+
+    def __init__(self) -> None:
+        self.modules: dict[int, weakref.ref[nn.Module]] = {}
+        self.optimizers: dict[int, weakref.ref[torch.optim.Optimizer]] = {}
+
+    def __enter__(self) -> None:
+        self._handles = [
+            register_module_forward_pre_hook(self._on_forward),
+            register_optimizer_step_pre_hook(self._on_step),
+        ]
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def _on_forward(self, module: nn.Module, _args: Any) -> None:
+        self.modules.setdefault(id(module), weakref.ref(module))
+
+    def _on_step(self, optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        self.optimizers.setdefault(id(optimizer), weakref.ref(optimizer))
+
+    def live_modules(self) -> list[nn.Module]:
+        return [m for ref in self.modules.values() if (m := ref()) is not None]
+
+    def live_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [o for ref in self.optimizers.values() if (o := ref()) is not None]
+
+    def check_capturable(self) -> None:
+        """Optimizers with a `capturable` flag must have it on: their step counters then live
+        on the GPU, where a replay advances them."""
+        for opt in self.live_optimizers():
+            for i, group in enumerate(opt.param_groups):
+                if group.get("capturable") is False:
+                    raise ValueError(
+                        f"{_API}: {type(opt).__name__}'s param_groups[{i}] has capturable=False; build the "
+                        f"optimizer with capturable=True to step it inside a CUDA graph"
+                    )
+
+
+# Settings of a fully_shard/replicate state that change what a step does.
+_STATE_SETTINGS = ("requires_gradient_sync", "reshard_after_forward", "reshard_after_backward", "is_last_backward")
+_REDUCER_SETTINGS = ("requires_all_reduce", "divide_factor")
+
+
+class _Snapshot:
+    """What the captured step depends on and Python could change between replays, as one
+    tuple per module and per optimizer, compared before every replay."""
+
+    def __init__(self, recorder: _Recorder) -> None:
+        self.modules = recorder.live_modules()
+        self.optimizers = recorder.live_optimizers()
+        self.module_values = [_module_settings(m) for m in self.modules]
+        self.optimizer_values = [_optimizer_settings(o) for o in self.optimizers]
+
+    def check(self) -> None:
+        for module, old in zip(self.modules, self.module_values):
+            new = _module_settings(module)
+            if new != old:
+                raise RuntimeError(
+                    f"{_API}: {type(module).__name__} changed since capture: {_first_difference(old, new)}"
+                )
+        for opt, old in zip(self.optimizers, self.optimizer_values):
+            new = _optimizer_settings(opt)
+            if new != old:
+                hint = ""
+                if any(name == "lr" for name, _, _ in _differences(old, new)):
+                    hint = " (for a schedule, give lr as a tensor and change it in place)"
+                raise RuntimeError(
+                    f"{_API}: {type(opt).__name__} changed since capture: {_first_difference(old, new)}{hint}"
+                )
+
+
+def _module_settings(module: nn.Module) -> tuple[tuple[str, Any], ...]:
+    items: list[tuple[str, Any]] = [("training", module.training)]
+    items += [(f"{name}.requires_grad", p.requires_grad) for name, p in module.named_parameters(recurse=False)]
+    items += [(f"parameter {name}", _storage_id(p)) for name, p in module.named_parameters(recurse=False)]
+    for api in PARAM_OWNING_APIS:
+        state = get_state(module, api)
+        if state is None:
+            continue
+        items += [(f"{api} {s}", getattr(state, s, None)) for s in _STATE_SETTINGS]
+        for s in ("forward_prefetch", "backward_prefetch"):
+            items.append((f"{api} {s}", tuple(id(x) for x in getattr(state, s, None) or ())))
+        reducer = getattr(getattr(state, "group", None), "reducer", None)
+        items += [(f"{api} {s}", getattr(reducer, s, None)) for s in _REDUCER_SETTINGS]
+    return tuple(items)
+
+
+def _optimizer_settings(opt: torch.optim.Optimizer) -> tuple[tuple[str, Any], ...]:
+    items: list[tuple[str, Any]] = []
+    for i, group in enumerate(opt.param_groups):
+        params = group["params"]
+        items.append((f"param_groups[{i}] parameters", tuple(_storage_id(p) for p in params)))
+        for key, value in group.items():
+            if key != "params" and not isinstance(value, torch.Tensor):
+                items.append((key, value))
+        for p in params:
+            state = opt.state.get(p, {})
+            items.append(("state", tuple(_storage_id(v) for v in state.values() if isinstance(v, torch.Tensor))))
+    return tuple(items)
+
+
+def _storage_id(t: torch.Tensor) -> int:
+    """Which memory a parameter or state tensor is: a graph reads and writes addresses (the
+    Python object may be rewrapped, as a DTensor optimizer step counter is every step)."""
+    return (t._local_tensor if isinstance(t, DTensor) else t).data_ptr()
+
+
+def _differences(old: tuple[Any, ...], new: tuple[Any, ...]) -> list[tuple[str, Any, Any]]:
+    if len(old) != len(new):
+        return [("number of settings", len(old), len(new))]
+    return [(a[0], a[1], b[1]) for a, b in zip(old, new) if a != b]
+
+
+def _first_difference(old: tuple[Any, ...], new: tuple[Any, ...]) -> str:
+    name, was, now = _differences(old, new)[0]
+    if name.startswith(("parameter", "param_groups", "state")):
+        return f"{name} replaced by other tensors (a graph keeps using the captured ones; build a new graphed_step)"
+    return f"{name} was {was!r}, is {now!r} (a graph replays what was captured; build a new graphed_step)"
+
+
+def _check_output(out: Any) -> None:
+    """A Python number returned by the step would be the capture's value forever after."""
+    for path, leaf in pytree.tree_flatten_with_path(out)[0]:
+        if isinstance(leaf, (int, float)) and not isinstance(leaf, bool):
+            raise TypeError(
+                f"{_API}: the step returned a Python number at output{pytree.keystr(path)} ({leaf!r}); it "
+                "would be frozen at capture: return a tensor"
+            )
+
+
+def _where(path: tuple[Any, ...]) -> str:
+    """`args[0]`, `kwargs['batch']`, ... for a pytree key path of (args, kwargs)."""
+    text = pytree.keystr(path)
+    if text.startswith("[0]"):
+        return "args" + text[3:]
+    if text.startswith("[1]"):
+        return "kwargs" + text[3:]
+    return text
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{tuple(t.shape)} {t.dtype} on {t.device}"
+
+
+def _equal(a: object, b: object) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
