@@ -264,8 +264,9 @@ class _Snapshot:
 
 def _module_settings(module: nn.Module) -> tuple[tuple[str, Any], ...]:
     items: list[tuple[str, Any]] = [("training", module.training)]
-    items += [(f"{name}.requires_grad", p.requires_grad) for name, p in module.named_parameters(recurse=False)]
-    items += [(f"parameter {name}", _storage_id(p)) for name, p in module.named_parameters(recurse=False)]
+    for name, p in module._parameters.items():  # checked before every replay: kept cheap
+        if p is not None:
+            items += ((f"{name}.requires_grad", p.requires_grad), (f"parameter {name}", _storage_id(p)))
     for api in PARAM_OWNING_APIS:
         state = get_state(module, api)
         if state is None:
