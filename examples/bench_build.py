@@ -27,6 +27,9 @@ from torch import nn
 import composable
 
 RUNS = ("floor", "fully_shard", "fsdp2", "replicate", "ddp")
+# The same contenders with the whole step in a CUDA graph (composable.graphed_step); opt-in, CUDA only.
+GRAPHED_RUNS = ("floor_graphed", "fully_shard_graphed", "replicate_graphed")
+ALL_RUNS = RUNS + GRAPHED_RUNS
 MODELS = ("own", "hf-llama")
 WRAPS = ("separate-ends", "blocks")  # how fully_shard/FSDP2 group the model: see `sharding_units`
 HF_MISSING = "--model hf-llama needs HuggingFace transformers, which is not installed: pip install transformers"
@@ -121,10 +124,12 @@ def build(
     compile_backend: str | None = None,
     float8: bool = False,
 ) -> Contender:
-    """Contender `run` (one of RUNS) on `device` for model `model` (one of MODELS), with
-    torchao float8 training if `float8`; see the module doc."""
-    if run not in RUNS:
-        raise ValueError(f"build: run must be one of {RUNS}, got {run!r}")
+    """Contender `run` (one of ALL_RUNS) on `device` for model `model` (one of MODELS), with
+    torchao float8 training if `float8`; see the module doc. A graphed run builds the same
+    contender as its eager one: the benchmark graphs its step."""
+    if run not in ALL_RUNS:
+        raise ValueError(f"build: run must be one of {ALL_RUNS}, got {run!r}")
+    run = run.removesuffix("_graphed")
     if model not in MODELS:
         raise ValueError(f"build: model must be one of {MODELS}, got {model!r}")
     with torch.device("meta"):

@@ -14,7 +14,18 @@ import tempfile
 
 import torch
 
-RATIOS = (("fully_shard", "fsdp2"), ("replicate", "ddp"), ("fully_shard", "floor"))
+RATIOS = (
+    ("fully_shard", "fsdp2"),
+    ("replicate", "ddp"),
+    ("fully_shard", "floor"),
+    # CUDA graphs speed the floor too: a graphed contender is held against both floors.
+    ("fully_shard_graphed", "fsdp2"),
+    ("fully_shard_graphed", "floor"),
+    ("fully_shard_graphed", "floor_graphed"),
+    ("replicate_graphed", "ddp"),
+    ("replicate_graphed", "floor_graphed"),
+    ("floor_graphed", "floor"),
+)
 
 
 def describe(args: argparse.Namespace) -> str:

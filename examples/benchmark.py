@@ -4,6 +4,8 @@
     torchrun --nproc_per_node 2 examples/benchmark.py --preset 1b --batch-size 4 --compile
     torchrun --nproc_per_node 2 examples/benchmark.py --preset 1b --batch-size 4 --model hf-llama
     torchrun --nproc_per_node 2 examples/benchmark.py --preset 1b --dim 4096 --n-layers 16 --compile --float8
+    torchrun --nproc_per_node 2 examples/benchmark.py --batch-size 1 --compile \
+        --runs floor,floor_graphed,fully_shard,fully_shard_graphed,fsdp2,replicate,replicate_graphed,ddp
     python examples/benchmark.py --cpu-overhead        # CPU cost of the hooks, no GPU needed
 
 Runs, one after the other in one process group, once per round: a no-communication floor
@@ -12,6 +14,9 @@ composable.replicate and PyTorch DDP (+autocast), all on the same model (ours, o
 HuggingFace's `LlamaForCausalLM` at the same shape with `--model hf-llama`), data and AdamW;
 with `--compile` every contender's blocks are compiled; with `--float8` every contender trains
 with torchao float8 linears (bench_float8.py; the FSDP-style ones all-gather in float8).
+With `--runs ...,floor_graphed,fully_shard_graphed,replicate_graphed` the same contenders
+also run with their whole step in a CUDA graph (`composable.graphed_step`; GPU only, opt-in):
+graphs speed the floor too, so a graphed contender is reported against both floors.
 `--dim` widens the preset (heads and ffn follow, Llama's rules: `width_overrides`). Prints one table (median step time,
 tokens/s per GPU, MFU, peak memory allocated and reserved) and the ratios ours/theirs.
 Without a GPU it runs on the CPU with gloo (timings only; a smoke test of the wiring).
@@ -27,13 +32,14 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # uninstalled checkout
 
 import torch
 import torch.distributed as dist
-from bench_build import HF_MISSING, MODELS, RUNS, WRAPS, Contender, build, hf_available
+from bench_build import ALL_RUNS, GRAPHED_RUNS, HF_MISSING, MODELS, RUNS, WRAPS, Contender, build, hf_available
 from bench_float8 import FLOAT8_MISSING, float8_available
 from bench_report import report, write_trace
 from model import PRESETS, ModelConfig, get_config, lm_loss, model_flops_per_token
@@ -64,7 +70,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--rounds", type=int, default=3, help="every run once per round; ratios are medians of per-round ratios"
     )
-    p.add_argument("--runs", default=",".join(RUNS), help=f"comma list of {', '.join(RUNS)}")
+    p.add_argument(
+        "--runs",
+        default=",".join(RUNS),
+        help=f"comma list of {', '.join(ALL_RUNS)} (the *_graphed ones: the whole step in a CUDA graph)",
+    )
     p.add_argument(
         "--wrap",
         choices=WRAPS,
@@ -93,9 +103,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.warmup < 0:
         p.error(f"--warmup must be >= 0, got {args.warmup}")
-    unknown = [run for run in args.runs.split(",") if run not in RUNS]
+    unknown = [run for run in args.runs.split(",") if run not in ALL_RUNS]
     if unknown or not args.runs:
-        p.error(f"--runs: unknown run(s) {unknown or [args.runs]}; choose from {', '.join(RUNS)}")
+        p.error(f"--runs: unknown run(s) {unknown or [args.runs]}; choose from {', '.join(ALL_RUNS)}")
+    graphed = [run for run in args.runs.split(",") if run in GRAPHED_RUNS]
+    if graphed and not args.cpu_overhead and not torch.cuda.is_available():
+        p.error(f"--runs: {graphed[0]} needs a GPU (CUDA graphs), and torch.cuda.is_available() is False")
+    if graphed and args.float8:
+        p.error(f"--runs: {graphed[0]} with --float8 is not supported (the float8 scales are computed after the step)")
     if args.model == "hf-llama" and not args.cpu_overhead and not hf_available():
         p.error(HF_MISSING)
     if args.float8 and not args.cpu_overhead and not float8_available():
@@ -139,6 +154,19 @@ def train_step(c: Contender, opt: torch.optim.Optimizer, tokens: torch.Tensor) -
     opt.zero_grad(set_to_none=True)
     c.after_step(c.model)  # float8 on FSDP-style runs: the next step's weight scales
     return loss.detach()
+
+
+def make_step(
+    c: Contender, opt: torch.optim.Optimizer, graphed: bool, warmup: int
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The contender's step: `train_step`, or the same through `composable.graphed_step`,
+    which runs eagerly for all but the last of the benchmark's `warmup` steps and captures in
+    the last, so that every timed step is a replay."""
+    if not graphed:
+        return lambda tokens: train_step(c, opt, tokens)
+    import composable
+
+    return composable.graphed_step(lambda tokens: train_step(c, opt, tokens), warmup=max(1, warmup - 1))
 
 
 def _sync(device: torch.device) -> None:
@@ -208,7 +236,9 @@ def time_run(run: str, args: argparse.Namespace, device: torch.device, profile: 
     forget_dtensor_caches()
     torch.manual_seed(0)
     c = build(run, cfg, device, args.wrap, args.model, args.compile_backend if args.compile else None, args.float8)
-    opt = torch.optim.AdamW(c.model.parameters(), lr=1e-4, fused=True)
+    graphed = run in GRAPHED_RUNS
+    opt = torch.optim.AdamW(c.model.parameters(), lr=1e-4, fused=True, capturable=graphed)
+    step_fn = make_step(c, opt, graphed, args.warmup)
     g = torch.Generator(device=device).manual_seed(dist.get_rank())
     tokens = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), device=device, generator=g)
     times = []
@@ -217,12 +247,12 @@ def time_run(run: str, args: argparse.Namespace, device: torch.device, profile: 
         torch.cuda.reset_peak_memory_stats(device)
     for step in range(args.warmup + args.steps):
         start = time.perf_counter()
-        loss = train_step(c, opt, tokens)
+        loss = step_fn(tokens)
         _sync(device)
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
     if profile and run in args.profile.split(","):
-        profile_steps(run, c, opt, tokens, args)
+        profile_steps(run, step_fn, tokens, args)
     step_s = statistics.median(times)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), 989.0)
@@ -242,7 +272,7 @@ def time_run(run: str, args: argparse.Namespace, device: torch.device, profile: 
         "loss": float(loss),
     }
     teardown(c.model, opt)
-    del c, opt, loss
+    del c, opt, loss, step_fn
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -260,7 +290,7 @@ def teardown(model: nn.Module, opt: torch.optim.Optimizer) -> None:
 
 
 def profile_steps(
-    run: str, c: Contender, opt: torch.optim.Optimizer, tokens: torch.Tensor, args: argparse.Namespace
+    run: str, step: Callable[[torch.Tensor], torch.Tensor], tokens: torch.Tensor, args: argparse.Namespace
 ) -> None:
     """Print where device time goes in 2 steps (rank 0): top kernels and communication share.
     With `--trace-dir`, every rank also writes `<run>_b<batch>_rank<r>.json.gz`, a Chrome trace
@@ -270,7 +300,7 @@ def profile_steps(
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if tokens.device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         for _ in range(2):
-            train_step(c, opt, tokens)
+            step(tokens)
         _sync(tokens.device)
     if dist.get_rank() == 0:
         events = prof.key_averages()
