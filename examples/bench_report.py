@@ -48,11 +48,12 @@ def report(rounds: list[dict[str, dict]], args: argparse.Namespace, world: int, 
     peak = {run: max(rd[run]["peak_alloc_gib"] for rd in rounds) for run in runs}
     reserved = {run: max(rd[run]["peak_reserved_gib"] for rd in rounds) for run in runs}
     print(f"\n{device_name} x{world}, {describe(args)}")
-    print(f"{'run':<12} {'s/step':>8} {'tok/s/GPU':>10} {'MFU':>6} {'alloc GiB':>10} {'reserved GiB':>13}")
+    w = max(12, *map(len, runs))  # fully_shard_graphed is 19 wide
+    print(f"{'run':<{w}} {'s/step':>8} {'tok/s/GPU':>10} {'MFU':>6} {'alloc GiB':>10} {'reserved GiB':>13}")
     for run in runs:
         tok = args.batch_size * args.seq_len / med[run]
         mfu = tok * rounds[0][run]["mfu_per_tok_s"]
-        print(f"{run:<12} {med[run]:>8.4f} {tok:>10.0f} {mfu:>6.1%} {peak[run]:>10.2f} {reserved[run]:>13.2f}")
+        print(f"{run:<{w}} {med[run]:>8.4f} {tok:>10.0f} {mfu:>6.1%} {peak[run]:>10.2f} {reserved[run]:>13.2f}")
     ratios = {}
     for ours, theirs in RATIOS:
         if ours in med and theirs in med:

@@ -14,9 +14,14 @@ composable.replicate and PyTorch DDP (+autocast), all on the same model (ours, o
 HuggingFace's `LlamaForCausalLM` at the same shape with `--model hf-llama`), data and AdamW;
 with `--compile` every contender's blocks are compiled; with `--float8` every contender trains
 with torchao float8 linears (bench_float8.py; the FSDP-style ones all-gather in float8).
-With `--runs ...,floor_graphed,fully_shard_graphed,replicate_graphed` the same contenders
-also run with their whole step in a CUDA graph (`composable.graphed_step`; GPU only, opt-in):
-graphs speed the floor too, so a graphed contender is reported against both floors.
+Graphed runs (opt-in through `--runs`, GPU only, not with `--float8`): `floor_graphed`,
+`fully_shard_graphed`, `replicate_graphed` are floor / fully_shard / replicate built the same
+way, with AdamW(capturable=True) and the whole step (forward, backward, optimizer step,
+zero_grad) through `composable.graphed_step`: eager for all but the last warm-up step, captured
+in that one, replayed in every timed step (`make_step`; hence `--warmup` >= 2). A graph removes
+the host's overhead from the floor too, so the honest comparison for a graphed contender is
+against the graphed floor as well (`fully_shard_graphed/floor_graphed`), not only the eager one.
+Their peaks count the graph's private memory pool (it is allocated memory).
 `--dim` widens the preset (heads and ffn follow, Llama's rules: `width_overrides`). Prints one table (median step time,
 tokens/s per GPU, MFU, peak memory allocated and reserved) and the ratios ours/theirs.
 Without a GPU it runs on the CPU with gloo (timings only; a smoke test of the wiring).
@@ -110,7 +115,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if graphed and not args.cpu_overhead and not torch.cuda.is_available():
         p.error(f"--runs: {graphed[0]} needs a GPU (CUDA graphs), and torch.cuda.is_available() is False")
     if graphed and args.float8:
-        p.error(f"--runs: {graphed[0]} with --float8 is not supported (the float8 scales are computed after the step)")
+        p.error(
+            f"--runs: {graphed[0]} with --float8 is not supported: float8's after_step (the next step's weight "
+            "scales) is not made capturable in a CUDA graph; drop --float8 or the *_graphed runs"
+        )
+    if graphed and args.warmup < 2:
+        p.error(
+            f"--warmup must be >= 2 with --runs {graphed[0]} (graphed_step's eager warm-up, then the capture, "
+            f"so that every timed step is a replay), got {args.warmup}"
+        )
     if args.model == "hf-llama" and not args.cpu_overhead and not hf_available():
         p.error(HF_MISSING)
     if args.float8 and not args.cpu_overhead and not float8_available():
