@@ -3,7 +3,8 @@ refuse a nonsense value up front (one line naming the flag and the value, exit s
 instead of training nonsense or crashing later.
 
 Checks that need the rank's device (does the batch fit in memory?) are in `check_memory`,
-which train.py calls on every rank before it builds anything.
+which train.py calls on every rank before it builds anything; `cuda_graph_mode` settles
+`--cuda-graph` on the rank's device (`auto` -> on or off, and why).
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ import sys
 import tempfile
 from typing import NoReturn
 
+import torch
 from data import VOCAB_SIZE, ByteCorpus
 from model import PRESET_LR, PRESETS, ModelConfig, get_config
 from parallel import UsageError
 
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 FAULT = re.compile(r"(\d+):(KILL|STOP|TERM|SEGV):(\d+)")
+CUDA_GRAPH_PARALLEL = ("fsdp", "hsdp", "replicate")  # what --cuda-graph supports
 
 
 class _Parser(argparse.ArgumentParser):
@@ -62,6 +65,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--compile-backend",
         default="inductor",
         help="torch.compile backend for --compile (aot_eager: no code generation)",
+    )
+    p.add_argument(
+        "--cuda-graph",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="run each training step as a replayed CUDA graph (composable.graphed_step: no host overhead per "
+        "step, for small per-GPU batches); auto: on with CUDA and --parallel fsdp, hsdp or replicate, without "
+        "--cpu-offload or --mp fp16; on: the same but fp16 is allowed, and an unsupported run is refused",
     )
     p.add_argument(
         "--grad-accum", type=int, default=1, help="micro-batches per optimizer step (no_sync on all but the last)"
@@ -199,6 +210,12 @@ def validate(args: argparse.Namespace) -> str | None:
         return f"--vocab-size must be >= {VOCAB_SIZE} for byte-level data, got {args.vocab_size}"
     if args.cpu_offload and args.parallel == "replicate":
         return "--cpu-offload needs --parallel fsdp, hsdp or tp (replicate has no offload policy)"
+    if args.cuda_graph == "on":
+        if not torch.cuda.is_available():
+            return "--cuda-graph on: CUDA graphs need a CUDA device, and torch.cuda.is_available() is False"
+        unsupported = cuda_graph_unsupported(args, "cuda")
+        if unsupported:
+            return f"--cuda-graph on: {unsupported}"
     if args.run_id is not None and not RUN_ID.fullmatch(args.run_id):
         return f"--run-id must be letters, digits, '.', '_' or '-' (at most 100, not starting with '.'), got {args.run_id!r}"
     if args.fault is not None and not FAULT.fullmatch(args.fault):
@@ -213,6 +230,37 @@ def validate(args: argparse.Namespace) -> str | None:
     if seq_len + 1 >= shortest:
         return f"--seq-len must be below {shortest - 1} (the held-out split has {shortest:,} bytes), got {seq_len}"
     return check_out_dir(args.out)
+
+
+def cuda_graph_unsupported(args: argparse.Namespace, device_type: str) -> str | None:
+    """Why the training step of this run cannot be a CUDA graph, or None when it can."""
+    if device_type != "cuda":  # with a GPU too: launch.py trains on the CPU with fewer GPUs than local ranks
+        return f"CUDA graphs need a CUDA device, and this rank trains on the {device_type}"
+    if args.parallel not in CUDA_GRAPH_PARALLEL:
+        return f"--parallel {args.parallel} is not supported (only {', '.join(CUDA_GRAPH_PARALLEL)})"
+    if args.cpu_offload:
+        return "--cpu-offload steps the optimizer on the CPU, which a CUDA graph cannot hold"
+    return None
+
+
+def cuda_graph_mode(args: argparse.Namespace, device_type: str) -> tuple[bool, str]:
+    """(whether train.py runs its step through composable.graphed_step, why) for --cuda-graph
+    on this rank's device, e.g. (True, "auto"), (False, "--parallel tp is not supported ...").
+    `auto` leaves fp16 eager: its ShardedGradScaler step is not yet proven inside train.py's
+    graph. UsageError for `on` with a run graphs do not support (validate catches the cases
+    known before the ranks start; a run on gloo despite a GPU is found here)."""
+    if args.cuda_graph == "off":
+        return False, "--cuda-graph off"
+    unsupported = cuda_graph_unsupported(args, device_type)
+    if args.cuda_graph == "on":
+        if unsupported:
+            raise UsageError(f"--cuda-graph on: {unsupported}")
+        return True, "--cuda-graph on"
+    if unsupported:
+        return False, unsupported
+    if args.mp == "fp16":
+        return False, "--mp fp16: not yet proven under a graph; --cuda-graph on to try"
+    return True, "auto"
 
 
 def _flag(name: str) -> str:

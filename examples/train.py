@@ -22,6 +22,13 @@ Parallelism (`--parallel`; parallel.py):
   hsdp       the same on a 2D (replicate, shard) mesh
   replicate  replicate (DDP semantics) on the whole model
   tp         tensor parallelism (ColwiseParallel/RowwiseParallel on mesh["tp"]) x fully_shard on mesh["dp"]
+
+CUDA graphs (`--cuda-graph auto|on|off`, default auto; train_step.py): on CUDA with fsdp, hsdp or
+replicate, without --cpu-offload (and, for auto, without --mp fp16), each training step runs
+through `composable.graphed_step`: two eager steps, then one captured step replayed every step,
+which takes the host's per-step overhead away at small per-GPU batches. The optimizer is then a
+fused, capturable AdamW with a tensor learning rate set in place every step. The first lines of
+the output say which mode runs and why ("cuda graph: on (auto)", "cuda graph: off (...)").
 """
 
 from __future__ import annotations
@@ -50,16 +57,17 @@ import torch.distributed as dist  # noqa: E402
 from checkpointing import checkpoint_dirs, load_newest_intact, rank0_then_broadcast, save_checkpoint  # noqa: E402
 from data import ByteCorpus, get_batch  # noqa: E402
 from launch import run_rank, spawn_local  # noqa: E402
-from model import ModelConfig, Transformer, count_parameters, lm_loss  # noqa: E402
-from options import FAULT, check_memory, host_memory_bytes, model_config, parse_args  # noqa: E402
+from model import ModelConfig, Transformer, count_parameters  # noqa: E402
+from options import FAULT, check_memory, cuda_graph_mode, host_memory_bytes, model_config, parse_args  # noqa: E402
 from parallel import UsageError, build_mesh, parallelize  # noqa: E402
 from reporting import MetricsLog, memory_string, print_summary, steady_throughput, write_plot  # noqa: E402
 from runs import Run, identity, identity_differences, mismatch_message, open_run  # noqa: E402
 from schedule import build_optimizer, evaluate, lr_at, world_mean  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
+from train_step import TrainStep, build_graph_optimizer, checkpoint_ready, make_train_step, set_lr  # noqa: E402
 from watchdog import Watchdog  # noqa: E402
 
-from composable import ShardedGradScaler, clip_grad_norm_, fully_shard, no_sync  # noqa: E402
+from composable import ShardedGradScaler, graphed_step  # noqa: E402
 
 __all__ = ["checkpoint_dirs", "main", "parse_args", "train"]
 
@@ -183,6 +191,7 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
     )
     watchdog, say, warn, verbose = job.watchdog, job.say, job.warn, job.verbose
     rank, world = dist.get_rank(), dist.get_world_size()
+    graphs, graphs_why = cuda_graph_mode(args, device.type)  # before the model: `on` may be refused here
     # Same seed on every rank: identical initial weights before sharding. On a GPU the model
     # is built on the meta device and materialised shard by shard after parallelize (a 1B
     # model never exists unsharded); on the CPU it is built whole, so the initial weights do
@@ -198,7 +207,7 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
         # torchtitan does), else on the GPU. The rotary tables always go to the GPU.
         model.to_empty(device="cpu" if args.cpu_offload else device)
         model.init_weights(buffer_device=device)
-    optimizer = build_optimizer(model, args)
+    optimizer = build_graph_optimizer(model, args, device) if graphs else build_optimizer(model, args)
     scaler = ShardedGradScaler(enabled=args.mp == "fp16")
 
     corpus = ByteCorpus.load()
@@ -218,7 +227,8 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
                 )
 
         watchdog.progress(0, "checkpoint load")
-        loaded = load_newest_intact(run.path, model, optimizer, accept, warn)
+        with checkpoint_ready(optimizer):  # keeps this run's lr tensor and optimizer flags
+            loaded = load_newest_intact(run.path, model, optimizer, accept, warn)
         if loaded is not None:
             state, path = loaded
             start_step, history = state["step"], state["history"]
@@ -242,9 +252,13 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
         f"  mesh {tuple(mesh.shape)} {mesh.mesh_dim_names}, data: {corpus.n_files} stdlib files, "
         f"{corpus.train.numel() / 1e6:.1f}M train / {corpus.val.numel() / 1e6:.1f}M val bytes, run: {run.path}"
     )
+    say(f"  cuda graph: {'on' if graphs else 'off'} ({graphs_why})")
 
     fault = FAULT.fullmatch(args.fault) if args.fault else None
     hsdp_accum = args.parallel == "hsdp" and args.grad_accum > 1
+    train_step = make_train_step(model, optimizer, scaler, args, hsdp_accum)
+    # Two eager steps (lazy init, compilation, NCCL set-up), then captured once and replayed.
+    run_step: TrainStep = graphed_step(train_step, warmup=2) if graphs else train_step
     bar = tqdm(total=args.steps, initial=start_step, disable=not verbose, unit="step", dynamic_ncols=True, leave=True)
     train_time, train_tokens = 0.0, 0
     first_step_done: float | None = None  # seconds from the start to the end of this process's first step
@@ -260,9 +274,7 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
             os.kill(os.getpid(), getattr(signal, "SIG" + fault[2]))
         t0 = time.perf_counter()
         lr = lr_at(step, args)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        loss_sum = torch.zeros((), device=device)
+        set_lr(optimizer, lr)  # in place when graphed: the graph reads the lr tensor at every replay
         # The step's batch depends only on (seed, step, data-parallel rank); micro-batches are
         # slices of it, so --grad-accum 2 --batch-size 4 sees the data of --batch-size 8.
         xs, ys = get_batch(
@@ -274,27 +286,8 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
             rank=dp_rank,
             device=device,
         )
-        for micro, (x, y) in enumerate(zip(xs.chunk(args.grad_accum), ys.chunk(args.grad_accum))):
-            last = micro == args.grad_accum - 1
-            # Gradient accumulation: no communication on all but the last micro-batch. HSDP
-            # keeps reduce-scattering (only sharded gradients are held) and defers just the
-            # all-reduce across replicas; the others skip all communication (no_sync).
-            if hsdp_accum:
-                fully_shard.state(model).set_requires_all_reduce(last)
-                ctx = contextlib.nullcontext()
-            else:
-                ctx = contextlib.nullcontext() if last else no_sync(model)
-            with ctx:
-                loss = lm_loss(model(x), y) / args.grad_accum
-                scaler.scale(loss).backward()
-            loss_sum += loss.detach()
-        grad_norm = None
-        if args.max_norm > 0:
-            scaler.unscale_(optimizer)  # clip the true gradients (no-op unless fp16)
-            grad_norm = clip_grad_norm_(model.parameters(), args.max_norm).item()
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
+        loss_sum, norm = run_step(xs, ys)  # tensors: read here, outside a graph
+        grad_norm = None if norm is None else norm.item()
         train_loss = world_mean(loss_sum)  # also waits for the step to finish
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -344,7 +337,8 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
                 "identity": job.ident,
                 "data_position": {"seed": args.seed, "next_step": step + 1},
             }
-            path = save_checkpoint(run.path, step, model, optimizer, trainer_state, args.keep_ckpts)
+            with checkpoint_ready(optimizer):  # a graphed run's checkpoint holds a plain lr, as an eager one's
+                path = save_checkpoint(run.path, step, model, optimizer, trainer_state, args.keep_ckpts)
             say(f"step {step:>5}: checkpoint {path}")
         if args.stop_after is not None and step >= args.stop_after:
             bar.close()
@@ -363,6 +357,7 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
         "world_size": world,
         "device": device.type,
         "compile": args.compile,
+        "cuda_graph": graphs,
         "steps": args.steps,
         "resumed_from": start_step or None,
         "final_train_loss": final.get("loss"),
