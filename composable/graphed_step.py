@@ -126,10 +126,15 @@ class GraphedStep(Generic[T]):
         # Their temporaries stay cached for side streams nothing uses again, and the graph is
         # about to reserve its own pool: give them back first, so the two do not add up.
         torch.cuda.empty_cache()
+        # A capture that fails leaves the device's default generator in capture mode (torch
+        # ends its capture only on success): every later random op would fail. Keep its state.
+        generator = torch.cuda.default_generators[torch.cuda.current_device()]
+        rng_before = generator.clone_state()
         try:
             with torch.cuda.graph(graph):
                 out = self.step(*inputs.args, **inputs.kwargs)
         except Exception as err:
+            generator.graphsafe_set_state(rng_before)
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise RuntimeError(
                 f"{_API}: capturing the step failed ({type(err).__name__}: {first}); a captured step must not "

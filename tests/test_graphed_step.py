@@ -307,6 +307,7 @@ def _errors(rank: int, world: int) -> None:
     sync_step(tokens)
     with pytest.raises(RuntimeError, match=r"graphed_step: capturing the step failed .*must not synchronise"):
         sync_step(tokens)
+    torch.randn(4, device="cuda").normal_()  # a failed capture leaves the random generator usable
     dist.barrier()
 
 
