@@ -55,7 +55,8 @@ def graphed_step(step: Callable[..., T], *, warmup: int = 2) -> "GraphedStep[T]"
       device=...)`) and change it in place: tensors are read at every replay.
     - Python decisions inside `step` (branches, `.item()`, data-dependent shapes) are taken
       once, at capture; a step that synchronises with the CPU cannot be captured and
-      raises `RuntimeError`. Optimizers need `capturable=True` (Adam, AdamW...): `ValueError`.
+      raises `RuntimeError`. Optimizers need `capturable=True` (Adam, AdamW...), and every
+      parameter must live on the GPU (no CPU offload): `ValueError` before the capture.
 
     Memory: the graph keeps the step's temporaries in a private pool: peak allocated memory is
     the eager step's; reserved memory is higher (the pool sits beside the caching allocator's).
@@ -224,8 +225,18 @@ class _Recorder:
         return [o for ref in self.optimizers.values() if (o := ref()) is not None]
 
     def check_capturable(self) -> None:
-        """Optimizers with a `capturable` flag must have it on: their step counters then live
-        on the GPU, where a replay advances them."""
+        """What a graph would replay wrongly, refused before the capture: parameters outside
+        the GPU (CPU offload: the CPU's share of the step, its optimizer step included, would
+        run once at capture and never again), and optimizers with `capturable=False` (their
+        step counters on the CPU would never advance)."""
+        for module in self.live_modules():
+            for name, p in module._parameters.items():
+                local = p._local_tensor if isinstance(p, DTensor) else p
+                if local is not None and local.device.type != "cuda":
+                    raise ValueError(
+                        f"{_API}: parameter {name} of {type(module).__name__} is on {local.device} (CPU offload?): "
+                        "work outside the GPU is not captured in a CUDA graph, so it would never be replayed"
+                    )
         for opt in self.live_optimizers():
             for i, group in enumerate(opt.param_groups):
                 if group.get("capturable") is False:

@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import composable
 from composable import (
+    CPUOffloadPolicy,
     MixedPrecisionPolicy,
     ShardedGradScaler,
     checkpoint,
@@ -167,13 +168,23 @@ def test_a_tensor_lr_may_change_in_place(world2: Any) -> None:
 
 def test_a_non_capturable_optimizer_is_refused_before_capture(world2: Any) -> None:
     model, opt = _sharded(world2, "fully_shard")
+    lm_loss(model, torch.randint(0, 13, (2, 8))).backward()
     recorder = _Recorder()
     with recorder:
-        lm_loss(model, torch.randint(0, 13, (2, 8))).backward()
-        opt.step()
+        opt.step()  # a step that only steps the optimizer
     with pytest.raises(ValueError, match=r"graphed_step: AdamW's param_groups\[0\] has capturable=False; build"):
         recorder.check_capturable()
     assert composable.GraphedStep is type(graphed_step(print))
+
+
+def test_parameters_off_the_gpu_are_refused_before_capture(world2: Any) -> None:
+    """CPU offload: the CPU's share of the step would run once, at capture, never on replay."""
+    model, opt = _sharded(world2, "fully_shard")
+    recorder = _Recorder()
+    with recorder:
+        lm_loss(model, torch.randint(0, 13, (2, 8))).backward()
+    with pytest.raises(ValueError, match=r"graphed_step: parameter weight of Embedding is on cpu \(CPU offload\?\): "):
+        recorder.check_capturable()
 
 
 # ------------------------------------------------------------------------------- GPUs (NCCL)
@@ -290,6 +301,13 @@ def _errors(rank: int, world: int) -> None:
     model.train()
     step(tokens)  # restored: replays again
 
+    offloaded = TinyTransformer(vocab=64, dim=32, heads=4, layers=1, seq=16).cuda()
+    fully_shard(offloaded, offload_policy=CPUOffloadPolicy())
+    off_opt = torch.optim.AdamW(offloaded.parameters(), lr=1e-3)
+    off_step = graphed_step(lambda t: (lm_loss(offloaded, t).backward(), off_opt.step(), off_opt.zero_grad()), warmup=1)
+    off_step(tokens)
+    with pytest.raises(ValueError, match=r"graphed_step: parameter weight of Embedding is on cpu \(CPU offload\?\)"):
+        off_step(tokens)
     plain, plain_opt, _ = _build("fully_shard", world)
     plain_opt.param_groups[0]["capturable"] = False
     opt_step = graphed_step(_step_fn("fully_shard", plain, plain_opt, None), warmup=1)
