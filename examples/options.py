@@ -243,11 +243,12 @@ def cuda_graph_unsupported(args: argparse.Namespace, device_type: str) -> str | 
     return None
 
 
-def cuda_graph_mode(args: argparse.Namespace, device_type: str) -> tuple[bool, str]:
+def cuda_graph_mode(args: argparse.Namespace, device_type: str, world: int = 1) -> tuple[bool, str]:
     """(whether train.py runs its step through composable.graphed_step, why) for --cuda-graph
-    on this rank's device, e.g. (True, "auto"), (False, "--parallel tp is not supported ...").
-    `auto` leaves fp16 eager: its ShardedGradScaler step is not yet proven inside train.py's
-    graph. UsageError for `on` with a run graphs do not support (validate catches the cases
+    on this rank's device in a job of `world` ranks, e.g. (True, "auto"), (False, "--parallel tp
+    is not supported ..."). `auto` leaves fp16 eager (its ShardedGradScaler step is not yet
+    proven inside train.py's graph) and jobs of several ranks (graphs win on one GPU, measured;
+    on several, captured NCCL collectives are not yet measured: BENCHMARKS.md). UsageError for `on` with a run graphs do not support (validate catches the cases
     known before the ranks start; a run on gloo despite a GPU is found here)."""
     if args.cuda_graph == "off":
         return False, "--cuda-graph off"
@@ -260,6 +261,8 @@ def cuda_graph_mode(args: argparse.Namespace, device_type: str) -> tuple[bool, s
         return False, unsupported
     if args.mp == "fp16":
         return False, "--mp fp16: not yet proven under a graph; --cuda-graph on to try"
+    if world > 1:
+        return False, f"{world} ranks: graphs are measured on one GPU only so far; --cuda-graph on to try"
     return True, "auto"
 
 

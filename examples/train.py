@@ -191,7 +191,7 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
     )
     watchdog, say, warn, verbose = job.watchdog, job.say, job.warn, job.verbose
     rank, world = dist.get_rank(), dist.get_world_size()
-    graphs, graphs_why = cuda_graph_mode(args, device.type)  # before the model: `on` may be refused here
+    graphs, graphs_why = cuda_graph_mode(args, device.type, world)  # before the model: `on` may be refused
     # Same seed on every rank: identical initial weights before sharding. On a GPU the model
     # is built on the meta device and materialised shard by shard after parallelize (a 1B
     # model never exists unsharded); on the CPU it is built whole, so the initial weights do
