@@ -72,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="run each training step as a replayed CUDA graph (composable.graphed_step: no host overhead per "
         "step, for small per-GPU batches); auto: on with CUDA and --parallel fsdp, hsdp or replicate, without "
-        "--cpu-offload or --mp fp16; on: the same but fp16 is allowed, and an unsupported run is refused",
+        "--cpu-offload or --mp fp16, on one rank; on: also fp16 and several ranks, and an unsupported run is refused",
     )
     p.add_argument(
         "--grad-accum", type=int, default=1, help="micro-batches per optimizer step (no_sync on all but the last)"

@@ -24,7 +24,8 @@ Parallelism (`--parallel`; parallel.py):
   tp         tensor parallelism (ColwiseParallel/RowwiseParallel on mesh["tp"]) x fully_shard on mesh["dp"]
 
 CUDA graphs (`--cuda-graph auto|on|off`, default auto; train_step.py): on CUDA with fsdp, hsdp or
-replicate, without --cpu-offload (and, for auto, without --mp fp16), each training step runs
+replicate, without --cpu-offload (and, for auto, without --mp fp16 and on one rank: several
+ranks are not yet measured with graphs), each training step runs
 through `composable.graphed_step`: two eager steps, then one captured step replayed every step,
 which takes the host's per-step overhead away at small per-GPU batches. The optimizer is then a
 fused, capturable AdamW with a tensor learning rate set in place every step. The first lines of
