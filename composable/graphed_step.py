@@ -11,6 +11,7 @@ silently go wrong is checked before every replay (`_Snapshot`).
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
@@ -83,13 +84,13 @@ class GraphedStep(Generic[T]):
 
     def __call__(self, *args: Any, **kwargs: Any) -> T:
         if self.graph is None:
-            inputs = _Inputs.check_first((args, kwargs))
+            _Inputs.check_first((args, kwargs))
             if self.calls < self.warmup:
                 last = self.calls == self.warmup - 1
                 out = self._eager(args, kwargs, record=last)
                 self.calls += 1
                 return out
-            self._capture(inputs)
+            self._capture(_Inputs((args, kwargs)))
         else:
             assert self._inputs is not None and self._snapshot is not None
             self._inputs.load((args, kwargs))
@@ -105,12 +106,8 @@ class GraphedStep(Generic[T]):
         side.wait_stream(torch.cuda.current_stream())
         recorder = _Recorder() if record else None
         try:
-            with torch.cuda.stream(side):
-                if recorder is not None:
-                    with recorder:
-                        out = self.step(*args, **kwargs)
-                else:
-                    out = self.step(*args, **kwargs)
+            with torch.cuda.stream(side), recorder or contextlib.nullcontext():
+                out = self.step(*args, **kwargs)
         finally:
             torch.cuda.current_stream().wait_stream(side)
         if recorder is not None:
@@ -153,7 +150,7 @@ class _Inputs:
         self.args, self.kwargs = pytree.tree_unflatten(self.leaves, self.spec)
 
     @staticmethod
-    def check_first(tree: Any) -> "_Inputs":
+    def check_first(tree: Any) -> None:
         """Check the arguments of a call before capture: CUDA tensors without autograd history."""
         if not torch.cuda.is_available():
             raise RuntimeError(f"{_API}: CUDA graphs need a CUDA device, and torch.cuda.is_available() is False")
@@ -168,7 +165,6 @@ class _Inputs:
                     raise ValueError(
                         f"{_API}: argument {_where(path)} is on {leaf.device}: a graphed step's tensors must be on CUDA"
                     )
-        return _Inputs(tree)
 
     def load(self, tree: Any) -> None:
         """Check a replay's arguments against the captured ones and copy its tensors in."""
@@ -231,7 +227,7 @@ class _Recorder:
         step counters on the CPU would never advance)."""
         for module in self.live_modules():
             for name, p in module._parameters.items():
-                local = p._local_tensor if isinstance(p, DTensor) else p
+                local = _local(p) if p is not None else None
                 if local is not None and local.device.type != "cuda":
                     raise ValueError(
                         f"{_API}: parameter {name} of {type(module).__name__} is on {local.device} (CPU offload?): "
@@ -310,10 +306,15 @@ def _optimizer_settings(opt: torch.optim.Optimizer) -> tuple[tuple[str, Any], ..
     return tuple(items)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's tensor of `t` (a DTensor's local shard, without a dispatch)."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
 def _storage_id(t: torch.Tensor) -> int:
     """Which memory a parameter or state tensor is: a graph reads and writes addresses (the
     Python object may be rewrapped, as a DTensor optimizer step counter is every step)."""
-    return (t._local_tensor if isinstance(t, DTensor) else t).data_ptr()
+    return _local(t).data_ptr()
 
 
 def _differences(old: tuple[Any, ...], new: tuple[Any, ...]) -> list[tuple[str, Any, Any]]:

@@ -248,8 +248,9 @@ def cuda_graph_mode(args: argparse.Namespace, device_type: str, world: int = 1) 
     on this rank's device in a job of `world` ranks, e.g. (True, "auto"), (False, "--parallel tp
     is not supported ..."). `auto` leaves fp16 eager (its ShardedGradScaler step is not yet
     proven inside train.py's graph) and jobs of several ranks (graphs win on one GPU, measured;
-    on several, captured NCCL collectives are not yet measured: BENCHMARKS.md). UsageError for `on` with a run graphs do not support (validate catches the cases
-    known before the ranks start; a run on gloo despite a GPU is found here)."""
+    on several, captured NCCL collectives are not yet measured: BENCHMARKS.md). UsageError for
+    `on` with a run graphs do not support (validate catches the cases known before the ranks
+    start; a run on gloo despite a GPU is found here)."""
     if args.cuda_graph == "off":
         return False, "--cuda-graph off"
     unsupported = cuda_graph_unsupported(args, device_type)
