@@ -15,8 +15,11 @@ through FSDP2's all-gather extension (engine: _engine/extension.py). Checked:
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -203,7 +206,9 @@ def _train(
     bf16: bool,
 ) -> dict[str, Any]:
     """Train composable's and FSDP2's copies of one float8 model side by side on the same
-    data; return both sides' losses and final local shards."""
+    data; return both sides' losses and final local shards, the graphs compiled for
+    composable's model after its first step (recompiles) and torchao's per-weight
+    pre-all-gathers it ran after its first step."""
     from torch._dynamo.utils import counters
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -221,32 +226,57 @@ def _train(
         sides[name] = (net, torch.optim.AdamW(net.parameters(), lr=1e-2))
     losses: dict[str, list[float]] = {name: [] for name in sides}
     graphs = counters["stats"]
-    late_graphs = 0  # graphs compiled for composable's model after its first step (recompiles)
+    late_graphs = late_casts = 0
     g = torch.Generator().manual_seed(rank)  # one batch per rank, fitted step by step
     x, y = torch.randn(BATCH, DIM, generator=g).to(device), torch.randn(BATCH, OUT, generator=g).to(device)
-    for step in range(steps):
-        for name, (net, opt) in sides.items():
-            before = graphs["unique_graphs"]
-            loss = F.mse_loss(net(x).float(), y)
-            late_graphs += graphs["unique_graphs"] - before if name == "ours" and step > 0 else 0
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            if precompute:
-                precompute_float8_dynamic_scale_for_fsdp(net)
-            losses[name].append(loss.item())
+    with _count_calls(WeightWithDynamicFloat8CastTensor, "fsdp_pre_all_gather") as casts:
+        for step in range(steps):
+            for name, (net, opt) in sides.items():
+                graphs_before, casts_before = graphs["unique_graphs"], casts[0]
+                loss = F.mse_loss(net(x).float(), y)
+                loss.backward()
+                if name == "ours" and step > 0:
+                    late_graphs += graphs["unique_graphs"] - graphs_before
+                    late_casts += casts[0] - casts_before
+                opt.step()
+                opt.zero_grad()
+                if precompute:
+                    precompute_float8_dynamic_scale_for_fsdp(net)
+                losses[name].append(loss.item())
     params = {name: {n: _local(p).cpu() for n, p in net.named_parameters()} for name, (net, _) in sides.items()}
     kinds = {n: type(p.to_local()).__name__ for n, p in sides["ours"][0].named_parameters()}
-    return {"losses": losses, "params": params, "kinds": kinds, "late_graphs": late_graphs}
+    return {"losses": losses, "params": params, "kinds": kinds, "late_graphs": late_graphs, "late_casts": late_casts}
 
 
-def _check(results: list[dict[str, Any]], tol: dict[str, float] | None = None) -> None:
+@contextlib.contextmanager
+def _count_calls(cls: type, name: str) -> Iterator[list[int]]:
+    """Count calls of `cls.name` inside the block (a one-element list); restored after, since
+    test workers live on."""
+    count = [0]
+    original = cls.__dict__[name]
+
+    @functools.wraps(original)  # the engine reads the signature (FSDP2's older one here)
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    setattr(cls, name, counted)
+    try:
+        yield count
+    finally:
+        setattr(cls, name, original)
+
+
+def _check(results: list[dict[str, Any]], tol: dict[str, float] | None = None, batched: bool = True) -> None:
     """Both sides' losses and parameters agree: exactly, or (`tol`) losses within `tol` and
     each parameter within `tol["rtol"]` in relative norm (a float8 cast can turn a last-bit
-    difference into a step of the float8 grid in a few elements)."""
+    difference into a step of the float8 grid in a few elements). `batched`: after the first
+    step composable cast every weight in its group's batch, never through torchao's
+    per-weight pre-all-gather (precomputed scales); otherwise always through it."""
     for rank, r in enumerate(results):
         assert r["kinds"]["blocks.0.up.weight"] == "WeightWithDynamicFloat8CastTensor"
         assert r["late_graphs"] == 0, f"rank {rank}: {r['late_graphs']} recompiles after the first step"
+        assert (r["late_casts"] == 0) == batched, f"rank {rank}: {r['late_casts']} per-weight casts after step 0"
         ours, theirs = r["losses"]["ours"], r["losses"]["fsdp2"]
         assert all(math.isfinite(v) for v in ours), ours
         assert ours[-1] < ours[0], f"rank {rank} did not train: {ours}"
@@ -263,8 +293,9 @@ def _check(results: list[dict[str, Any]], tol: dict[str, float] | None = None) -
 
 @pytest.mark.parametrize("precompute, bf16", [(False, False), (True, False), (True, True)])
 def test_matches_fsdp2_eager(precompute: bool, bf16: bool) -> None:
-    """Exact: the same casts on both sides, the same bytes gathered (bf16: compute in bf16)."""
-    _check(run_on_ranks(_train, 2, "cpu", (2,), None, precompute, 4, bf16))
+    """Exact: the same casts on both sides, the same bytes gathered (bf16: compute in bf16);
+    with precomputed scales composable casts a group's weights in one batch."""
+    _check(run_on_ranks(_train, 2, "cpu", (2,), None, precompute, 4, bf16), batched=precompute)
 
 
 @pytest.mark.parametrize("mesh_shape", [(1, 2), (2, 1)])
@@ -291,6 +322,14 @@ GPU_STEPS = 20
 @pytest.mark.parametrize("precompute", [False, True])
 def test_gpu_matches_fsdp2(compiled: str | None, precompute: bool) -> None:
     results = run_on_ranks(_train, 2, "cuda", (2,), compiled, precompute, GPU_STEPS, True, backend="nccl", timeout=600)
+    _check(results, GPU_TOL, batched=precompute)
+
+
+@requires_gpus(1)
+@pytest.mark.parametrize("compiled", [None, "inductor"])
+def test_gpu_one_rank_matches_fsdp2(compiled: str | None) -> None:
+    """World 1 on NCCL: the batched cast and the coalesced all-gather of a group's weights."""
+    results = run_on_ranks(_train, 1, "cuda", (1,), compiled, True, GPU_STEPS, True, backend="nccl", timeout=600)
     _check(results, GPU_TOL)
 
 

@@ -36,6 +36,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import collectives as comm
+from . import float8_cast
 from .optim_state import track_for_optimizers
 from .param import ManagedParam, _contiguous_stride
 from .policies import MixedPrecisionPolicy
@@ -134,10 +135,21 @@ def _outputs_fit(mp: ManagedParam, inputs: list[torch.Tensor], world: int) -> bo
 
 
 def start_gathers(
-    params: list[ManagedParam], group: dist.ProcessGroup, mesh: DeviceMesh, world: int, mp_policy: MixedPrecisionPolicy
+    params: list[ManagedParam],
+    group: dist.ProcessGroup,
+    mesh: DeviceMesh,
+    world: int,
+    rank: int,
+    mp_policy: MixedPrecisionPolicy,
+    coalesced: bool,
 ) -> list[PendingGather]:
     """Ask each parameter's local shard what to all-gather and launch those all-gathers into
-    the parameter's all-gather outputs (made at the first gather, re-grown after)."""
+    the parameter's all-gather outputs (made at the first gather, re-grown after). torchao
+    float8 weights with precomputed scales are cast for the whole group at once
+    (float8_cast.py), and with `coalesced` (CUDA) all travel in one collective."""
+    batched = _start_batched(params, group, world, rank, coalesced)
+    if batched is not None:
+        return batched
     mesh = shard_mesh(mesh, group)
     pending = []
     for mp in params:
@@ -158,6 +170,40 @@ def start_gathers(
         ]
         pending.append(PendingGather(works, [t.shape for t in inputs], metadata, fresh, versions))
     return pending
+
+
+def _start_batched(
+    params: list[ManagedParam], group: dist.ProcessGroup, world: int, rank: int, coalesced: bool
+) -> list[PendingGather] | None:
+    """The batched float8 path (see float8_cast.py), or None where it does not apply: the
+    parameters' unsharded twins exist (made by a per-parameter gather) and every local shard
+    is a torchao float8 weight with a precomputed scale."""
+    locals_ = [mp.sharded_param._local_tensor for mp in params]  # type: ignore[union-attr]
+    scales = float8_cast.precomputed_scales(locals_)
+    if scales is None:
+        return None
+    outputs = []
+    for mp, local in zip(params, locals_):
+        outs = mp.extension_outputs
+        if mp.unsharded_param is None or len(outs) != 1 or outs[0].numel() != world * local.numel():
+            return None
+        outputs.append(outs[0])
+    for out in outputs:
+        _alloc(out)
+    versions = [(o._version,) for o in outputs]
+    # In place: this rank's slot of each output is the all-gather input, written by the cast.
+    slots = [out.narrow(0, rank * local.numel(), local.numel()) for out, local in zip(outputs, locals_)]
+    float8_cast.cast_into(locals_, scales, [s.view(local.shape) for s, local in zip(slots, locals_)])
+    byte_outs, byte_slots = [_as_bytes(o) for o in outputs], [_as_bytes(s) for s in slots]
+    if coalesced:
+        comm.all_gather_coalesced(byte_outs, byte_slots, group)  # waited on the current stream
+        works: list[list[Any]] = [[] for _ in params]
+    else:
+        works = [[comm.all_gather(o, s, group, async_op=True)] for o, s in zip(byte_outs, byte_slots)]
+    return [
+        PendingGather(w, [local.shape], float8_cast.metadata(scale), False, v)
+        for w, local, scale, v in zip(works, locals_, scales, versions)
+    ]
 
 
 def finish_gathers(

@@ -300,7 +300,13 @@ class ParamGroup:
         if self.extension_params:
             policy = MixedPrecisionPolicy(self.config.param_dtype, self.config.reduce_dtype)
             self._extension_gathers = extension.start_gathers(
-                self.extension_params, lay.shard_group, lay.mesh, lay.shard_world, policy
+                self.extension_params,
+                lay.shard_group,
+                lay.mesh,
+                lay.shard_world,
+                lay.shard_rank,
+                policy,
+                bool(self._coalesced_gather_ok),
             )
 
     def _raise_on_meta(self) -> None:
