@@ -161,3 +161,51 @@ def test_unmanaged_dtensor_parameters_are_left_alone() -> None:
         opt.step()
         assert type(opt.state[own]["step"]) is torch.Tensor
         assert all(isinstance(opt.state[p]["step"], DTensor) for p in model.parameters())
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_capturable_multi_tensor_adam_keeps_plain_counters(fused: bool) -> None:
+    """Capturable multi-tensor Adam/AdamW computes `_foreach_pow(beta, steps)`, which DTensor
+    has no rule for: its counters stay plain (as under FSDP2); the fused kernel's go on the mesh.
+    (A capturable step needs CUDA, so the state is made here as the first step makes it.)"""
+    from composable._engine.optim_state import _counters_on_mesh
+
+    with fake_process_group(2):
+        model = nn.Linear(3, 4)
+        composable.fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, capturable=True, fused=fused, foreach=not fused)
+        for p in model.parameters():
+            opt.state[p] = {"step": torch.zeros(()), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+        _counters_on_mesh(opt, (), {})
+        kinds = {type(opt.state[p]["step"]) for p in model.parameters()}
+    assert kinds == ({DTensor} if fused else {torch.Tensor})
+
+
+@requires_gpus(1)
+def test_graphed_capturable_foreach_adamw_on_one_gpu() -> None:
+    """AdamW(capturable=True) with its default multi-tensor implementation steps a fully_shard
+    model inside `graphed_step` exactly as eagerly (it raised NotImplementedError for
+    `aten._foreach_pow.ScalarAndTensor` when the counters were DTensors)."""
+    assert run_on_ranks(_graphed_foreach_adamw, 1, backend="nccl", timeout=300) == [True]
+
+
+def _graphed_foreach_adamw(rank: int, world: int) -> bool:
+    torch.cuda.set_device(rank)
+    losses = []
+    for graphed in (False, True):
+        torch.manual_seed(0)
+        model = Net().cuda()
+        composable.fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, capturable=True)
+        x = torch.randn(8, 6, device="cuda")
+
+        def step(x: torch.Tensor) -> torch.Tensor:
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+
+        run = composable.graphed_step(step) if graphed else step
+        losses.append(torch.stack([run(x) for _ in range(5)]))
+    return torch.equal(losses[0], losses[1])

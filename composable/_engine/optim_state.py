@@ -111,10 +111,15 @@ def _counters_on_mesh(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) 
     if seen is not None and seen[0] is state and seen[1] == len(state):
         return
     converted_any = False
+    # torch's multi-tensor capturable Adam/AdamW computes its bias corrections with
+    # `aten._foreach_pow.ScalarAndTensor`, which DTensor has no rule for (torch 2.11-2.13):
+    # their counters stay plain tensors, as under FSDP2 (the fused kernels take either).
+    plain = {id(p) for g in optimizer.param_groups if g.get("capturable") and not g.get("fused") for p in g["params"]}
     for param, entry in state.items():
         step = entry.get(STEP_KEY) if isinstance(entry, dict) else None
         if (
-            type(step) is not torch.Tensor
+            id(param) in plain
+            or type(step) is not torch.Tensor
             or step.dim() != 0
             or not isinstance(param, DTensor)
             or not getattr(param, MANAGED_FLAG, False)
