@@ -6,24 +6,19 @@ engine, the optimizer's Python and thousands of kernel launches, and the GPU wai
 all-gather and reduction and the optimizer step, as one unit, with no Python in between.
 
 What a graph can and cannot see is the contract (`graphed_step`'s docstring); what would
-silently go wrong is checked before every replay (`_Snapshot`).
+silently go wrong is checked before every replay (`_graphed_checks.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import torch
 import torch.utils._pytree as pytree
-from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.nn.modules.module import register_module_forward_pre_hook
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ._engine.contract import PARAM_OWNING_APIS, get_state
+from ._graphed_checks import Recorder, Snapshot
 
 _API = "graphed_step"
 T = TypeVar("T")
@@ -79,8 +74,8 @@ class GraphedStep(Generic[T]):
         self.graph: torch.cuda.CUDAGraph | None = None
         self._inputs: _Inputs | None = None
         self._output: Any = None
-        self._snapshot: _Snapshot | None = None
-        self._recorder: _Recorder | None = None
+        self._snapshot: Snapshot | None = None
+        self._recorder: Recorder | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> T:
         if self.graph is None:
@@ -104,7 +99,7 @@ class GraphedStep(Generic[T]):
         """One eager step on a side stream (CUDA's rule for work before a capture)."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        recorder = _Recorder() if record else None
+        recorder = Recorder() if record else None
         try:
             with torch.cuda.stream(side), recorder or contextlib.nullcontext():
                 out = self.step(*args, **kwargs)
@@ -118,26 +113,47 @@ class GraphedStep(Generic[T]):
         recorder = self._recorder
         assert recorder is not None, "the last warm-up step records the modules and optimizers"
         recorder.check_capturable()
-        snapshot = _Snapshot(recorder)
+        snapshot = Snapshot(recorder)
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()  # the warm-up steps are done; nothing of theirs runs into the graph
         # A capture that fails leaves the device's default generator in capture mode (torch
         # ends its capture only on success): every later random op would fail. Keep its state.
         generator = torch.cuda.default_generators[torch.cuda.current_device()]
         rng_before = generator.clone_state()
+        raised: list[BaseException] = []  # the step's own error: ending the capture raises another over it
         try:
             with torch.cuda.graph(graph):
-                out = self.step(*inputs.args, **inputs.kwargs)
+                try:
+                    out = self.step(*inputs.args, **inputs.kwargs)
+                except Exception as err:
+                    raised.append(err)
+                    raise
         except Exception as err:
             generator.graphsafe_set_state(rng_before)
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise RuntimeError(
-                f"{_API}: capturing the step failed ({type(err).__name__}: {first}); a captured step must not "
-                "synchronise with the CPU (.item(), .tolist(), printing or branching on a tensor's value)"
-            ) from err
+            raise _capture_error(raised[0] if raised else err) from (raised[0] if raised else err)
         _check_output(out)
+        snapshot.check(after_capture=True)  # the captured step itself changed what it reads
         self.graph, self._inputs, self._output, self._snapshot = graph, inputs, out, snapshot
         self._recorder = None
+
+
+def _capture_error(err: BaseException) -> RuntimeError:
+    """The error to raise for a failed capture: the step's own first error, with a hint that
+    fits it (a synchronisation with the CPU, or code that runs differently while captured)."""
+    text = str(err).strip()
+    first = f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+    if "capture" in text.lower() or "synchroniz" in text.lower() or "not permitted" in text.lower():
+        hint = (
+            "a captured step must not synchronise with the CPU (.item(), .tolist(), printing or branching on a "
+            "tensor's value)"
+        )
+    else:
+        hint = (
+            "the step ran eagerly in the warm-up and raised while captured: code that takes another path during "
+            "a capture (HuggingFace models check torch.cuda.is_current_stream_capturing()) or keeps state across "
+            "calls (a KV cache: use_cache=False) cannot be captured"
+        )
+    return RuntimeError(f"{_API}: capturing the step failed ({first}); {hint}")
 
 
 class _Inputs:
@@ -188,146 +204,6 @@ class _Inputs:
         for new, old in zip(leaves, self.leaves):
             if isinstance(old, torch.Tensor) and new is not old:
                 old.copy_(new, non_blocking=True)
-
-
-class _Recorder:
-    """While active (the last warm-up step), records the modules that ran a forward and the
-    optimizers that stepped: what the captured step will depend on."""
-
-    def __init__(self) -> None:
-        self.modules: dict[int, weakref.ref[nn.Module]] = {}
-        self.optimizers: dict[int, weakref.ref[torch.optim.Optimizer]] = {}
-
-    def __enter__(self) -> None:
-        self._handles = [
-            register_module_forward_pre_hook(self._on_forward),
-            register_optimizer_step_pre_hook(self._on_step),
-        ]
-
-    def __exit__(self, *exc: object) -> None:
-        for handle in self._handles:
-            handle.remove()
-
-    def _on_forward(self, module: nn.Module, _args: Any) -> None:
-        self.modules.setdefault(id(module), weakref.ref(module))
-
-    def _on_step(self, optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-        self.optimizers.setdefault(id(optimizer), weakref.ref(optimizer))
-
-    def live_modules(self) -> list[nn.Module]:
-        return [m for ref in self.modules.values() if (m := ref()) is not None]
-
-    def live_optimizers(self) -> list[torch.optim.Optimizer]:
-        return [o for ref in self.optimizers.values() if (o := ref()) is not None]
-
-    def check_capturable(self) -> None:
-        """What a graph would replay wrongly, refused before the capture: parameters outside
-        the GPU (CPU offload: the CPU's share of the step, its optimizer step included, would
-        run once at capture and never again), and optimizers with `capturable=False` (their
-        step counters on the CPU would never advance)."""
-        for module in self.live_modules():
-            for name, p in module._parameters.items():
-                local = _local(p) if p is not None else None
-                if local is not None and local.device.type != "cuda":
-                    raise ValueError(
-                        f"{_API}: parameter {name} of {type(module).__name__} is on {local.device} (CPU offload?): "
-                        "work outside the GPU is not captured in a CUDA graph, so it would never be replayed"
-                    )
-        for opt in self.live_optimizers():
-            for i, group in enumerate(opt.param_groups):
-                if group.get("capturable") is False:
-                    raise ValueError(
-                        f"{_API}: {type(opt).__name__}'s param_groups[{i}] has capturable=False; build the "
-                        f"optimizer with capturable=True to step it inside a CUDA graph"
-                    )
-
-
-# Settings of a fully_shard/replicate state that change what a step does.
-_STATE_SETTINGS = ("requires_gradient_sync", "reshard_after_forward", "reshard_after_backward", "is_last_backward")
-_REDUCER_SETTINGS = ("requires_all_reduce", "divide_factor")
-
-
-class _Snapshot:
-    """What the captured step depends on and Python could change between replays, as one
-    tuple per module and per optimizer, compared before every replay."""
-
-    def __init__(self, recorder: _Recorder) -> None:
-        self.modules = recorder.live_modules()
-        self.optimizers = recorder.live_optimizers()
-        self.module_values = [_module_settings(m) for m in self.modules]
-        self.optimizer_values = [_optimizer_settings(o) for o in self.optimizers]
-
-    def check(self) -> None:
-        for module, old in zip(self.modules, self.module_values):
-            new = _module_settings(module)
-            if new != old:
-                raise RuntimeError(
-                    f"{_API}: {type(module).__name__} changed since capture: {_first_difference(old, new)}"
-                )
-        for opt, old in zip(self.optimizers, self.optimizer_values):
-            new = _optimizer_settings(opt)
-            if new != old:
-                hint = ""
-                if any(name == "lr" for name, _, _ in _differences(old, new)):
-                    hint = " (for a schedule, give lr as a tensor and change it in place)"
-                raise RuntimeError(
-                    f"{_API}: {type(opt).__name__} changed since capture: {_first_difference(old, new)}{hint}"
-                )
-
-
-def _module_settings(module: nn.Module) -> tuple[tuple[str, Any], ...]:
-    items: list[tuple[str, Any]] = [("training", module.training)]
-    for name, p in module._parameters.items():  # checked before every replay: kept cheap
-        if p is not None:
-            items += ((f"{name}.requires_grad", p.requires_grad), (f"parameter {name}", _storage_id(p)))
-    for api in PARAM_OWNING_APIS:
-        state = get_state(module, api)
-        if state is None:
-            continue
-        items += [(f"{api} {s}", getattr(state, s, None)) for s in _STATE_SETTINGS]
-        for s in ("forward_prefetch", "backward_prefetch"):
-            items.append((f"{api} {s}", tuple(id(x) for x in getattr(state, s, None) or ())))
-        reducer = getattr(getattr(state, "group", None), "reducer", None)
-        items += [(f"{api} {s}", getattr(reducer, s, None)) for s in _REDUCER_SETTINGS]
-    return tuple(items)
-
-
-def _optimizer_settings(opt: torch.optim.Optimizer) -> tuple[tuple[str, Any], ...]:
-    items: list[tuple[str, Any]] = []
-    for i, group in enumerate(opt.param_groups):
-        params = group["params"]
-        items.append((f"param_groups[{i}] parameters", tuple(_storage_id(p) for p in params)))
-        for key, value in group.items():
-            if key != "params" and not isinstance(value, torch.Tensor):
-                items.append((key, value))
-        for p in params:
-            state = opt.state.get(p, {})
-            items.append(("state", tuple(_storage_id(v) for v in state.values() if isinstance(v, torch.Tensor))))
-    return tuple(items)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's tensor of `t` (a DTensor's local shard, without a dispatch)."""
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
-def _storage_id(t: torch.Tensor) -> int:
-    """Which memory a parameter or state tensor is: a graph reads and writes addresses (the
-    Python object may be rewrapped, as a DTensor optimizer step counter is every step)."""
-    return _local(t).data_ptr()
-
-
-def _differences(old: tuple[Any, ...], new: tuple[Any, ...]) -> list[tuple[str, Any, Any]]:
-    if len(old) != len(new):
-        return [("number of settings", len(old), len(new))]
-    return [(a[0], a[1], b[1]) for a, b in zip(old, new) if a != b]
-
-
-def _first_difference(old: tuple[Any, ...], new: tuple[Any, ...]) -> str:
-    name, was, now = _differences(old, new)[0]
-    if name.startswith(("parameter", "param_groups", "state")):
-        return f"{name} replaced by other tensors (a graph keeps using the captured ones; build a new graphed_step)"
-    return f"{name} was {was!r}, is {now!r} (a graph replays what was captured; build a new graphed_step)"
 
 
 def _check_output(out: Any) -> None:

@@ -8,8 +8,9 @@ recipes keep it out) and any linear whose dimensions are not multiples of 16 (`_
 requirement). For the FSDP-style contenders (fully_shard, FSDP2) the weights also all-gather
 in float8 (`enable_fsdp_float8_all_gather`: half the bf16 bytes), and the next step's weight
 scales are computed after each optimizer step in one all-reduce
-(`precompute_float8_dynamic_scale_for_fsdp`). The floor, replicate and DDP gather nothing, so
-their weights stay plain tensors and are cast in each forward.
+(`precompute_float8_dynamic_scale_for_fsdp`; in a graphed run composable's in-place twin,
+which a CUDA graph can capture). The floor, replicate and DDP gather nothing, so their weights
+stay plain tensors and are cast in each forward.
 """
 
 from __future__ import annotations
@@ -46,6 +47,14 @@ def to_float8(model: nn.Module, head: nn.Module, run: str) -> nn.Module:
         raise ImportError(FLOAT8_MISSING) from e
     config = Float8LinearConfig(enable_fsdp_float8_all_gather=run in FSDP_RUNS)
     return convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: convertible(m, head))
+
+
+def after_step_in_place(model: nn.Module) -> None:
+    """`after_step` for a graphed step: the same scales, written into the tensors the weights
+    hold (torchao's makes new ones at every call, which a CUDA graph cannot follow)."""
+    from composable.integrations.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)
 
 
 def after_step(model: nn.Module) -> None:

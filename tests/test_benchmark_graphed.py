@@ -59,6 +59,7 @@ def test_graphed_runs_are_opt_in_and_graph_all_but_the_last_warmup_step() -> Non
             "error: --runs: fully_shard_graphed needs a GPU (CUDA graphs), and torch.cuda.is_available() is False",
         ),
         (True, ["--runs", "replicate_graphed", "--float8"], "error: --runs: replicate_graphed with --float8 is not"),
+        (True, ["--runs", "floor_graphed,fully_shard_graphed", "--warmup", "1"], "error: --warmup must be >= 2"),
         (True, ["--runs", "floor_graphed", "--warmup", "1"], "error: --warmup must be >= 2 with --runs floor_graphed"),
     ],
 )
@@ -99,3 +100,11 @@ def test_graphed_runs_train_like_their_eager_ones_on_a_gpu() -> None:
     losses = run_on_ranks(_smoke_graphed, 1, backend="nccl", timeout=600)[0]
     for run in ("floor", "fully_shard", "replicate"):  # same model, data and steps: the same last loss
         assert losses[f"{run}_graphed"] == pytest.approx(losses[run], rel=2e-2), losses
+
+
+def test_float8_graphed_floor_and_fully_shard_are_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Their after-step scale precompute is captured (composable's in-place one)."""
+    monkeypatch.setattr(benchmark.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(benchmark, "float8_available", lambda: True)
+    args = benchmark.parse_args(["--float8", "--runs", "floor_graphed,fully_shard_graphed,fsdp2"])
+    assert args.float8 and args.runs == "floor_graphed,fully_shard_graphed,fsdp2"

@@ -336,6 +336,8 @@ def test_float8_converts_every_block_linear_of_every_contender_but_the_head(mode
             else:
                 assert local in ("Parameter", "Tensor"), (run, local)
                 assert c.after_step is bench_build.Contender._field_defaults["after_step"]
+        graphed = bench_build.build("fully_shard_graphed", cfg, torch.device("cpu"), model=model, float8=True)
+        assert graphed.after_step is bench_float8.after_step_in_place  # a graph captures it
         plain = bench_build.build("fully_shard", cfg, torch.device("cpu"), model=model).model
         assert not any(isinstance(m, Float8Linear) for m in plain.modules())
 

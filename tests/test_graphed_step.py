@@ -36,7 +36,9 @@ from composable import (
     replicate,
     set_requires_gradient_sync,
 )
-from composable.graphed_step import _Inputs, _Recorder, _Snapshot
+from composable._graphed_checks import Recorder as _Recorder
+from composable._graphed_checks import Snapshot as _Snapshot
+from composable.graphed_step import _Inputs
 
 # ------------------------------------------------------------------------------ CPU: arguments
 
