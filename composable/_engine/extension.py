@@ -192,9 +192,9 @@ def _start_batched(
         _alloc(out)
     versions = [(o._version,) for o in outputs]
     # In place: this rank's slot of each output is the all-gather input, written by the cast.
-    slots = [out.narrow(0, rank * local.numel(), local.numel()) for out, local in zip(outputs, locals_)]
-    float8_cast.cast_into(locals_, scales, [s.view(local.shape) for s, local in zip(slots, locals_)])
-    byte_outs, byte_slots = [_as_bytes(o) for o in outputs], [_as_bytes(s) for s in slots]
+    views = [_views(mp, out, local, rank) for mp, out, local in zip(params, outputs, locals_)]
+    float8_cast.cast_into(locals_, scales, [v[1] for v in views])
+    byte_outs, byte_slots = [v[2] for v in views], [v[3] for v in views]
     if coalesced:
         comm.all_gather_coalesced(byte_outs, byte_slots, group)  # waited on the current stream
         works: list[list[Any]] = [[] for _ in params]
@@ -204,6 +204,16 @@ def _start_batched(
         PendingGather(w, [local.shape], float8_cast.metadata(scale), False, v)
         for w, local, scale, v in zip(works, locals_, scales, versions)
     ]
+
+
+def _views(mp: ManagedParam, out: torch.Tensor, local: torch.Tensor, rank: int) -> tuple:
+    """(output, this rank's slot of it shaped as the shard, byte views of both), made once per
+    output object: the batched path's per-gather host work is the cast and the collective."""
+    views = mp.extension_views
+    if not views or views[0] is not out or views[4] != rank:
+        slot = out.narrow(0, rank * local.numel(), local.numel())
+        views = mp.extension_views = (out, slot.view(local.shape), _as_bytes(out), _as_bytes(slot), rank)
+    return views
 
 
 def finish_gathers(

@@ -131,6 +131,7 @@ class ManagedParam:
     extension: bool = False  # the local shard implements FSDP2's all-gather extension (extension.py)
     extension_outputs: list = field(default_factory=list)  # its all-gather outputs, 1D (made once, freed between uses)
     extension_inner: list = field(default_factory=list)  # its unsharded inner tensors (freed between uses)
+    extension_views: tuple = ()  # (output, its float8 slot, byte views of both): float8_cast's batched path
     grad_standins: dict = field(default_factory=dict, repr=False)  # see `make_sharded_grad`
 
     @property
@@ -302,7 +303,9 @@ class ManagedParam:
         drop = freed or self.unsharded_alias_of is not None
         gathered_freed = any(is_freed(t) for t in self.extension_outputs)
         for name, value in vars(self).items():
-            if name == "hooked_param" or (
+            if name == "extension_views":  # views of this parameter's outputs, not of the copy's
+                value = ()
+            elif name == "hooked_param" or (
                 drop and name in ("unsharded_param", "unsharded_padded", "unsharded_alias_of")
             ):
                 value = None

@@ -36,7 +36,9 @@ def precompute_float8_dynamic_scale_for_fsdp(module: nn.Module) -> None:
         from torchao.float8.float8_utils import EPS
         from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
     except ImportError as e:
-        raise ImportError(f"{_API}: needs torchao (float8 training), which is not installed: pip install torchao") from e
+        raise ImportError(
+            f"{_API}: needs torchao (float8 training), which is not installed: pip install torchao"
+        ) from e
     if not isinstance(module, nn.Module):
         raise TypeError(f"{_API}: 'module' must be an nn.Module, got {type(module).__name__}")
     linears = [
@@ -50,7 +52,9 @@ def precompute_float8_dynamic_scale_for_fsdp(module: nn.Module) -> None:
         return
     target_dtypes = {m.config.cast_config_weight.target_dtype for m in linears}
     if len(target_dtypes) != 1:
-        raise ValueError(f"{_API}: the float8 weights under 'module' mix target dtypes {sorted(map(str, target_dtypes))}")
+        raise ValueError(
+            f"{_API}: the float8 weights under 'module' mix target dtypes {sorted(map(str, target_dtypes))}"
+        )
     (target,) = target_dtypes
     weights = [m.weight for m in linears]
     amax = torch.clamp(torch.stack(torch._foreach_norm(weights, ord=math.inf)), EPS)  # the one all-reduce
@@ -61,7 +65,10 @@ def precompute_float8_dynamic_scale_for_fsdp(module: nn.Module) -> None:
     local = scales.to_local().to(torch.float32)
     locals_ = [m.weight._local_tensor for m in linears]
     held = [t._precomputed_scale for t in locals_]
-    if all(isinstance(h, torch.Tensor) and h.shape == () and h.dtype == local.dtype and h.device == local.device for h in held):
+    if all(
+        isinstance(h, torch.Tensor) and h.shape == () and h.dtype == local.dtype and h.device == local.device
+        for h in held
+    ):
         with torch.no_grad():
             torch._foreach_copy_(held, list(local.unbind()))
         return
