@@ -28,9 +28,11 @@ class Recorder:
         self.kv_cache_users: list[str] = []  # models whose forward returned a KV cache
 
     def __enter__(self) -> None:
+        # Global module hooks run inside compiled blocks: traced, the recorder's growing dict
+        # would be guarded on and every block recompiled (past the recompile limit: eager).
         self._handles = [
-            register_module_forward_pre_hook(self._on_forward),
-            register_module_forward_hook(self._on_output),
+            register_module_forward_pre_hook(torch._dynamo.disable(self._on_forward)),
+            register_module_forward_hook(torch._dynamo.disable(self._on_output)),
             register_optimizer_step_pre_hook(self._on_step),
         ]
 

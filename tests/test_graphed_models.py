@@ -74,6 +74,8 @@ def _precompute_matches_torchao(rank: int, world: int) -> None:
     net = _shard(_float8_net("cpu"), fully_shard, _mesh("cpu", (world,)))
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     locals_ = [p._local_tensor for n, p in net.named_parameters() if n.endswith(("up.weight", "down.weight"))]
+    ours(net)  # the first call makes the scale tensors
+    assert not any(t._precomputed_scale.requires_grad for t in locals_), "scales requiring grad recompile the blocks"
     for step in range(3):
         net(torch.randn(16, 32)).sum().backward()
         opt.step()
@@ -111,6 +113,7 @@ STEPS = 6
 
 def _float8_graphed(rank: int, world: int, compiled: bool) -> None:
     from test_float8 import BATCH, DIM, OUT, _float8_net, _shard
+    from torch._dynamo.utils import counters
 
     from composable.integrations.float8 import precompute_float8_dynamic_scale_for_fsdp
 
@@ -134,12 +137,17 @@ def _float8_graphed(rank: int, world: int, compiled: bool) -> None:
         run = graphed_step(step) if mode == "graphed" else step
         g = torch.Generator(device="cuda").manual_seed(rank)
         losses = []
-        for _ in range(STEPS):
+        for i in range(STEPS):
             x, y = (
                 torch.randn(BATCH, DIM, device="cuda", generator=g),
                 torch.randn(BATCH, OUT, device="cuda", generator=g),
             )
             losses.append(run(x, y))
+            if i == 0:
+                graphs = counters["stats"]["unique_graphs"]
+        # No recompile after the first step: not for scales that required grad, not for the
+        # graphed step's recording of the modules (either put the blocks past dynamo's limit).
+        assert counters["stats"]["unique_graphs"] == graphs, f"{mode}: recompiled after the first step"
         runs[mode] = (torch.stack(losses).cpu(), {n: p.full_tensor().float().cpu() for n, p in net.named_parameters()})
     (eager_losses, eager_params), (graph_losses, graph_params) = runs["eager"], runs["graphed"]
     assert torch.equal(eager_losses, graph_losses), (eager_losses, graph_losses)
@@ -283,3 +291,39 @@ def test_gpu_hf_llama_with_kv_cache_is_refused_before_capture() -> None:
     (r,) = run_on_ranks(_hf_llama, 1, True, backend="nccl", timeout=600)
     # The decoder stack (LlamaModel) returns the cache first, inside LlamaForCausalLM's forward.
     assert "LlamaModel's forward returned a KV cache" in r["graphed"] and "use_cache = False" in r["graphed"], r
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.proj(x)) + x
+
+
+def test_recording_does_not_recompile_compiled_blocks() -> None:
+    """The recorder's global module hooks run inside compiled blocks: traced, each block's
+    call grew the recorded dict and failed a guard on its length, recompiling every block past
+    dynamo's limit (then eager, also in the captured graph: float8 ran 3x slower than eager)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    blocks = [_Block() for _ in range(12)]
+    for block in blocks:
+        block.compile(backend="eager")
+    x = torch.randn(2, 8)
+
+    def run_all() -> int:
+        before = counters["stats"]["unique_graphs"]
+        for block in blocks:
+            block(x)
+        return counters["stats"]["unique_graphs"] - before
+
+    assert run_all() == 1
+    recorder = Recorder()
+    with recorder:
+        recorded = run_all()
+    assert len(recorder.live_modules()) == 12
+    assert recorded <= 2, f"{recorded} graphs compiled while recording"
+    assert run_all() == 0

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 _API = "precompute_float8_dynamic_scale_for_fsdp"
 
 
+@torch.no_grad()  # the scales are data, not part of the graph (a scale that requires grad recompiles the blocks)
 def precompute_float8_dynamic_scale_for_fsdp(module: nn.Module) -> None:
     """Compute the float8 scale of every torchao float8 weight under `module` for its next
     all-gather, as `torchao.float8.precompute_float8_dynamic_scale_for_fsdp` does (the same
@@ -69,8 +70,7 @@ def precompute_float8_dynamic_scale_for_fsdp(module: nn.Module) -> None:
         isinstance(h, torch.Tensor) and h.shape == () and h.dtype == local.dtype and h.device == local.device
         for h in held
     ):
-        with torch.no_grad():
-            torch._foreach_copy_(held, list(local.unbind()))
+        torch._foreach_copy_(held, list(local.unbind()))
         return
     for i, t in enumerate(locals_):
         t._precomputed_scale = local[i]
