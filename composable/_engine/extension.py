@@ -40,6 +40,7 @@ from . import float8_cast
 from .optim_state import track_for_optimizers
 from .param import ManagedParam, _contiguous_stride
 from .policies import MixedPrecisionPolicy
+from .streams import stream_context
 
 HOOKS = ("fsdp_pre_all_gather", "fsdp_post_all_gather")
 
@@ -142,12 +143,14 @@ def start_gathers(
     rank: int,
     mp_policy: MixedPrecisionPolicy,
     coalesced: bool,
+    gather_stream: "torch.cuda.Stream | None" = None,
 ) -> list[PendingGather]:
     """Ask each parameter's local shard what to all-gather and launch those all-gathers into
     the parameter's all-gather outputs (made at the first gather, re-grown after). torchao
     float8 weights with precomputed scales are cast for the whole group at once
-    (float8_cast.py), and with `coalesced` (CUDA) all travel in one collective."""
-    batched = _start_batched(params, group, world, rank, coalesced)
+    (float8_cast.py), and with `coalesced` (CUDA) all travel in one collective, cast and
+    gathered on `gather_stream` (overlapping compute, as the group's other parameters do)."""
+    batched = _start_batched(params, group, world, rank, coalesced, gather_stream)
     if batched is not None:
         return batched
     mesh = shard_mesh(mesh, group)
@@ -173,7 +176,12 @@ def start_gathers(
 
 
 def _start_batched(
-    params: list[ManagedParam], group: dist.ProcessGroup, world: int, rank: int, coalesced: bool
+    params: list[ManagedParam],
+    group: dist.ProcessGroup,
+    world: int,
+    rank: int,
+    coalesced: bool,
+    gather_stream: "torch.cuda.Stream | None",
 ) -> list[PendingGather] | None:
     """The batched float8 path (see float8_cast.py), or None where it does not apply: the
     parameters' unsharded twins exist (made by a per-parameter gather) and every local shard
@@ -189,17 +197,23 @@ def _start_batched(
             return None
         outputs.append(outs[0])
     for out in outputs:
-        _alloc(out)
+        _alloc(out)  # on the current stream: its pool and its order own the outputs' memory
     versions = [(o._version,) for o in outputs]
     # In place: this rank's slot of each output is the all-gather input, written by the cast.
     views = [_views(mp, out, local, rank) for mp, out, local in zip(params, outputs, locals_)]
-    float8_cast.cast_into(locals_, scales, [v[1] for v in views])
     byte_outs, byte_slots = [v[2] for v in views], [v[3] for v in views]
-    if coalesced:
-        comm.all_gather_coalesced(byte_outs, byte_slots, group)  # waited on the current stream
-        works: list[list[Any]] = [[] for _ in params]
-    else:
-        works = [[comm.all_gather(o, s, group, async_op=True)] for o, s in zip(byte_outs, byte_slots)]
+    works: list[list[Any]] = [[] for _ in params]
+    if gather_stream is not None:
+        # The outputs' memory, the shards and the scales are the current stream's until here.
+        gather_stream.wait_stream(torch.cuda.current_stream())
+    with stream_context(gather_stream):
+        float8_cast.cast_into(locals_, scales, [v[1] for v in views])
+        if coalesced:
+            comm.all_gather_coalesced(byte_outs, byte_slots, group)  # waited on the gather stream
+        else:
+            works = [[comm.all_gather(o, s, group, async_op=True)] for o, s in zip(byte_outs, byte_slots)]
+        if gather_stream is not None:
+            works[0].append(gather_stream.record_event())  # `finish_gathers` waits on the current stream
     return [
         PendingGather(w, [local.shape], float8_cast.metadata(scale), False, v)
         for w, local, scale, v in zip(works, locals_, scales, versions)

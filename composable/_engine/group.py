@@ -307,6 +307,7 @@ class ParamGroup:
                 lay.shard_rank,
                 policy,
                 bool(self._coalesced_gather_ok),
+                streams.all_gather if streams is not None else None,
             )
 
     def _raise_on_meta(self) -> None:
