@@ -9,7 +9,7 @@ deprecated from 2.13 on).
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -21,8 +21,13 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool) -> dist.Work | None:
-    """Gather every rank's 1D `input` into the 1D `output`, rank-major."""
+def all_gather(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool, custom: Any = None
+) -> dist.Work | None:
+    """Gather every rank's 1D `input` into the 1D `output`, rank-major; through `custom` (an
+    FSDP2 `AllGather`: `custom(output, input, group, async_op)`) when given."""
+    if custom is not None:
+        return custom(output, input, group, async_op=async_op)
     return _all_gather_single(output, input, group=group, async_op=async_op)
 
 
@@ -59,10 +64,18 @@ def _op(average: bool) -> dist.ReduceOp:
 
 
 def reduce_scatter(
-    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, average: bool, async_op: bool
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup,
+    average: bool,
+    async_op: bool,
+    custom: Any = None,
 ) -> dist.Work | None:
     """Sum (or, where `supports_average`, average) the 1D `input` over ranks; rank r keeps
-    region r in `output`."""
+    region r in `output`. Through `custom` (an FSDP2 `ReduceScatter`: `custom(output, input,
+    group, op, async_op)`) when given."""
+    if custom is not None:
+        return custom(output, input, group, _op(average), async_op=async_op)
     return _reduce_scatter_single(output, input, op=_op(average), group=group, async_op=async_op)
 
 
@@ -112,14 +125,24 @@ def copy_out(
         )
 
 
-def chunk_cat(tensors: Sequence[torch.Tensor], world: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def chunk_cat(
+    tensors: Sequence[torch.Tensor],
+    world: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    allocate: Callable[..., torch.Tensor] | None = None,
+) -> torch.Tensor:
     """The reduce-scatter input: each tensor split into `world` dim-0 chunks (zero padded),
-    chunk r of every tensor concatenated into region r. Returns a 1D tensor."""
+    chunk r of every tensor concatenated into region r. Returns a 1D tensor, allocated by
+    `allocate(size, dtype=, device=)` (a custom collective's `allocate`) when given."""
     # Empty tensors (dim 0 of size 0, or rows of 0 elements) take no room in any region, and
     # _chunk_cat rejects them.
     tensors = [t for t in tensors if t.numel() > 0]
     total = sum(-(-t.shape[0] // world) * (t.numel() // max(t.shape[0], 1)) for t in tensors)
-    out = torch.empty((world, total), dtype=dtype, device=device)
+    if allocate is None:
+        out = torch.empty((world, total), dtype=dtype, device=device)
+    else:
+        out = allocate((world * total,), dtype=dtype, device=device).view(world, total)
     if tensors:
         torch._chunk_cat(tensors, dim=0, num_chunks=world, out=out)  # casts as it copies
     return out.view(-1)

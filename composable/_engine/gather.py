@@ -23,7 +23,7 @@ stream order without `record_stream`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -67,12 +67,15 @@ def start_gather(
     device: torch.device,
     streams: CommStreams | None,
     direct: bool,
+    custom: Any = None,
 ) -> PendingGather:
     """Launch the all-gather of `params` over `group` (this process is its `rank`), in `dtype`
     on `device`, on the all-gather stream when there is one. `source` is the 1D input (this
     rank's region of `region_numel` elements, or after `reshard_after_forward=N` the N-rank
-    group's share of regions); the output holds the `world` regions of the shard group."""
+    group's share of regions); the output holds the `world` regions of the shard group.
+    `custom` (an FSDP2 `AllGather`, flat way only) allocates the output and gathers into it."""
     n = source.numel()  # a post-forward shard holds several ranks' regions: `world` counts those
+    direct = direct and custom is None
     async_op = streams is None
     with stream_context(streams.all_gather if streams is not None else None):
         if direct:
@@ -96,11 +99,14 @@ def start_gather(
             gather_in, gather_out = source, None
         else:
             # In place: the input is this rank's slot of the output.
-            gather_out = torch.empty(world * region_numel, dtype=dtype, device=device)
+            if custom is None:
+                gather_out = torch.empty(world * region_numel, dtype=dtype, device=device)
+            else:
+                gather_out = custom.allocate((world * region_numel,), dtype=dtype, device=device)
             gather_in = gather_out.narrow(0, rank * n, n)
             gather_in.copy_(source, non_blocking=True)
             # n == 0: only extension parameters, nothing in the flat buffer
-            work = comm.all_gather(gather_out, gather_in, group, async_op=async_op) if n else None
+            work = comm.all_gather(gather_out, gather_in, group, async_op, custom) if n else None
         if streams is not None and n > 0:
             work = streams.all_gather.record_event()
     return PendingGather(work, direct, gather_out, gather_in, source)

@@ -1,8 +1,7 @@
 """A parameter group: the parameters one API call manages on one module.
 
-It owns their sharded storage (one flat buffer per group, the local shards are views of it),
-gathers them (`unshard`), frees them (`reshard`) and reduces their gradients
-(`reduce_grads` launches, `finish_reduce` waits and writes the sharded gradients).
+It owns their sharded storage (one flat buffer per group, the local shards views of it), gathers
+them (`unshard`), frees them (`reshard`), reduces their gradients (`reduce_grads`, `finish_reduce`).
 
 Two communication modes share everything else:
 - sharded (`Shard(0)`, HSDP `(Replicate(), Shard(0))`): one all-gather per unshard, one
@@ -93,7 +92,7 @@ class ParamGroup:
         )
         extension.init_shards(self.extension_params, extension_sources, self._local_rows, self._storage_device)
 
-    _SHARED_ON_COPY = ("streams",)  # runtime handles: a deep copy of the model shares them
+    _SHARED_ON_COPY = ("streams", "all_gather_comm")  # runtime handles: a deep copy of the model shares them
 
     def __deepcopy__(self, memo: dict) -> "ParamGroup":
         new = ParamGroup.__new__(ParamGroup)
@@ -259,7 +258,6 @@ class ParamGroup:
         self._post_forward_shard = (kept, size)
 
     def _start_unshard(self, prefetch: bool) -> None:
-        cfg = self.config
         if self.flat_shard.is_meta:
             self._raise_on_meta()
         self.state = GroupState.UNSHARDING
@@ -292,9 +290,10 @@ class ParamGroup:
             lay.shard_world,
             self.flat_shard.numel(),
             self.unsharded_dtype,
-            cfg.device,
+            self.config.device,
             streams,
             direct,
+            getattr(self, "all_gather_comm", None),  # set_custom_all_gather (an FSDP2 `AllGather`)
         )
         self._pending_gather = pending  # first: waited for even if an extension gather below raises
         if self.extension_params:

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from . import collectives as comm
 from .layout import DataParallelLayout
 from .no_sync import NoSyncSums
+from .reduce_options import ReduceOptions
 from .streams import CommStreams, stream_context
 
 if TYPE_CHECKING:
@@ -83,7 +84,7 @@ class ReduceSpec:
     dtypes: GroupDtypes
 
 
-class GradReducer(NoSyncSums):
+class GradReducer(NoSyncSums, ReduceOptions):
     """Reduces the unsharded gradients of `params` into their sharded gradients, in one
     collective (plus the replica all-reduce of HSDP) per launch."""
 
@@ -104,8 +105,8 @@ class GradReducer(NoSyncSums):
         """Whether every collective of a reduction averages (ReduceOp.AVG) instead of summing:
         then no division is left to do. Decided once per reduce dtype (`module.half()` after
         sharding changes it; the backends do not change)."""
-        if self.divide_factor is not None:
-            return False  # sum, then divide by the user's factor
+        if self.divide_factor is not None or self.force_sum:
+            return False  # sum, then divide by the user's factor (or by the world, after)
         lay, dtype = self.spec.layout, self.spec.dtypes.reduce
         decided = self._collectives_average.get(dtype)
         if decided is None:
@@ -181,9 +182,11 @@ class GradReducer(NoSyncSums):
             for mp in self.params:
                 mp.grad_marker = None
         params = self._grad_params()
-        if not params or not any(self.has_grads(mp) for mp in params):
+        if not params or not (self.reduce_unused or any(self.has_grads(mp) for mp in params)):
             return
         grads, present = self._take_grads(params)
+        if self.reduce_unused:  # as FSDP2: a zero gradient for every parameter that wants one
+            present = [True] * len(present)
         if self.spec.layout.sharded:
             self._launch_reduce_scatter(params, grads, present)
         else:
@@ -206,13 +209,14 @@ class GradReducer(NoSyncSums):
             gr.expand(world) if gr.dim() == 0 else gr.movedim(mp.layout.dim, 0) if mp.layout.dim else gr
             for mp, gr in zip(params, grads)
         ] + [flags.expand(world, len(present)).contiguous()]
-        flat_in = comm.chunk_cat(pieces, world, dtype, device)
+        custom = self.reduce_scatter_comm
+        flat_in = comm.chunk_cat(pieces, world, dtype, device, None if custom is None else custom.allocate)
         if pre != 1.0:
             flat_in.div_(pre)
         del grads, pieces
         streams = self.streams
         if streams is not None:
-            streams.before_reduce()
+            streams.before_reduce(self.max_input_buffers)
         # CPU: gloo works run asynchronously and need their input until `finish`. CUDA: the
         # streams keep it alive only until the next reduce-scatter (memory stays bounded).
         red = _Reduction(
@@ -224,11 +228,15 @@ class GradReducer(NoSyncSums):
             divided=average,
         )
         with stream_context(streams.reduce if streams is not None else None):
-            out = torch.empty(flat_in.numel() // world, dtype=dtype, device=device)
+            if custom is None:
+                out = torch.empty(flat_in.numel() // world, dtype=dtype, device=device)
+            else:
+                out = custom.allocate((flat_in.numel() // world,), dtype=dtype, device=device)
             red.output = out
             red.flags = (out, out.numel() - len(present))
             async_op = streams is None
-            red.works.append(comm.reduce_scatter(out, flat_in, lay.shard_group, average, async_op=async_op))
+            group = self.reduce_scatter_group or lay.shard_group
+            red.works.append(comm.reduce_scatter(out, flat_in, group, average, async_op, custom))
             if lay.replicate_groups:
                 if self.requires_all_reduce:
                     if async_op:
@@ -240,6 +248,8 @@ class GradReducer(NoSyncSums):
                         red.works.append(comm.all_reduce(out, grp, average, async_op=async_op))
                 else:
                     red.all_reduced = False
+            if red.all_reduced and self.all_reduce_hook is not None:
+                self._run_all_reduce_hook(red, len(present))
             if streams is not None:
                 self._average(red)
                 red.event = streams.reduce.record_event()

@@ -1,6 +1,5 @@
-"""The per-module state shared by `fully_shard` and `replicate`: hooks that drive a parameter
-group through forward and backward, root detection, lazy initialisation, and the end-of-
-backward callback that finishes every group's gradient reduction.
+"""The per-module state shared by `fully_shard` and `replicate`: hooks that drive a parameter group
+through forward and backward, root detection, lazy init, and the end-of-backward callback.
 
 Order of events for one module (root marked *):
   pre_forward   lazy init*, refresh sharded params*, unshard (+ prefetch), cast inputs,
@@ -9,15 +8,13 @@ Order of events for one module (root marked *):
                 pre-backward hooks to the outputs, cast outputs
   pre_backward  (first output gradient) queue the root's final callback, unshard
   post_backward (all input gradients done) launch gradient reduction, reshard
-  final*        reduce groups whose post_backward never fired (inputs without grad),
-                wait for all reductions, reshard everything, reset
+  final*        reduce groups whose post_backward never fired, wait for reductions, reshard, reset
 During backward a re-run forward (activation checkpointing) neither reshards nor re-hooks.
 
-One state may drive one group for several modules (`fully_shard([norm, head])`, as FSDP2):
-hooks on each; the first of them to run in the root's forward unshards, the last to finish
-reshards (a pass that ran only some of them is finished by the root's post_forward; one
-called outside the root's forward is a pass of its own), and the group reduces once, after
-the post-backward of every listed module that ran.
+One state may drive one group for several modules (`fully_shard([norm, head])`, as FSDP2): hooks on each; the
+first of them to run in the root's forward unshards, the last to finish reshards (a pass that ran only some of
+them is finished by the root's post_forward; one called outside the root's forward is a pass of its own), and
+the group reduces once, after the post-backward of every listed module that ran.
 """
 
 from __future__ import annotations
@@ -79,6 +76,7 @@ class ModuleState:
         self._reshard_is_default = reshard_is_default
         self.reshard_after_backward = True  # False: keep the unsharded parameters until the next forward
         self.is_last_backward = True  # root: False lets the end of backward leave reductions in flight
+        self.unshard_in_backward = True  # False: backward computes without gathering (set_unshard_in_backward)
         self.training_state = TrainingState.IDLE
         self.requires_gradient_sync = True
         self.is_root: bool | None = None  # decided at lazy init
@@ -311,10 +309,12 @@ class ModuleState:
         self.training_state = TrainingState.PRE_BACKWARD
         if self.group is not None:
             self.group.reducer.drop_discarded_sums()  # zero_grad since a no-sync backward
-            self.group.unshard()
+            if self.unshard_in_backward:
+                self.group.unshard()
         for other in self.backward_prefetch or self._implicit_backward_prefetch():
             if other.group is not None and other.training_state is not TrainingState.PRE_BACKWARD:
-                other.group.unshard(async_op=True)
+                if other.unshard_in_backward:
+                    other.group.unshard(async_op=True)
 
     def _implicit_backward_prefetch(self) -> list["ModuleState"]:
         """The state whose forward finished just before this one's: its backward comes next."""

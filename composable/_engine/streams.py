@@ -7,7 +7,8 @@ event proves its last use is done:
 - an all-gather's buffers live until the next all-gather, which first waits for the event
   recorded after the previous copy-out. This also bounds prefetching to one group ahead;
 - a reduce-scatter's input lives until the next reduce-scatter, before which the compute
-  stream waits for the previous one (at most one in flight, as in PyTorch FSDP2).
+  stream waits for the previous one (at most one in flight, as in PyTorch FSDP2; up to K with
+  `set_reduce_scatter_max_input_buffers(K)`: more memory, no wait while K are in flight).
 On CPU (gloo) there are no streams: collectives are issued with `async_op=True` and waited.
 """
 
@@ -28,9 +29,10 @@ class CommStreams:
         self.reduce = torch.cuda.Stream(device, priority=-1)
         self._gather_done: torch.cuda.Event | None = None
         self._gather_buffers: Any = None
-        self._reduce_done: torch.cuda.Event | None = None
-        self._reduce_buffers: Any = None
+        # Reduce-scatters whose input is still alive: (done event, buffers), oldest first.
+        self._reduces: list[tuple[torch.cuda.Event, Any]] = []
         self._deferred: list[tuple[torch.cuda.Event, list[torch.Tensor]]] = []  # see `defer_free`
+        self.post_optim_event: torch.Event | None = None  # see `start_of_iteration`
 
     def __deepcopy__(self, memo: dict) -> "CommStreams":
         """One per device, shared: a deep-copied model uses the same streams (CUDA streams
@@ -42,7 +44,14 @@ class CommStreams:
         return torch.cuda.current_stream()
 
     def start_of_iteration(self) -> None:
-        """Sharded parameters may have changed (optimizer step): comm streams must see it."""
+        """Sharded parameters may have changed (optimizer step): comm streams must see it. With
+        a `post_optim_event` (`set_post_optim_event`) they wait for that event, once, instead
+        of for everything queued on the current stream so far."""
+        event, self.post_optim_event = self.post_optim_event, None
+        if event is not None:
+            self.all_gather.wait_event(event)
+            self.reduce.wait_event(event)
+            return
         current = self.current()
         self.all_gather.wait_stream(current)
         self.reduce.wait_stream(current)
@@ -101,23 +110,30 @@ class CommStreams:
         self._gather_done, self._gather_buffers = None, None
         self._free_all_deferred()
 
-    def before_reduce(self) -> None:
-        if self._reduce_done is not None:
-            self.current().wait_event(self._reduce_done)
-        self._reduce_done, self._reduce_buffers = None, None
+    def before_reduce(self, max_in_flight: int = 1) -> None:
+        """Keep fewer than `max_in_flight` earlier reduce-scatter inputs alive: the compute
+        stream waits for the oldest ones to be consumed, then their memory may be reused."""
+        reduces = self._reduces
+        while len(reduces) >= max_in_flight:
+            self.current().wait_event(reduces.pop(0)[0])
         self.reduce.wait_stream(self.current())
 
     def after_reduce(self, event: torch.cuda.Event, buffers: Any) -> None:
-        self._reduce_done, self._reduce_buffers = event, buffers
+        self._reduces.append((event, buffers))
+
+    @property
+    def reduces_in_flight(self) -> int:
+        """How many reduce-scatter inputs are kept alive now."""
+        return len(self._reduces)
 
     def end_of_backward(self) -> None:
         """Drop the last all-gather's and reduce-scatter's buffers before the optimizer step
         instead of holding them until the next iteration. Safe: the compute stream has waited
         for every reduction (`finish`), and the next all-gather stream allocation is ordered
         after the compute stream by `start_of_iteration`."""
-        if self._reduce_done is not None:
-            self.current().wait_event(self._reduce_done)
-        self._reduce_done, self._reduce_buffers = None, None
+        for event, _ in self._reduces:
+            self.current().wait_event(event)
+        self._reduces.clear()
         self._gather_done, self._gather_buffers = None, None
         self._free_all_deferred()
 

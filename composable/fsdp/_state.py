@@ -12,14 +12,17 @@ from .._engine.contract import check_bool, get_state
 from .._engine.group import ParamGroup
 from .._engine.policies import MixedPrecisionPolicy, OffloadPolicy
 from .._engine.state import ModuleState
+from ._methods import FSDP2Methods
 from .strategy import ShardingStrategy, check_reshard_type, normalize_reshard
 
 
-class FSDPState(ModuleState):
+class FSDPState(FSDP2Methods, ModuleState):
     """What `fully_shard.state(module)` returns.
 
     Attributes: `mesh`, `mp_policy`, `offload_policy`, `strategy`, `reshard_after_forward`,
     `param_names` (FQNs relative to the module of the parameters this call manages).
+    Every public method of PyTorch FSDP2's `FSDPModule` is here under its own name
+    (FSDP2's expert communication methods in `_methods.py`).
     """
 
     api_name = "fully_shard"

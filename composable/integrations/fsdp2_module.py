@@ -6,22 +6,32 @@ call FSDP2's methods on them (`m.set_requires_gradient_sync(False)` for gradient
 its state, `fully_shard.state(m)`, has those methods. This opt-in adapter does what FSDP2 does
 and the core does not: `as_fsdp_module(m)` swaps `m.__class__` for a subclass of
 `(ComposableFSDPModule, type(m))`, where `ComposableFSDPModule` derives from FSDP2's
-`FSDPModule` and forwards each method to `fully_shard.state(m)`. FSDP2 methods composable has no
-counterpart for raise `NotImplementedError` naming the method. Parameter names, `state_dict()`
+`FSDPModule` and forwards each method to `fully_shard.state(m)`: every public method of
+torch 2.11-2.13's `FSDPModule` has its counterpart there (docs/fsdp2_methods.md). A method a
+later torch adds, and FSDP2's private ones, raise `NotImplementedError` naming the method
+(`UNSUPPORTED_METHODS` lists them). Parameter names, `state_dict()`
 and `copy.deepcopy` are unchanged; `restore_class(m)` undoes the swap.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Literal
 
+import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
 import composable
 from composable import fully_shard
 
-__all__ = ["ComposableFSDPModule", "as_fsdp_module", "as_fsdp_modules", "restore_class", "fsdp2_fully_shard"]
+__all__ = [
+    "ComposableFSDPModule",
+    "UNSUPPORTED_METHODS",
+    "as_fsdp_module",
+    "as_fsdp_modules",
+    "restore_class",
+    "fsdp2_fully_shard",
+]
 
 
 class ComposableFSDPModule(FSDPModule):
@@ -89,6 +99,49 @@ class ComposableFSDPModule(FSDPModule):
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:  # FSDP2's older name
         self.set_gradient_divide_factor(factor)
 
+    def reset_iter_state(self) -> None:
+        self._composable_state("reset_iter_state").reset_iter_state()
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        self._composable_state("set_unshard_in_backward").set_unshard_in_backward(unshard_in_backward)
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        self._composable_state("set_post_optim_event").set_post_optim_event(event)
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
+        self._composable_state("set_all_reduce_hook").set_all_reduce_hook(hook, stream=stream)
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        self._composable_state("set_custom_all_gather").set_custom_all_gather(comm)
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        self._composable_state("set_custom_reduce_scatter").set_custom_reduce_scatter(comm)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        self._composable_state("set_force_sum_reduction_for_comms").set_force_sum_reduction_for_comms(enable)
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        self._composable_state("set_reduce_scatter_unused_params").set_reduce_scatter_unused_params(
+            reduce_scatter_unused_params, recurse=recurse
+        )
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        self._composable_state("set_reduce_scatter_max_input_buffers").set_reduce_scatter_max_input_buffers(
+            max_input_buffers, recurse=recurse
+        )
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        self._composable_state("set_separate_reduce_scatter_group").set_separate_reduce_scatter_group(
+            enable, recurse=recurse
+        )
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        state = self._composable_state("set_allocate_memory_from_process_group_for_comm")
+        state.set_allocate_memory_from_process_group_for_comm(enable)
+
+    def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
+        self._composable_state("set_symm_mem_for_comm").set_symm_mem_for_comm(backend)
+
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # Skip FSDPModule._apply (it needs FSDP2's own state); composable's hooks adopt the result.
         return super(FSDPModule, self)._apply(*args, **kwargs)
@@ -105,11 +158,15 @@ def _unsupported(name: str) -> Any:
     return method
 
 
-# Every other FSDPModule method of the installed torch (FSDP2 adds some in each release) fails
-# loudly instead of reaching FSDP2's missing state.
-for _name, _value in vars(FSDPModule).items():
-    if callable(_value) and not _name.startswith("__") and _name not in vars(ComposableFSDPModule):
-        setattr(ComposableFSDPModule, _name, _unsupported(_name))
+# Every other FSDPModule method of the installed torch (FSDP2's private ones, and public ones a
+# later release adds) fails loudly instead of reaching FSDP2's missing state.
+UNSUPPORTED_METHODS: tuple[str, ...] = tuple(
+    name
+    for name, value in vars(FSDPModule).items()
+    if callable(value) and not name.startswith("__") and name not in vars(ComposableFSDPModule)
+)
+for _name in UNSUPPORTED_METHODS:
+    setattr(ComposableFSDPModule, _name, _unsupported(_name))
 
 _classes: dict[type[nn.Module], type[nn.Module]] = {}
 
