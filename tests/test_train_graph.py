@@ -38,7 +38,8 @@ from schedule import build_optimizer, evaluate, lr_at, world_mean  # noqa: E402
 from train_step import build_graph_optimizer, checkpoint_ready, make_train_step, set_lr  # noqa: E402
 
 from composable import ShardedGradScaler, clip_grad_norm_, fully_shard, no_sync  # noqa: E402
-from composable.graphed_step import _Recorder, _Snapshot  # noqa: E402
+from composable._graphed_checks import Recorder as _Recorder  # noqa: E402
+from composable._graphed_checks import Snapshot as _Snapshot  # noqa: E402
 
 # test_train_example.py's small model: a few steps take a fraction of a second per rank.
 SMALL = (
