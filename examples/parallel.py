@@ -51,7 +51,7 @@ def mp_policy_for(name: str) -> MixedPrecisionPolicy:
 def sharding_units(model: Transformer) -> list[nn.Module]:
     """The modules `fully_shard` is applied to, bottom-up, the root last: the embeddings and
     the head each on their own (as torchtitan does, and benchmark.py's `--wrap separate-ends`:
-    measured faster and leaner than leaving them to the root, issue 14), then every block,
+    measured faster and leaner than leaving them to the root), then every block,
     then the root, which keeps only the final norm. The head's gradients are reduce-scattered
     while the blocks' backward runs instead of in the root's last, exposed reduce-scatter.
     Tied embeddings are one parameter used at both ends of the model: a group of its own on

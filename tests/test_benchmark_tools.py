@@ -149,7 +149,7 @@ def test_both_fsdp_implementations_get_the_same_groups(wrap: str, model: str) ->
 
 
 def test_separate_ends_is_the_default_wrap() -> None:
-    """Issue 14: faster and leaner than 'blocks' for both us and FSDP2 on 2 x H200."""
+    """Faster and leaner than 'blocks' for both us and FSDP2 on 2 x H200."""
     assert benchmark.parse_args([]).wrap == "separate-ends"
 
 
@@ -245,7 +245,7 @@ def test_smoke_run_of_hf_llama_on_two_gloo_ranks() -> None:
 
 @pytest.mark.filterwarnings("ignore:DTensor random operators")
 def test_smoke_run_with_compiled_blocks() -> None:
-    """Every contender with compiled blocks, fully_shard included (issue 12), on our model."""
+    """Every contender with compiled blocks, fully_shard included, on our model."""
     import math
 
     from _harness import run_on_ranks

@@ -214,7 +214,7 @@ def _missing_grads(rank: int, world_size: int, missing: str) -> tuple[float, flo
 
 @pytest.mark.parametrize("missing", ["all", "ep"])
 def test_rank_without_gradients_joins_the_same_collectives(missing: str) -> None:
-    """Issue 13 point 10: a rank whose gradients are None must not skip the all_reduce."""
+    """A rank whose gradients are None must not skip the all_reduce."""
     results = run_on_ranks(_missing_grads, 2, missing=missing, timeout=30.0)
     assert results[0] == results[1]  # the same total and the same collectives on both ranks
     assert all(counts == {"all_reduce": 1} for _, counts in results[0].values()), results

@@ -1,4 +1,4 @@
-"""Lifetimes around asynchronous collectives (issue 24.6: a gloo rank segfaulted in CI).
+"""Lifetimes around asynchronous collectives (a gloo rank segfaulted in CI).
 
 gloo runs an async collective on threads of its own, reading its input and writing its output
 until the work is waited: a storage freed or resized under it (`untyped_storage().resize_(0)`,

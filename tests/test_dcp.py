@@ -1,4 +1,4 @@
-"""`torch.distributed.checkpoint` (DCP) for `fully_shard` models (issue 5).
+"""`torch.distributed.checkpoint` (DCP) for `fully_shard` models.
 
 - DCP `save`/`load` of model and optimizer through `get_state_dict`/`set_state_dict`, with the
   AdamW state (`step`, `exp_avg`, `exp_avg_sq`) present and sharded like the parameters.

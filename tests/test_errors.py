@@ -1,4 +1,4 @@
-"""Clear errors for bad input (API.md "Errors", issue 2).
+"""Clear errors for bad input (API.md "Errors").
 
 Every wrong call raises at the call, with the promised exception type, and its message names
 the API and the argument (``pytest.raises(..., match=...)``). A rejected call must also leave

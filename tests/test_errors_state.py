@@ -1,4 +1,4 @@
-"""Errors of replicate, checkpoint, the state methods and the clear errors of issue 13 point 12
+"""Errors of replicate, checkpoint, the state methods and the clear errors
 (the fully_shard argument errors are in test_errors.py, whose helpers these share)."""
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def test_no_sync_raises_at_the_call(world2: DeviceMesh) -> None:
         no_sync("model")
 
 
-# ----------------------------------------------------------------------------- issue 13 point 12
+# ----------------------------------------------------------------------------- clear errors
 
 
 @pytest.mark.parametrize("api", [fully_shard, replicate, checkpoint], ids=lambda f: f.__name__)

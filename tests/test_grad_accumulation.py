@@ -322,7 +322,7 @@ def test_no_sync_mixed_precision_replicated_matches_torch_fsdp2(api: str) -> Non
     run_on_ranks(_no_sync_mixed_precision, 2, torch.bfloat16, torch.float32, "nosync3-sync3-nosync3-sync1", api)
 
 
-# ----------------------------------------------------------------------------- zero_grad after no_sync (issue 13 point 9)
+# ----------------------------------------------------------------------------- zero_grad after no_sync
 
 ZERO_PLANS = {  # (kind, micro-batch): "nosync"/"sync" backward, "zero" optimizer.zero_grad()
     "nosync-zero-sync": [("nosync", 0), ("zero", None), ("sync", 1)],

@@ -200,7 +200,7 @@ _GOOD_STATE = {"scale": 16.0, "growth_factor": 2.0, "backoff_factor": 0.5, "grow
 @pytest.mark.parametrize(
     "state,exc,match",
     [
-        # issue 13 point 12: this one raised KeyError 'growth_factor'
+        # This one raised KeyError 'growth_factor'
         ({"scale": "x"}, TypeError, r"state_dict\['scale'\] must be a finite number > 0, got 'x' \(str\)"),
         (
             {"scale": 8.0},

@@ -1,4 +1,4 @@
-"""User forward hooks see what the forward sees (issue 13 point 11).
+"""User forward hooks see what the forward sees.
 
 A user's forward pre-hook or forward hook on a module, registered before or after
 `fully_shard`/`replicate` was applied to it, sees the unsharded parameters (plain tensors,

@@ -1,4 +1,4 @@
-"""Misuse that would otherwise train wrongly without a word (issue 24, items 1 and 2):
+"""Misuse that would otherwise train wrongly without a word:
 
 - an optimizer built before `fully_shard` / `replicate` holds the replaced plain parameters:
   its `step()` raises instead of changing tensors the model no longer uses;

@@ -1,4 +1,4 @@
-"""State dicts of `fully_shard` models (issue 5); DCP checkpoints are in test_dcp.py.
+"""State dicts of `fully_shard` models; DCP checkpoints are in test_dcp.py.
 
 - Sharded state dicts: `model.state_dict()` holds the managed parameters as DTensors
   (`Shard(0)`; `NO_SHARD` gives `Replicate()`; HSDP `(Replicate(), Shard(0))`), buffers stay

@@ -1,4 +1,4 @@
-"""Tensor parallel x FSDP (2D) on a 2x2 (dp, tp) mesh of 4 ranks (issue 5).
+"""Tensor parallel x FSDP (2D) on a 2x2 (dp, tp) mesh of 4 ranks.
 
 Users apply PyTorch's tensor-parallel plan first (`parallelize_module` on `mesh["tp"]`), then
 `fully_shard(block, mesh=mesh["dp"])` per block and on the root. The model is a stack of MLP

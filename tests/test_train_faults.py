@@ -1,4 +1,4 @@
-"""examples/train.py under faults and misuse (issue 13): runs sharing an --out keep to their own
+"""examples/train.py under faults and misuse: runs sharing an --out keep to their own
 directories, --resume refuses a checkpoint of another model or seed and reshards one of another
 layout, a damaged checkpoint falls back to the newest intact one, a full disk says so, a rank
 that dies or stalls ends the job naming it within --timeout, --out and every flag are checked
