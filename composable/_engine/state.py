@@ -349,6 +349,15 @@ class ModuleState:
         else:
             self.group.keep_unsharded()  # type: ignore[union-attr]
 
+    def finish_backward(self) -> None:
+        """Root: end a backward that autograd did not end for us, as its end-of-backward
+        callback does: reduce every group of the tree that still holds gradients (per its
+        `requires_gradient_sync`), reshard per `reshard_after_backward`, and, with
+        `is_last_backward`, wait for every reduction. For callers that compute gradients
+        outside one `backward()` (a pipeline schedule's split input/weight backward)."""
+        if self.root_context is not None and self.is_root:
+            self._final_callback()
+
     def _after_unshard(self) -> None:
         """Hook for subclasses: the unsharded parameters exist now."""
 
