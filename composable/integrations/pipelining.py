@@ -29,19 +29,17 @@ reshards it, so the number of all-gathers per step is that of FSDP2 with
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Iterator
-
 import math
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 
-from ..clip_grad import clip_grads_with_norm_, get_total_norm
-
 from .._engine.contract import param_states
 from .._engine.state import ModuleState
+from ..clip_grad import clip_grads_with_norm_, get_total_norm
 
 __all__ = ["ComposablePipelineStage", "pipeline_stage", "clip_grad_norm_"]
 
@@ -54,9 +52,7 @@ class ComposablePipelineStage(PipelineStage):
 
     def __init__(self, submodule: nn.Module, *args: Any, **kwargs: Any) -> None:
         if not isinstance(submodule, nn.Module):
-            raise TypeError(
-                f"ComposablePipelineStage: submodule must be an nn.Module, got {type(submodule).__name__}"
-            )
+            raise TypeError(f"ComposablePipelineStage: submodule must be an nn.Module, got {type(submodule).__name__}")
         super().__init__(submodule, *args, **kwargs)
 
     # -- composable's states of this stage --------------------------------------------------
