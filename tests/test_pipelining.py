@@ -5,6 +5,7 @@ reduce-scatter per group per step, not one per microbatch."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from _harness import count_collectives, run_on_ranks
 from _pipeline_models import BATCH, DIM, SCHEDULES, full_model, make_schedule, run_step, stage_ids, stage_module
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from composable import MixedPrecisionPolicy, checkpoint, fully_shard, replicate
 from composable.integrations.pipelining import clip_grad_norm_, pipeline_stage
@@ -53,6 +55,9 @@ def _apply(stage: nn.Module, how: str, mesh: Any) -> None:
         replicate(stage, mesh=mesh["dp"])
         return
     dp_mesh = mesh["rep", "shard"] if how == "hsdp" else mesh["dp"]
+    if how in ("tp", "3d"):  # tensor parallelism inside each block first, then data parallelism
+        for block in stage.blocks.values():
+            parallelize_module(block, mesh["tp"], {"lin": ColwiseParallel(), "out": RowwiseParallel()})
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if how == "bf16" else None
     options: dict[str, Any] = dict(mesh=dp_mesh, reshard_after_forward=False)
     if mp is not None:
@@ -68,6 +73,10 @@ def _train(rank: int, world: int, schedules: list[str], how: str, clip: float | 
     if how == "hsdp":
         mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "rep", "shard"))
         dp_group = mesh["shard"].get_group()
+    elif how in ("tp", "3d"):  # pp x tp (a data-parallel dim of 1), pp x dp x tp
+        dims = (2, 1, 2) if how == "tp" else (2, 2, 2)
+        mesh = init_device_mesh("cpu", dims, mesh_dim_names=("pp", "dp", "tp"))
+        dp_group = mesh["dp"].get_group()
     else:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
         dp_group = mesh["dp"].get_group()
@@ -125,6 +134,15 @@ def test_mixed_precision_hsdp_and_clipping() -> None:
     run_on_ranks(_train, 4, two, "bf16", timeout=120)
     run_on_ranks(_train, 4, two, "hsdp", timeout=120)
     run_on_ranks(_train, 4, two, "fsdp", 0.05, timeout=120)
+
+
+def test_tensor_parallel_inside_stages() -> None:
+    run_on_ranks(_train, 4, ["Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble"], "tp", timeout=120)
+
+
+@pytest.mark.skipif(os.environ.get("COMPOSABLE_SLOW_TESTS") != "1", reason="8 ranks: COMPOSABLE_SLOW_TESTS=1")
+def test_pp_dp_tp_3d() -> None:
+    run_on_ranks(_train, 8, ["Schedule1F1B", "ScheduleInterleaved1F1B"], "3d", 0.05, timeout=240)
 
 
 # -------------------------------------------------------------------------- communication
