@@ -34,11 +34,13 @@ def _data(dp_rank: int, dp: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return x, y, x[:, rows], y[:, rows]
 
 
-def _reference(x: torch.Tensor, y: torch.Tensor, clip: float | None) -> tuple[nn.Module, list[float]]:
+def _reference(
+    x: torch.Tensor, y: torch.Tensor, clip: float | None, steps: int = STEPS
+) -> tuple[nn.Module, list[float]]:
     ref = full_model()
     opt = torch.optim.SGD(ref.parameters(), lr=LR)
     losses = []
-    for s in range(STEPS):
+    for s in range(steps):
         loss = F.mse_loss(ref(x[s]), y[s])
         loss.backward()
         if clip is not None:
@@ -143,6 +145,44 @@ def test_tensor_parallel_inside_stages() -> None:
 @pytest.mark.skipif(os.environ.get("COMPOSABLE_SLOW_TESTS") != "1", reason="8 ranks: COMPOSABLE_SLOW_TESTS=1")
 def test_pp_dp_tp_3d() -> None:
     run_on_ranks(_train, 8, ["Schedule1F1B", "ScheduleInterleaved1F1B"], "3d", 0.05, timeout=240)
+
+
+# -------------------------------------------------------------------------- checkpoints
+
+
+def _save_pipelined_load_flat(rank: int, world: int, path: str) -> None:
+    """Train one step pipelined on (pp=2, dp=2), save with DCP; load into the whole model on
+    (dp=4), as one stage, and find the single-process model's parameters after that step."""
+    import torch.distributed.checkpoint as dcp
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp_group = mesh["pp"].get_group()
+    x, y, x_local, y_local = _data(mesh["dp"].get_local_rank(), 2)
+    name = "ScheduleInterleaved1F1B"
+    ids = stage_ids(name, pp_group.rank(), 2)
+    stages = [stage_module(full_model(), i, 4) for i in ids]
+    for stage in stages:
+        _apply(stage, "fsdp", mesh)
+    schedule = make_schedule(name, stages, 4, pp_group)
+    opt = torch.optim.SGD([p for s in stages for p in s.parameters()], lr=LR)
+    run_step(schedule, name, ids, 4, x_local[0], y_local[0])
+    opt.step()
+    state = {k: v for stage in stages for k, v in stage.state_dict().items()}
+    dcp.save(state, checkpoint_id=path)
+
+    flat = stage_module(full_model(seed=5), 0, 1)  # other values, all 4 blocks, dp over the world
+    for block in flat.blocks.values():
+        fully_shard(block)
+    fully_shard(flat)
+    loaded = flat.state_dict()
+    dcp.load(loaded, checkpoint_id=path)
+    ref = dict(_reference(x, y, None, steps=1)[0].named_parameters())
+    for fqn, p in flat.named_parameters():
+        torch.testing.assert_close(p.full_tensor(), ref[fqn.removeprefix("blocks.")], **TOL, msg=fqn)
+
+
+def test_dcp_checkpoint_of_a_pipelined_run_loads_into_another_layout(tmp_path: Any) -> None:
+    run_on_ranks(_save_pipelined_load_flat, 4, str(tmp_path / "ckpt"), timeout=120)
 
 
 # -------------------------------------------------------------------------- communication
