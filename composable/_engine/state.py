@@ -349,21 +349,6 @@ class ModuleState:
         else:
             self.group.keep_unsharded()  # type: ignore[union-attr]
 
-    def finish_backward(self) -> None:
-        """Root: end a backward that autograd did not end for us, as its end-of-backward
-        callback does: reduce every group of the tree that still holds gradients (per its
-        `requires_gradient_sync`), reshard per `reshard_after_backward`, and, with
-        `is_last_backward`, wait for every reduction. For callers that compute gradients
-        outside one `backward()` (a pipeline schedule's split input/weight backward, or
-        several micro-batch backwards of which only the caller knows the last): every state
-        of the tree counts as having run with grad since the last reduction, so `replicate`
-        launches all its buckets (its ranks all ran, DDP semantics)."""
-        if self.root_context is None or not self.is_root:
-            return
-        for state in self.root_context.states:
-            state._ran_forward_with_grad = True
-        self._final_callback()
-
     def _after_unshard(self) -> None:
         """Hook for subclasses: the unsharded parameters exist now."""
 

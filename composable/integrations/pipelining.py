@@ -38,6 +38,7 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 
 from .._engine.contract import param_states
+from .._engine.reset import finish_backward
 from .._engine.state import ModuleState
 from ..clip_grad import clip_grads_with_norm_, get_total_norm
 
@@ -105,7 +106,7 @@ class ComposablePipelineStage(PipelineStage):
             state.reshard_after_backward = True
             state.is_last_backward = True
         for root in self._roots():
-            root.finish_backward()
+            finish_backward(root)
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         # The schedule's REDUCE_GRAD action: after the last backward of this stage in the step.
