@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from composable import MixedPrecisionPolicy, checkpoint, fully_shard, replicate
+from composable.integrations.fsdp2_module import as_fsdp_modules
 from composable.integrations.pipelining import clip_grad_norm_, pipeline_stage
 
 STEPS = 3
@@ -69,6 +70,8 @@ def _apply(stage: nn.Module, how: str, mesh: Any) -> None:
             checkpoint(block)
         fully_shard(block, **options)
     fully_shard(stage, **options)
+    if how == "adapter":  # FSDP2's module interface: the schedule's UNSHARD/RESHARD actions run
+        as_fsdp_modules(stage)
 
 
 def _train(rank: int, world: int, schedules: list[str], how: str, clip: float | None = None) -> dict:
@@ -147,6 +150,32 @@ def test_pp_dp_tp_3d() -> None:
     run_on_ranks(_train, 8, ["Schedule1F1B", "ScheduleInterleaved1F1B"], "3d", 0.05, timeout=240)
 
 
+def test_fsdp2_module_adapter_stages() -> None:
+    """Stage modules with FSDP2's interface (`as_fsdp_modules`): `pipeline_stage` runs them, and
+    the schedules that issue UNSHARD/RESHARD for `FSDPModule` stages call composable's."""
+    run_on_ranks(_train, 4, ["Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble"], "adapter")
+
+
+def _torch_stage_on_adapter(rank: int, world: int) -> None:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "dp"))  # every rank fails alike
+    pp_group = mesh["pp"].get_group()
+    _, _, x_local, y_local = _data(mesh["dp"].get_local_rank(), 2)
+    stage = stage_module(full_model(), 0, 1)
+    _apply(stage, "adapter", mesh)
+    schedule = Schedule1F1B(PipelineStage(stage, 0, 1, "cpu", group=pp_group), 4, loss_fn=F.mse_loss)
+    with pytest.raises(
+        RuntimeError, match=r"^torch.distributed.pipelining: PipelineStage cannot drive .*pipeline_stage"
+    ):
+        run_step(schedule, "Schedule1F1B", [0], 1, x_local[0], y_local[0])
+    assert all(p.grad is None for p in stage.parameters())  # it failed before any gradient
+
+
+def test_torch_stage_over_the_fsdp2_module_adapter_fails_at_once() -> None:
+    run_on_ranks(_torch_stage_on_adapter, 2)
+
+
 # -------------------------------------------------------------------------- checkpoints
 
 
@@ -209,12 +238,15 @@ def _count(rank: int, world: int, schedules: list[str]) -> dict:
         n_stages = 2 * SCHEDULES[name]
         ids = stage_ids(name, pp_rank, 2)
         counts = {}
-        impls = ("composable", "fsdp2") + (("plain",) if name == "Schedule1F1B" else ())
+        impls = ("composable", "adapter", "fsdp2") + (("plain",) if name == "Schedule1F1B" else ())
         for impl in impls:
             stages = [stage_module(full_model(), i, n_stages) for i in ids]
             for stage in stages:
-                (_fsdp2_apply(stage, mesh) if impl == "fsdp2" else _apply(stage, "fsdp", mesh))
-            if impl == "composable":
+                if impl == "fsdp2":
+                    _fsdp2_apply(stage, mesh)
+                else:
+                    _apply(stage, "adapter" if impl == "adapter" else "fsdp", mesh)
+            if impl in ("composable", "adapter"):
                 schedule = make_schedule(name, stages, n_stages, pp_group)
             else:  # FSDP2, or composable stages in torch's own stage: one reduction per microbatch
                 built = [PipelineStage(m, i, n_stages, "cpu", group=pp_group) for m, i in zip(stages, ids)]
@@ -230,6 +262,9 @@ def _count(rank: int, world: int, schedules: list[str]) -> dict:
         assert counts["composable"]["reduce_scatter"] == groups, (name, counts, groups)
         assert counts["composable"]["reduce_scatter"] == counts["fsdp2"]["reduce_scatter"], (name, counts)
         assert counts["composable"]["all_gather"] <= counts["fsdp2"]["all_gather"], (name, counts)
+        # With FSDP2's interface the schedule's own UNSHARD/RESHARD actions run: as FSDP2 there.
+        assert counts["adapter"]["reduce_scatter"] == groups, (name, counts)
+        assert counts["adapter"]["all_gather"] <= counts["fsdp2"]["all_gather"], (name, counts)
         if "plain" in counts:
             assert counts["plain"]["reduce_scatter"] == groups * 4, (name, counts)
         out[name] = counts

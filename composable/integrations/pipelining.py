@@ -20,10 +20,14 @@ Zero-bubble schedules split backward into input and weight parts computed with
 `torch.autograd.grad` over `stage.submod.parameters()`; during those parts the unsharded
 parameters (the ones forward used) are what the stage module registers.
 
-The schedule's UNSHARD/RESHARD actions are issued only for `FSDPModule` stages; for a
+The schedule's UNSHARD/RESHARD actions are issued only for `FSDPModule` stages. For a plain
 composable stage the first forward of the step gathers each group and the end of the step
-reshards it, so the number of all-gathers per step is that of FSDP2 with
-`reshard_after_forward=False`.
+reshards it (gather once per step, the fewest possible), so the number of all-gathers per step
+is that of FSDP2 under the same schedule with `reshard_after_forward=False` (the schedules'
+prefetch only moves those gathers earlier). A stage module given FSDP2's interface
+(`composable.integrations.fsdp2_module.as_fsdp_modules`) gets the schedule's UNSHARD/RESHARD
+calls as FSDP2 does; torch's own `PipelineStage` cannot drive such a module (it reaches into
+FSDP2's private state) and fails at its first backward with a line naming `pipeline_stage`.
 """
 
 from __future__ import annotations
@@ -93,7 +97,9 @@ class ComposablePipelineStage(PipelineStage):
     ) -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]] | None]:
         self._accumulate_locally()
         with self._unsharded_registered(backward_type):
-            result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+            # Never `last_backward=True` to torch: for an `FSDPModule` stage module (composable's
+            # adapter) older torch would then reach into FSDP2's private state; we reduce below.
+            result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=False)
         if last_backward:
             self.reduce_grads()
         return result
