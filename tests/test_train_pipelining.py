@@ -82,3 +82,23 @@ def test_pipelining_flag_errors_say_what_is_wrong(capsys: pytest.CaptureFixture[
         with pytest.raises(SystemExit):
             train_script.parse_args(argv)
         assert message in capsys.readouterr().err, argv
+
+
+def test_estimate_pp_reports_a_stage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """estimate.py --pp: the stage's data-parallel collectives come from the engine once per
+    step (the same for 1 or 4 microbatches), the bubble is the 1F1B bound, and memory grows
+    with the microbatches in flight."""
+    import json
+
+    import estimate
+
+    common = ["--preset", "tiny", "--world-size", "4", "--batch-size", "4", "--seq-len", "64", "--pp", "2"]
+    got = {}
+    for m in (1, 4):
+        assert estimate.main([*common, "--microbatches", str(m), "--json", str(tmp_path / f"{m}.json")]) == 0
+        got[m] = json.loads((tmp_path / f"{m}.json").read_text())["pipeline"]
+    assert got[1]["bubble_fraction"] == pytest.approx(1 / 2) and got[4]["bubble_fraction"] == pytest.approx(1 / 5)
+    assert got[1]["data_parallel"] == got[4]["data_parallel"] and got[4]["data_parallel"]["collectives"] > 0
+    assert got[4]["microbatches_in_flight"] == 2 and got[4]["layers_per_rank"] == 2  # tiny: 4 layers
+    assert estimate.main([*common, "--microbatches", "3"]) == 2
+    assert "--microbatches must divide --batch-size 4, got 3" in capsys.readouterr().err
