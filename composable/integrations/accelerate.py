@@ -63,12 +63,6 @@ def fsdp2_prepare_model(accelerator: Any, model: nn.Module) -> nn.Module:
     import torch.distributed.fsdp as torch_fsdp
     from accelerate.utils import fsdp_utils
 
-    if accelerator.state.fsdp_plugin.cpu_ram_efficient_loading:
-        # accelerate then loads rank 0's weights with load_state_dict(assign=True) into FSDP2's
-        # parameters; composable's path for that is set_model_state_dict(broadcast_from_rank0).
-        raise NotImplementedError(
-            "composable.integrations.accelerate: 'cpu_ram_efficient_loading' is not supported yet; set it to False"
-        )
     prepare = _original if _original is not None else fsdp_utils.fsdp2_prepare_model
     with _fsdp2_fully_shard_is_composable(torch_fsdp, fsdp_utils):
         model = prepare(accelerator, model)

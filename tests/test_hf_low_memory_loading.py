@@ -1,0 +1,104 @@
+"""accelerate's `cpu_ram_efficient_loading=True` under `use_composable()`: rank 0 reads the
+pretrained weights, the other ranks hold only uninitialised storage (as accelerate expects of
+them), and the weights reach every rank's shards by broadcast. The sharded parameters equal the
+checkpoint, the ranks other than 0 never hold more than their shards plus one parameter at a
+time, and training matches PyTorch FSDP2 with the same option step by step. CPU, gloo, 2 ranks."""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import _hf  # noqa: E402
+from _harness import run_on_ranks  # noqa: E402
+
+from composable import fully_shard  # noqa: E402
+
+
+def _uninitialised_llama(path: str) -> torch.nn.Module:
+    """What ranks other than 0 bring to `prepare`: the architecture with parameters in uninitialised
+    storage (never written, so never resident) and real buffers (rotary frequencies)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    with init_empty_weights(include_buffers=False):  # parameters on meta, buffers computed
+        model = LlamaForCausalLM(AutoConfig.from_pretrained(path, attn_implementation="eager"))
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            module._parameters[name] = torch.nn.Parameter(torch.empty_like(p, device="cpu"), p.requires_grad)
+    return model
+
+
+def _load_and_train(rank: int, world_size: int, path: str, composable: bool, steps: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import LlamaForCausalLM
+
+    from composable.integrations import accelerate as integration
+
+    _hf.accelerate_env(rank, world_size)
+    if composable:
+        integration.use_composable()
+    try:
+        accelerator = _hf.make_accelerator(cpu_ram_efficient_loading=True)
+        if rank == 0:
+            model = LlamaForCausalLM.from_pretrained(path, attn_implementation="eager")
+        else:
+            model = _uninitialised_llama(path)
+        model.train()  # from_pretrained returns eval mode: every rank must be in the same mode
+        model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        largest = max(p.numel() * p.element_size() for p in model.parameters())
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            model, optimizer = accelerator.prepare(model, optimizer)
+        peak = _hf.cpu_peak_bytes(prof)
+        assert (fully_shard.state(model) is not None) == composable
+        loaded = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
+        shard_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+        losses = []
+        for tokens in _hf.batches(rank, steps):
+            loss = model(input_ids=tokens, labels=tokens).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach().clone())
+        params = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
+        return dict(
+            peak=peak,
+            model_bytes=model_bytes,
+            largest=largest,
+            shard_bytes=shard_bytes,
+            loaded=loaded,
+            losses=losses,
+            params=params,
+        )
+    finally:
+        integration.use_fsdp2()
+        _hf.reset_accelerate()
+
+
+def test_cpu_ram_efficient_loading_matches_fsdp2() -> None:
+    from safetensors.torch import load_file
+
+    with tempfile.TemporaryDirectory() as path:
+        _hf.save_tiny_llama(path, seed=3)
+        checkpoint = load_file(f"{path}/model.safetensors")
+        ours = run_on_ranks(_load_and_train, 2, path, True, 3, timeout=180)
+        theirs = run_on_ranks(_load_and_train, 2, path, False, 3, timeout=180)
+    for rank in range(2):
+        # every rank's shards hold rank 0's checkpoint (rank 1 only ever had uninitialised storage)
+        assert ours[rank]["loaded"].keys() == checkpoint.keys()
+        for name, value in checkpoint.items():
+            assert torch.equal(ours[rank]["loaded"][name], value), name
+        for key in ("losses", "params"):
+            torch.testing.assert_close(ours[rank][key], theirs[rank][key], rtol=1e-6, atol=1e-7)
+    # rank 1's memory grew by its shards plus one parameter in flight, never the whole model
+    mine = ours[1]
+    assert mine["shard_bytes"] <= mine["model_bytes"] / 2 + 1024
+    assert mine["peak"] <= mine["shard_bytes"] + mine["largest"] + 1024, mine
+    assert mine["peak"] < 0.75 * mine["model_bytes"]
+    assert ours[0]["losses"][0] != ours[0]["losses"][-1]
