@@ -8,7 +8,8 @@ instead and leaves every other line of accelerate as it is: the plugin's options
 (`reshard_after_forward`, `mixed_precision_policy`, `cpu_offload`, `ignored_modules`, the
 device mesh) are translated to composable's, the optimizer is re-pointed at the new parameters
 by accelerate itself, and `accelerator.no_sync` / `accumulate`, `clip_grad_norm_`, `save_state`
-and `get_state_dict` work on the result. accelerate's own code calls FSDP2's module methods
+and `get_state_dict` work on the result. `cpu_ram_efficient_loading` runs accelerate's own
+broadcast of rank 0's weights into the shards, and `activation_checkpointing` its own wrapper. accelerate's own code calls FSDP2's module methods
 (`model.set_requires_gradient_sync(False)` for gradient accumulation) and checks
 `isinstance(m, FSDPModule)`, so each module composable shards is given FSDP2's module interface
 (`composable.integrations.fsdp2_module`: an opt-in class swap; the core never swaps classes).
