@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from watchdog import is_comm_failure
 
 CKPT_DIR = "checkpoints"
@@ -40,6 +40,12 @@ T = TypeVar("T")
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written or none could be read; the message says why in one line."""
+
+
+# The optimizer's state keyed by parameter name, param groups included (`param_groups.<fqn>.lr`):
+# ranks that hold different parameters (pipeline stages) each save and find their own groups,
+# so a checkpoint loads into any other layout.
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def checkpoint_dirs(run_dir: str) -> list[tuple[int, str]]:
@@ -99,7 +105,7 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
 
     rank0_then_broadcast(prepare)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
     # RNG per rank (keyed by rank: DCP keeps one copy of same-named plain tensors).
     state = {"model": model_sd, "optim": optim_sd, "rng": {f"rank{rank}": torch.get_rng_state()}}
     try:
@@ -294,10 +300,10 @@ def _unused(path: str) -> str:
 def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Load the model, optimizer and this rank's RNG state of a checkpoint in place."""
     rank = dist.get_rank()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
     state = {"model": model_sd, "optim": optim_sd, "rng": {f"rank{rank}": torch.get_rng_state()}}
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_OPTIONS)
     torch.set_rng_state(state["rng"][f"rank{rank}"])
 
 

@@ -62,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZER_STATES)}")
     t.add_argument("--activation-checkpointing", action="store_true")
     t.add_argument("--cpu-offload", action="store_true")
+    t.add_argument("--pp", type=int, default=1, help="pipeline stages (train.py --pp): per-stage estimate")
+    t.add_argument("--pp-schedule", default="1F1B", help="--pp: torch's Schedule<NAME>")
+    t.add_argument("--microbatches", type=int, default=None, help="--pp: microbatches per step (default --batch-size)")
     h = p.add_argument_group("hardware (assumptions: see examples/estimate_time.py)")
     h.add_argument(
         "--bandwidth",
@@ -214,6 +217,11 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         mem, comm, tim = run(s, links, a.tflops)
         elapsed = time.perf_counter() - start
+        pipe = None
+        if a.pp != 1:
+            from estimate_pipeline import estimate_pipeline
+
+            pipe = estimate_pipeline(s, a.pp, a.microbatches or a.batch_size, a.pp_schedule)
         if a.plot:
             from estimate_plot import plot_scaling
 
@@ -225,8 +233,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"estimate.py: error: the engine does not support this setup: {e}", file=sys.stderr)
         return 2
     data = to_json(s, mem, comm, tim, links, a.tflops)
+    if pipe is not None:
+        data["pipeline"] = pipe
     if a.json in (None,) or a.json != "-":
         print_report(s, mem, comm, tim, links, a.tflops, a.gpu_gib, elapsed)
+        if pipe is not None:
+            from estimate_pipeline import print_pipeline
+
+            print()
+            print_pipeline(pipe)
     if a.json == "-":
         print(json.dumps(data, indent=2))
     elif a.json:

@@ -22,6 +22,7 @@ import torch
 from data import VOCAB_SIZE, ByteCorpus
 from model import PRESET_LR, PRESETS, ModelConfig, get_config
 from parallel import UsageError
+from pipeline import SCHEDULES, validate_pp
 
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 FAULT = re.compile(r"(\d+):(KILL|STOP|TERM|SEGV):(\d+)")
@@ -132,6 +133,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=2, help="local ranks to spawn when not started by a launcher")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tp-size", type=int, default=2, help="--parallel tp: tensor-parallel degree")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (stages of torch's pipelining)")
+    p.add_argument("--pp-schedule", default="1F1B", help=f"--pp: torch's Schedule<NAME>, one of {', '.join(SCHEDULES)}")
+    p.add_argument("--microbatches", type=int, default=2, help="--pp: microbatches per step (divides --batch-size)")
     p.add_argument(
         "--hsdp-shard-size",
         type=int,
@@ -208,6 +212,9 @@ def validate(args: argparse.Namespace) -> str | None:
             return f"{_flag(name)} must be a finite number {'>' if strict else '>='} {low:g}, got {value}"
     if args.vocab_size is not None and args.vocab_size < VOCAB_SIZE:
         return f"--vocab-size must be >= {VOCAB_SIZE} for byte-level data, got {args.vocab_size}"
+    pp_problem = validate_pp(args)
+    if pp_problem:
+        return pp_problem
     if args.cpu_offload and args.parallel == "replicate":
         return "--cpu-offload needs --parallel fsdp, hsdp or tp (replicate has no offload policy)"
     if args.cuda_graph == "on":
@@ -240,6 +247,8 @@ def cuda_graph_unsupported(args: argparse.Namespace, device_type: str) -> str | 
         return f"--parallel {args.parallel} is not supported (only {', '.join(CUDA_GRAPH_PARALLEL)})"
     if args.cpu_offload:
         return "--cpu-offload steps the optimizer on the CPU, which a CUDA graph cannot hold"
+    if getattr(args, "pp", 1) > 1:
+        return "--pp: a pipeline schedule's step (its sends and receives) is not captured"
     return None
 
 

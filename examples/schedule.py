@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -37,9 +38,17 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, corpus: ByteCorpus, args: argparse.Namespace, seq_len: int, dp_rank: int, device: torch.device
+    model: nn.Module,
+    corpus: ByteCorpus,
+    args: argparse.Namespace,
+    seq_len: int,
+    dp_rank: int,
+    device: torch.device,
+    loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> float:
-    """Mean loss over `--eval-batches` fixed held-out batches per data-parallel rank."""
+    """Mean loss over `--eval-batches` fixed held-out batches per data-parallel rank.
+    `loss_of(x, y)` computes a batch's loss (default `lm_loss(model(x), y)`; a pipelined
+    model passes its forward through the stages)."""
     was_training = model.training
     model.eval()
     total = torch.zeros((), device=device)
@@ -47,7 +56,7 @@ def evaluate(
         x, y = get_batch(
             corpus.val, args.batch_size, seq_len, seed=args.seed, step=i, rank=dp_rank, split_id=1, device=device
         )
-        total += lm_loss(model(x), y)
+        total += loss_of(x, y) if loss_of is not None else lm_loss(model(x), y)
     model.train(was_training)
     return world_mean(total / args.eval_batches)
 

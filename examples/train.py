@@ -22,6 +22,8 @@ Parallelism (`--parallel`; parallel.py):
   hsdp       the same on a 2D (replicate, shard) mesh
   replicate  replicate (DDP semantics) on the whole model
   tp         tensor parallelism (ColwiseParallel/RowwiseParallel on mesh["tp"]) x fully_shard on mesh["dp"]
+`--pp N --pp-schedule NAME --microbatches M` (pipeline.py) splits the model into stages over a
+leading "pp" mesh dim, each stage parallelized as above, run by torch's Schedule<NAME>.
 
 CUDA graphs (`--cuda-graph auto|on|off`, default auto; train_step.py): on CUDA with fsdp, hsdp or
 replicate, without --cpu-offload (and, for auto, without --mp fp16 and on one rank: several
@@ -61,6 +63,7 @@ from launch import run_rank, spawn_local  # noqa: E402
 from model import ModelConfig, Transformer, count_parameters  # noqa: E402
 from options import FAULT, check_memory, cuda_graph_mode, host_memory_bytes, model_config, parse_args  # noqa: E402
 from parallel import UsageError, build_mesh, parallelize  # noqa: E402
+from pipeline import Pipeline, build_pp_mesh  # noqa: E402
 from reporting import MetricsLog, memory_string, print_summary, steady_throughput, write_plot  # noqa: E402
 from runs import Run, identity, identity_differences, mismatch_message, open_run  # noqa: E402
 from schedule import build_optimizer, evaluate, lr_at, world_mean  # noqa: E402
@@ -128,7 +131,7 @@ def train(args: argparse.Namespace, watchdog: Watchdog | None = None) -> dict[st
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 
-    mesh, dp_mesh, dp_rank, dp_size = build_mesh(args, device.type)
+    mesh, dp_mesh, dp_rank, dp_size = (build_pp_mesh if args.pp > 1 else build_mesh)(args, device.type)
     cfg = model_config(args)
     seq_len = args.seq_len or cfg.max_seq_len
     if device.type == "cuda":
@@ -193,6 +196,7 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
     watchdog, say, warn, verbose = job.watchdog, job.say, job.warn, job.verbose
     rank, world = dist.get_rank(), dist.get_world_size()
     graphs, graphs_why = cuda_graph_mode(args, device.type, world)  # before the model: `on` may be refused
+    pipeline: Pipeline | None = None
     # Same seed on every rank: identical initial weights before sharding. On a GPU the model
     # is built on the meta device and materialised shard by shard after parallelize (a 1B
     # model never exists unsharded); on the CPU it is built whole, so the initial weights do
@@ -202,17 +206,25 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
     with torch.device("meta") if meta_init else contextlib.nullcontext():
         model = Transformer(cfg)
     n_params = count_parameters(model)
-    parallelize(model, args, mesh, job.dp_mesh)
+    if args.pp > 1:  # this rank's stages; `model` is then their union under the whole model's names
+        pipeline = Pipeline(model, args, mesh, job.dp_mesh)
+    else:
+        parallelize(model, args, mesh, job.dp_mesh)
     if meta_init:
         # Materialise the shards where they will live: on the CPU when offloading (as
         # torchtitan does), else on the GPU. The rotary tables always go to the GPU.
-        model.to_empty(device="cpu" if args.cpu_offload else device)
-        model.init_weights(buffer_device=device)
+        for part in pipeline.stages if pipeline else [model]:
+            part.to_empty(device="cpu" if args.cpu_offload else device)
+        model.init_weights(buffer_device=device)  # a pipeline's other stages stay on meta
+    if pipeline is not None:
+        pipeline.refresh_rope(model)
+        model = pipeline.model  # type: ignore[assignment]
     optimizer = build_graph_optimizer(model, args, device) if graphs else build_optimizer(model, args)
     scaler = ShardedGradScaler(enabled=args.mp == "fp16")
 
     corpus = ByteCorpus.load()
     tokens_per_step = args.batch_size * seq_len * args.grad_accum * dp_size
+    eval_loss = pipeline.forward_loss if pipeline is not None else None
     history: list[dict[str, Any]] = []
     start_step = 0
     if run.resume:
@@ -245,7 +257,9 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
         stack.callback(metrics.close)
 
     title = (
-        f"{args.preset} ({n_params / 1e6:.2f}M params), --parallel {args.parallel}, {world} ranks ({device.type}), "
+        f"{args.preset} ({n_params / 1e6:.2f}M params), --parallel {args.parallel}"
+        + (f" x --pp {args.pp} ({args.pp_schedule}, {args.microbatches} microbatches)" if pipeline else "")
+        + f", {world} ranks ({device.type}), "
         f"--mp {args.mp}, {tokens_per_step} tokens/step"
     )
     say(f"train.py: {title}")
@@ -257,7 +271,10 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
 
     fault = FAULT.fullmatch(args.fault) if args.fault else None
     hsdp_accum = args.parallel == "hsdp" and args.grad_accum > 1
-    train_step = make_train_step(model, optimizer, scaler, args, hsdp_accum)
+    if pipeline is not None:
+        train_step = pipeline.make_train_step(optimizer, args, device)
+    else:
+        train_step = make_train_step(model, optimizer, scaler, args, hsdp_accum)
     # Two eager steps (lazy init, compilation, NCCL set-up), then captured once and replayed.
     run_step: TrainStep = graphed_step(train_step, warmup=2) if graphs else train_step
     bar = tqdm(total=args.steps, initial=start_step, disable=not verbose, unit="step", dynamic_ncols=True, leave=True)
@@ -311,7 +328,7 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
         evaluating = step == args.steps or (args.eval_every and step % args.eval_every == 0)
         if evaluating:
             watchdog.progress(step, "evaluation")
-            record["val_loss"] = last_val = evaluate(model, corpus, args, seq_len, dp_rank, device)
+            record["val_loss"] = last_val = evaluate(model, corpus, args, seq_len, dp_rank, device, eval_loss)
             say(f"step {step:>5}: train loss {train_loss:.4f}  val loss {last_val:.4f}")
         history.append(record)
         saving = args.ckpt_every and (step % args.ckpt_every == 0 or step == args.steps)
@@ -354,6 +371,7 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
         "params": n_params,
         "preset": args.preset,
         "parallel": args.parallel,
+        "pp": args.pp,
         "mp": args.mp,
         "world_size": world,
         "device": device.type,

@@ -201,17 +201,21 @@ def _train(
     device: str,
     mesh_shape: tuple[int, ...],
     compiled: str | None,
-    precompute: bool,
+    precompute: bool | str,
     steps: int,
     bf16: bool,
 ) -> dict[str, Any]:
     """Train composable's and FSDP2's copies of one float8 model side by side on the same
     data; return both sides' losses and final local shards, the graphs compiled for
     composable's model after its first step (recompiles) and torchao's per-weight
-    pre-all-gathers it ran after its first step."""
+    pre- and post-all-gathers it ran after its first step. `precompute="in_place"`: composable's
+    side takes `composable.integrations.float8`'s precompute (scales written in place), FSDP2's
+    torchao's."""
     from torch._dynamo.utils import counters
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from composable.integrations.float8 import precompute_float8_dynamic_scale_for_fsdp as precompute_in_place
 
     if device == "cuda":
         torch.cuda.set_device(rank)
@@ -226,26 +230,40 @@ def _train(
         sides[name] = (net, torch.optim.AdamW(net.parameters(), lr=1e-2))
     losses: dict[str, list[float]] = {name: [] for name in sides}
     graphs = counters["stats"]
-    late_graphs = late_casts = 0
+    late_graphs = late_casts = late_posts = 0
     g = torch.Generator().manual_seed(rank)  # one batch per rank, fitted step by step
     x, y = torch.randn(BATCH, DIM, generator=g).to(device), torch.randn(BATCH, OUT, generator=g).to(device)
-    with _count_calls(WeightWithDynamicFloat8CastTensor, "fsdp_pre_all_gather") as casts:
+    cls = WeightWithDynamicFloat8CastTensor
+    with _count_calls(cls, "fsdp_pre_all_gather") as casts, _count_calls(cls, "fsdp_post_all_gather") as posts:
         for step in range(steps):
             for name, (net, opt) in sides.items():
-                graphs_before, casts_before = graphs["unique_graphs"], casts[0]
+                graphs_before, casts_before, posts_before = _model_graphs(graphs), casts[0], posts[0]
                 loss = F.mse_loss(net(x).float(), y)
                 loss.backward()
                 if name == "ours" and step > 0:
-                    late_graphs += graphs["unique_graphs"] - graphs_before
+                    late_graphs += _model_graphs(graphs) - graphs_before
                     late_casts += casts[0] - casts_before
+                    late_posts += posts[0] - posts_before
                 opt.step()
                 opt.zero_grad()
-                if precompute:
+                if precompute == "in_place" and name == "ours":
+                    precompute_in_place(net)
+                elif precompute:
                     precompute_float8_dynamic_scale_for_fsdp(net)
                 losses[name].append(loss.item())
     params = {name: {n: _local(p).cpu() for n, p in net.named_parameters()} for name, (net, _) in sides.items()}
     kinds = {n: type(p.to_local()).__name__ for n, p in sides["ours"][0].named_parameters()}
-    return {"losses": losses, "params": params, "kinds": kinds, "late_graphs": late_graphs, "late_casts": late_casts}
+    late = {"late_graphs": late_graphs, "late_casts": late_casts, "late_posts": late_posts}
+    return {"losses": losses, "params": params, "kinds": kinds, **late}
+
+
+def _model_graphs(stats: Any) -> int:
+    """Graphs dynamo compiled, less those of the engine's fused float8 cast (compiled on CUDA
+    at the first batched gather, once per group layout: not a recompile of the model)."""
+    from composable._engine import float8_cast
+
+    cast = torch._dynamo.eval_frame._debug_get_cache_entry_list(float8_cast._cast_each.__code__)
+    return stats["unique_graphs"] - len(cast)
 
 
 @contextlib.contextmanager
@@ -296,6 +314,25 @@ def test_matches_fsdp2_eager(precompute: bool, bf16: bool) -> None:
     """Exact: the same casts on both sides, the same bytes gathered (bf16: compute in bf16);
     with precomputed scales composable casts a group's weights in one batch."""
     _check(run_on_ranks(_train, 2, "cpu", (2,), None, precompute, 4, bf16), batched=precompute)
+
+
+def test_in_place_scales_skip_the_per_weight_post_all_gather() -> None:
+    """Scales precomputed in place (composable.integrations.float8): the unsharded weights
+    already hold them and the gathered bytes, so once the scale tensors exist no per-weight
+    `fsdp_post_all_gather` runs at all, and training equals FSDP2 + torchao's precompute."""
+    results = run_on_ranks(_train, 2, "cpu", (2,), None, "in_place", 4, False)
+    _check(results)
+    for r in results:  # step 1 only: the first in-place precompute makes the scale tensors
+        weights = sum(kind == "WeightWithDynamicFloat8CastTensor" for kind in r["kinds"].values())
+        assert r["late_posts"] == weights, (r["late_posts"], weights)
+
+
+def test_new_scale_tensors_reach_the_unsharded_weights() -> None:
+    """torchao's precompute hands each weight a new scale tensor every step: the batched path
+    passes each one on through `fsdp_post_all_gather(out=)`, once per weight and gather."""
+    results = run_on_ranks(_train, 2, "cpu", (2,), None, True, 3, False)
+    _check(results)
+    assert all(r["late_posts"] > 0 for r in results), [r["late_posts"] for r in results]
 
 
 @pytest.mark.parametrize("mesh_shape", [(1, 2), (2, 1)])

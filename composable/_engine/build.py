@@ -176,11 +176,14 @@ def tp_parent_placements(fqn: str, param: DTensor, layout: DataParallelLayout) -
             f"(got dp {dp_mesh.ndim}D, tp {tp_mesh.ndim}D, sharded={layout.sharded})"
         )
     root = dp_mesh._get_root_mesh()
-    if tp_mesh._get_root_mesh() != root or root.ndim != 2 or root.mesh_dim_names is None:
+    if tp_mesh._get_root_mesh() != root or root.ndim < 2 or root.mesh_dim_names is None:
         raise ValueError(
             f"fully_shard: 'mesh' and the tensor-parallel mesh of '{fqn}' must be the two dims of one named 2D mesh, "
             "e.g. mesh['dp'] and mesh['tp']"
         )
+    if root.ndim > 2:  # e.g. (pp, dp, tp): the parameters live on its (dp, tp) sub-mesh
+        dims = [dp_mesh.mesh_dim_names[0], tp_mesh.mesh_dim_names[0]]
+        root = root[tuple(sorted(dims, key=list(root.mesh_dim_names).index))]
     names = list(root.mesh_dim_names)
     dp_dim, tp_dim = names.index(dp_mesh.mesh_dim_names[0]), names.index(tp_mesh.mesh_dim_names[0])
     tp_placement = param.placements[0]

@@ -63,6 +63,7 @@ class PendingGather:
     metadata: Any
     fresh: bool  # new all-gather outputs: `fsdp_post_all_gather` makes the unsharded parameter
     versions: tuple[int, ...]  # the outputs' version counters before the collectives wrote them
+    batched: bool = False  # cast and gathered with its group's other float8 weights (float8_cast.py)
 
 
 def init_shards(
@@ -215,7 +216,7 @@ def _start_batched(
         if gather_stream is not None:
             works[0].append(gather_stream.record_event())  # `finish_gathers` waits on the current stream
     return [
-        PendingGather(w, [local.shape], float8_cast.metadata(scale), False, v)
+        PendingGather(w, [local.shape], float8_cast.metadata(scale), False, v, batched=True)
         for w, local, scale, v in zip(works, locals_, scales, versions)
     ]
 
@@ -236,6 +237,9 @@ def finish_gathers(
     """Wait, then make (first time) or refill each unsharded parameter through
     `fsdp_post_all_gather`, keeping autograd's version counters: refilling freed storage with
     the same values is not a mutation autograd should see."""
+    if pending and pending[0].batched:
+        _finish_batched(params, pending, param_dtype)
+        return
     for mp, gather in zip(params, pending):
         for work in gather.works:
             if work is not None:
@@ -253,6 +257,33 @@ def finish_gathers(
                 local.fsdp_post_all_gather(outputs, gather.metadata, param_dtype, out=mp.unsharded_param)
         # The collectives wrote into storage the unsharded parameter may hold (inner tensors).
         torch._C._autograd._unsafe_set_version_counter(tuple(mp.extension_outputs), gather.versions)
+
+
+def _finish_batched(params: list[ManagedParam], pending: list[PendingGather], param_dtype: torch.dtype) -> None:
+    """The batched path's finish, with one host step per group rather than per weight: each
+    unsharded float8 weight already holds the gathered bytes (its data is its all-gather
+    output), so torchao's `fsdp_post_all_gather(out=)`, which only sets the scale, is called
+    where the scale tensor is not the one the weight holds (it is, when the scales are
+    precomputed in place)."""
+    for gather in pending:
+        for work in gather.works:
+            work.wait()
+    outputs: list[torch.Tensor] = []
+    versions: list[int] = []
+    for mp, gather in zip(params, pending):
+        unsharded = mp.unsharded_param
+        if getattr(unsharded, "_scale", None) is not gather.metadata[0]:
+            data = mp.extension_outputs[0].view(-1, *gather.input_shapes[0][1:])
+            with comm.refilling(unsharded):  # type: ignore[arg-type]
+                mp.sharded_param._local_tensor.fsdp_post_all_gather(  # type: ignore[union-attr]
+                    (data,),
+                    gather.metadata,
+                    param_dtype,
+                    out=unsharded,  # type: ignore[union-attr]
+                )
+        outputs.extend(mp.extension_outputs)
+        versions.extend(gather.versions)
+    torch._C._autograd._unsafe_set_version_counter(tuple(outputs), tuple(versions))
 
 
 def free(params: list[ManagedParam]) -> None:

@@ -1,4 +1,5 @@
-"""Recovering from an exception that aborted a forward or backward (FSDP2's `reset_iter_state`)."""
+"""Ending an iteration outside autograd: recovering from an exception that aborted a forward or
+backward (FSDP2's `reset_iter_state`), and finishing a backward that autograd did not end."""
 
 from __future__ import annotations
 
@@ -29,3 +30,19 @@ def reset_iteration(root: ModuleState, api: str) -> None:
         context.final_callback_queued = False
     for streams in root._tree_streams():
         streams.end_of_backward()
+
+
+def finish_backward(root: ModuleState) -> None:
+    """End a backward of `root`'s tree that autograd did not end, as its end-of-backward
+    callback does: reduce every group that still holds gradients (per its
+    `requires_gradient_sync`), reshard per `reshard_after_backward`, and, with
+    `is_last_backward`, wait for every reduction. For callers that compute gradients outside
+    one `backward()` (a pipeline schedule's split input/weight backward, or several
+    micro-batch backwards of which only the caller knows the last): every state of the tree
+    counts as having run with grad since the last reduction, so `replicate` launches all its
+    buckets (its ranks all ran, DDP semantics). A no-op unless `root` is a root that ran."""
+    if root.root_context is None or not root.is_root:
+        return
+    for state in root.root_context.states:
+        state._ran_forward_with_grad = True
+    root._final_callback()

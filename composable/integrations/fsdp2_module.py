@@ -15,6 +15,8 @@ and `copy.deepcopy` are unchanged; `restore_class(m)` undoes the swap.
 
 from __future__ import annotations
 
+import sys
+from types import FrameType
 from typing import Any, Callable, Literal
 
 import torch
@@ -67,6 +69,7 @@ class ComposableFSDPModule(FSDPModule):
         self._composable_state("reshard").reshard()
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
+        _reject_torch_pipeline_stage(sys._getframe(1), self)
         self._composable_state("set_is_last_backward").set_is_last_backward(is_last_backward)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
@@ -145,6 +148,26 @@ class ComposableFSDPModule(FSDPModule):
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # Skip FSDPModule._apply (it needs FSDP2's own state); composable's hooks adopt the result.
         return super(FSDPModule, self)._apply(*args, **kwargs)
+
+
+def _reject_torch_pipeline_stage(caller: FrameType, module: nn.Module) -> None:
+    """torch's own pipeline stages call `set_is_last_backward` first in each microbatch's
+    backward and, after the last, reach into FSDP2's private state (`fully_shard.state(m)`'s
+    `_state_ctx`, which a composable module does not have): fail there, before any gradient,
+    with the stage that works. `ComposablePipelineStage` (a subclass) is let through."""
+    if caller.f_code.co_name != "backward_maybe_with_nosync":
+        return
+    if caller.f_globals.get("__name__") != "torch.distributed.pipelining.stage":
+        return
+    from .pipelining import ComposablePipelineStage
+
+    stage = caller.f_locals.get("self")
+    if not isinstance(stage, ComposablePipelineStage):
+        raise RuntimeError(
+            f"torch.distributed.pipelining: {type(stage).__name__} cannot drive composable's FSDP2 module adapter "
+            f"(module {type(module).__name__}; it reaches into FSDP2's private state): build the stage with "
+            "composable.integrations.pipelining.pipeline_stage(module, stage_index, num_stages, device, group=...)"
+        )
 
 
 def _unsupported(name: str) -> Any:
