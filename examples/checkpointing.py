@@ -297,13 +297,24 @@ def _unused(path: str) -> str:
     return candidate
 
 
+def _options_written(path: str) -> StateDictOptions:
+    """The state-dict options a checkpoint was written with: checkpoints from before the
+    optimizer state was flattened keep its param groups as a list, each with the names of its
+    parameters (`optim.param_groups.<i>.params`), and are read as written, so they still
+    resume (without pipelining)."""
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    listed = any(key.startswith("optim.param_groups.") and key.endswith(".params") for key in keys)
+    return StateDictOptions() if listed else _OPTIONS
+
+
 def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Load the model, optimizer and this rank's RNG state of a checkpoint in place."""
     rank = dist.get_rank()
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
+    options = _options_written(path)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     state = {"model": model_sd, "optim": optim_sd, "rng": {f"rank{rank}": torch.get_rng_state()}}
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_OPTIONS)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     torch.set_rng_state(state["rng"][f"rank{rank}"])
 
 

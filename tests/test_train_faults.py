@@ -126,6 +126,26 @@ def test_resume_refuses_another_model_or_seed_and_reshards_another_layout(tmp_pa
     assert again["resumed_from"] == 6 and "nothing to train" in again["stderr"]
 
 
+def _attempt_with_unflattened_optimizer_state(rank: int, world_size: int, argv: list[str]) -> dict:
+    """As `_attempt`, saving the optimizer state as earlier checkpoints did (param groups as one list)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    flattened, checkpointing._OPTIONS = checkpointing._OPTIONS, StateDictOptions()
+    try:
+        return _attempt(rank, world_size, argv)
+    finally:
+        checkpointing._OPTIONS = flattened
+
+
+def test_checkpoints_with_unflattened_optimizer_state_still_resume(tmp_path: Path) -> None:
+    argv = BASE + ["--steps", "6", "--ckpt-every", "3", "--out", str(tmp_path), "--run-id", "r"]
+    run_on_ranks(_attempt_with_unflattened_optimizer_state, 2, argv + ["--stop-after", "3"])
+    resumed = _try(argv + ["--resume"])
+    assert resumed.get("resumed_from") == 3 and "error" not in resumed, resumed
+    full = _reference(str(tmp_path / "ref"), 6, ("--ckpt-every", "3"))
+    assert_close_tensors(torch.tensor(_losses(resumed)), torch.tensor(full), rtol=1e-5, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------- 3: damaged checkpoints
 
 
