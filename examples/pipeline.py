@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from model import Transformer, lm_loss
-from parallel import UsageError, mp_policy_for, tp_plan
+from parallel import UsageError, mp_policy_for, parallelize, tp_plan
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.tensor.parallel import parallelize_module
@@ -177,6 +177,7 @@ class Pipeline:
         self.device = model.rope.device
         self.microbatches = args.microbatches
         self.dim = model.cfg.dim
+        self.title = f" x --pp {pp} ({self.name}, {self.microbatches} microbatches)"  # for the run's title line
 
     def build_schedule(self, device: torch.device) -> Any:
         """torch's schedule over `pipeline_stage`s (after the parameters are materialised)."""
@@ -238,3 +239,29 @@ class Pipeline:
                     dist.send(h.float().contiguous(), dst=peer(self.owner[i + 1]))
         dist.all_reduce(loss, group=self.pp_group)
         return loss
+
+
+def build_parallel_model(
+    model: Transformer,
+    args: argparse.Namespace,
+    mesh: DeviceMesh,
+    dp_mesh: DeviceMesh,
+    device: torch.device,
+    meta_init: bool,
+) -> tuple[nn.Module, Pipeline | None]:
+    """`model` parallelized per --parallel (parallel.py), or with --pp this rank's stages of it
+    (each parallelized so) and their union under the whole model's names; materialised where
+    it was built on the meta device: the shards where they will live (on the CPU when
+    offloading, as torchtitan does, else on `device`; the rotary tables always on `device`).
+    A pipeline's stages of other ranks stay on meta."""
+    pipeline = Pipeline(model, args, mesh, dp_mesh) if args.pp > 1 else None
+    if pipeline is None:
+        parallelize(model, args, mesh, dp_mesh)
+    if meta_init:
+        for part in pipeline.stages if pipeline else [model]:
+            part.to_empty(device="cpu" if args.cpu_offload else device)
+        model.init_weights(buffer_device=device)
+    if pipeline is None:
+        return model, None
+    pipeline.refresh_rope(model)
+    return pipeline.model, pipeline

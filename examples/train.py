@@ -62,8 +62,8 @@ from data import ByteCorpus, get_batch  # noqa: E402
 from launch import run_rank, spawn_local  # noqa: E402
 from model import ModelConfig, Transformer, count_parameters  # noqa: E402
 from options import FAULT, check_memory, cuda_graph_mode, host_memory_bytes, model_config, parse_args  # noqa: E402
-from parallel import UsageError, build_mesh, parallelize  # noqa: E402
-from pipeline import Pipeline, build_pp_mesh  # noqa: E402
+from parallel import UsageError, build_mesh  # noqa: E402
+from pipeline import build_parallel_model, build_pp_mesh  # noqa: E402
 from reporting import MetricsLog, memory_string, print_summary, steady_throughput, write_plot  # noqa: E402
 from runs import Run, identity, identity_differences, mismatch_message, open_run  # noqa: E402
 from schedule import build_optimizer, evaluate, lr_at, world_mean  # noqa: E402
@@ -196,7 +196,6 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
     watchdog, say, warn, verbose = job.watchdog, job.say, job.warn, job.verbose
     rank, world = dist.get_rank(), dist.get_world_size()
     graphs, graphs_why = cuda_graph_mode(args, device.type, world)  # before the model: `on` may be refused
-    pipeline: Pipeline | None = None
     # Same seed on every rank: identical initial weights before sharding. On a GPU the model
     # is built on the meta device and materialised shard by shard after parallelize (a 1B
     # model never exists unsharded); on the CPU it is built whole, so the initial weights do
@@ -206,19 +205,7 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
     with torch.device("meta") if meta_init else contextlib.nullcontext():
         model = Transformer(cfg)
     n_params = count_parameters(model)
-    if args.pp > 1:  # this rank's stages; `model` is then their union under the whole model's names
-        pipeline = Pipeline(model, args, mesh, job.dp_mesh)
-    else:
-        parallelize(model, args, mesh, job.dp_mesh)
-    if meta_init:
-        # Materialise the shards where they will live: on the CPU when offloading (as
-        # torchtitan does), else on the GPU. The rotary tables always go to the GPU.
-        for part in pipeline.stages if pipeline else [model]:
-            part.to_empty(device="cpu" if args.cpu_offload else device)
-        model.init_weights(buffer_device=device)  # a pipeline's other stages stay on meta
-    if pipeline is not None:
-        pipeline.refresh_rope(model)
-        model = pipeline.model  # type: ignore[assignment]
+    model, pipeline = build_parallel_model(model, args, mesh, job.dp_mesh, device, meta_init)
     optimizer = build_graph_optimizer(model, args, device) if graphs else build_optimizer(model, args)
     scaler = ShardedGradScaler(enabled=args.mp == "fp16")
 
@@ -257,9 +244,8 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
         stack.callback(metrics.close)
 
     title = (
-        f"{args.preset} ({n_params / 1e6:.2f}M params), --parallel {args.parallel}"
-        + (f" x --pp {args.pp} ({args.pp_schedule}, {args.microbatches} microbatches)" if pipeline else "")
-        + f", {world} ranks ({device.type}), "
+        f"{args.preset} ({n_params / 1e6:.2f}M params), --parallel {args.parallel}{pipeline.title if pipeline else ''}"
+        f", {world} ranks ({device.type}), "
         f"--mp {args.mp}, {tokens_per_step} tokens/step"
     )
     say(f"train.py: {title}")
@@ -271,10 +257,11 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
 
     fault = FAULT.fullmatch(args.fault) if args.fault else None
     hsdp_accum = args.parallel == "hsdp" and args.grad_accum > 1
-    if pipeline is not None:
-        train_step = pipeline.make_train_step(optimizer, args, device)
-    else:
-        train_step = make_train_step(model, optimizer, scaler, args, hsdp_accum)
+    train_step = (
+        pipeline.make_train_step(optimizer, args, device)
+        if pipeline
+        else make_train_step(model, optimizer, scaler, args, hsdp_accum)
+    )
     # Two eager steps (lazy init, compilation, NCCL set-up), then captured once and replayed.
     run_step: TrainStep = graphed_step(train_step, warmup=2) if graphs else train_step
     bar = tqdm(total=args.steps, initial=start_step, disable=not verbose, unit="step", dynamic_ncols=True, leave=True)
