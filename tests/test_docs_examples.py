@@ -14,9 +14,11 @@ fence:
   `ranks`) that share one temporary working directory, with the launcher's variables (`RANK`,
   `WORLD_SIZE`, `LOCAL_RANK`, ...) set and the default process group made. It is skipped, with
   the module named, when a module it needs does not import. Under `needs accelerate` the harness
-  does what only CPU runs need (and a user on GPUs does not write): every `Accelerator` built
-  with an FSDP plugin takes accelerate's FSDP path on CPU (`_hf.force_fsdp_on_cpu`). After the
-  block the worker is put back: `use_fsdp2()`, accelerate's shared state, the environment.
+  does what only CPU runs need (and a user on GPUs does not write): `ACCELERATE_USE_CPU`, as
+  `accelerate launch --cpu` sets it, and every `Accelerator` built with an FSDP plugin takes
+  accelerate's FSDP path on CPU (`_hf.force_fsdp_on_cpu`); the test checks that each such
+  `Accelerator` spans the N ranks and prepares its model with composable. After the block the
+  worker is put back: `use_fsdp2()`, accelerate's shared state, the environment.
 
 Any other comment directly above a fence is refused, so that no block is silently left out.
 """
