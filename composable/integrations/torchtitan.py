@@ -16,6 +16,13 @@ gradients would silently be off by the data-parallel size. The sharded modules g
 module interface (`fsdp2_module.as_fsdp_module`), so torchtitan code that looks for
 `FSDPModule`s (fault tolerance, float8 scale precompute) finds them.
 
+Pipeline parallelism (`--parallelism.pipeline_parallel_degree > 1`): torchtitan's `pipeline_llm`
+splits the model into stage modules, calls the `parallelize_fn` on each (so each stage is sharded
+with composable on the data-parallel mesh of the `(pp, dp...)` mesh) and wraps each in torch's
+`PipelineStage`, which would reduce a composable stage's gradients once per microbatch.
+`pipeline_llama` runs torchtitan's `pipeline_llm` with `ComposablePipelineStage` in its place
+(composable.integrations.pipelining): one reduction per group per step, as FSDP2 gets.
+
     from composable.integrations.torchtitan import register_llama3
     register_llama3()     # then run torchtitan with `--model.name llama3_composable`
 
@@ -25,8 +32,9 @@ line added.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -35,8 +43,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from composable import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard, replicate
 
 from .fsdp2_module import as_fsdp_modules
+from .pipelining import ComposablePipelineStage
 
-__all__ = ["apply_fsdp", "parallelize_llama", "register_llama3"]
+__all__ = ["apply_fsdp", "parallelize_llama", "pipeline_llama", "register_llama3"]
 
 
 def _reshard_after_forward(policy: str, pp_enabled: bool) -> bool:
@@ -129,12 +138,61 @@ def parallelize_llama(model: nn.Module, parallel_dims: Any, job_config: Any) -> 
     return model
 
 
+@contextlib.contextmanager
+def _composable_stages(built: list[ComposablePipelineStage]) -> Iterator[None]:
+    """torchtitan 0.2 constructs its stages by the name `PipelineStage` of its pipeline module
+    and offers no hook for the stage class: build `ComposablePipelineStage`s (same arguments)
+    there for the duration of the call, and record them."""
+    from torchtitan.distributed import pipeline_parallel
+
+    def build(*args: Any, **kwargs: Any) -> ComposablePipelineStage:
+        stage = ComposablePipelineStage(*args, **kwargs)
+        built.append(stage)
+        return stage
+
+    original = pipeline_parallel.PipelineStage
+    pipeline_parallel.PipelineStage = build  # type: ignore[assignment, misc]
+    try:
+        yield
+    finally:
+        pipeline_parallel.PipelineStage = original  # type: ignore[misc]
+
+
+def pipeline_llama(
+    model: nn.Module,
+    parallel_dims: Any,
+    job_config: Any,
+    device: torch.device,
+    model_args: Any,
+    parallelize_fn: Callable[..., nn.Module],
+    loss_fn: Callable[..., torch.Tensor],
+) -> tuple[Any, list[nn.Module], bool, bool]:
+    """torchtitan's `pipeline_llm` (its `pipelining_fn`: same arguments, same split, schedule and
+    results) with each stage a `ComposablePipelineStage`: the stage modules that
+    `parallelize_fn` shards with composable reduce their gradients once per group per step,
+    not once per microbatch."""
+    from torchtitan.distributed.pipeline_parallel import pipeline_llm
+
+    built: list[ComposablePipelineStage] = []
+    with _composable_stages(built):
+        result = pipeline_llm(model, parallel_dims, job_config, device, model_args, parallelize_fn, loss_fn)
+    if not built:
+        raise NotImplementedError(
+            "pipeline_llama: torchtitan's pipeline_llm built no stage through "
+            "torchtitan.distributed.pipeline_parallel.PipelineStage (a torchtitan version this does not support)"
+        )
+    return result
+
+
 def register_llama3(name: str = "llama3_composable") -> str:
-    """Register torchtitan's llama3 `TrainSpec` with `parallelize_llama` above under `name`
-    (select it with `--model.name <name>`; the model flavors are llama3's). Idempotent."""
+    """Register torchtitan's llama3 `TrainSpec` with `parallelize_llama` and `pipeline_llama`
+    above under `name` (select it with `--model.name <name>`; the model flavors are llama3's).
+    Idempotent."""
     from torchtitan.protocols import train_spec as specs
 
-    spec = dataclasses.replace(specs.get_train_spec("llama3"), parallelize_fn=parallelize_llama)
+    spec = dataclasses.replace(
+        specs.get_train_spec("llama3"), parallelize_fn=parallelize_llama, pipelining_fn=pipeline_llama
+    )
     try:
         specs.register_train_spec(name, spec)
     except ValueError:  # registered before (torchtitan refuses a second registration)

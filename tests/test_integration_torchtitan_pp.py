@@ -1,0 +1,124 @@
+"""torchtitan's pipelined llama3 (`--parallelism.pipeline_parallel_degree 2`) with composable's data
+parallelism (`composable.integrations.torchtitan.pipeline_llama` + `parallelize_llama`, the
+`llama3_composable` train spec) trains like torchtitan's own `pipeline_llm` over its FSDP2
+`parallelize_llama`: torchtitan's stage split, schedule, sum-reduced cross-entropy, optimizer
+container and pipeline-aware `clip_grad_norm_`; same losses, gradient norms and parameters step by
+step, and one reduce-scatter per sharded group per step (not one per microbatch), as FSDP2.
+CPU, gloo, 4 ranks: pp 2 x dp 2."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from _torchtitan import import_torchtitan
+
+import_torchtitan()
+
+from _harness import assert_close_tensors, count_collectives, run_on_ranks  # noqa: E402
+
+VOCAB, SEQ, BATCH = 128, 16, 4  # local batch 4, microbatch 1: 4 microbatches per step
+
+
+def _setup(schedule: str):
+    import torchtitan.distributed.parallel_dims as pd
+    from torchtitan.config import JobConfig
+    from torchtitan.models.llama3 import Transformer, TransformerModelArgs
+
+    pd.device_type = "cpu"  # torchtitan's meshes default to "cuda" without an accelerator
+    dims = pd.ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=2, ep=1, etp=1, world_size=4)
+    dims.build_mesh()
+    job = JobConfig()
+    job.training.mixed_precision_param = "float32"
+    job.training.mixed_precision_reduce = "float32"
+    job.training.seq_len = SEQ
+    job.training.local_batch_size = BATCH
+    job.parallelism.pipeline_parallel_degree = 2
+    job.parallelism.pipeline_parallel_schedule = schedule
+    job.parallelism.pipeline_parallel_microbatch_size = 1
+    torch.manual_seed(0)
+    args = TransformerModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=VOCAB, max_seq_len=SEQ, rope_theta=500000)
+    model = Transformer(args)
+    with torch.no_grad():  # the whole model's weights, the same on every rank, split by pipeline_llm
+        model.init_weights()
+    return dims, job, args, model
+
+
+def _train(rank: int, world_size: int, schedule: str, steps: int = 3) -> dict:
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.components.loss import build_cross_entropy_loss
+    from torchtitan.components.optimizer import build_optimizers
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.distributed.pipeline_parallel import pipeline_llm
+    from torchtitan.models.llama3 import parallelize_llama as torchtitan_parallelize
+
+    from composable import fully_shard
+    from composable.integrations.pipelining import ComposablePipelineStage
+    from composable.integrations.torchtitan import parallelize_llama, pipeline_llama
+
+    dims, job, args, model = _setup(schedule)
+    dp_rank = dims.get_mesh("fsdp").get_local_rank()
+    out = {}
+    for name, pipelining, parallelize in (
+        ("composable", pipeline_llama, parallelize_llama),
+        ("fsdp2", pipeline_llm, torchtitan_parallelize),
+    ):
+        loss_fn = build_cross_entropy_loss(job)
+        pp_schedule, parts, first, last = pipelining(
+            copy.deepcopy(model), dims, job, torch.device("cpu"), args, parallelize, loss_fn
+        )
+        stages = getattr(pp_schedule, "_stages", None) or [pp_schedule._stage]
+        assert all(isinstance(s, ComposablePipelineStage) == (name == "composable") for s in stages)
+        assert all((fully_shard.state(m) is not None) == (name == "composable") for m in parts)
+        if name == "fsdp2":  # gloo has no PREMUL_SUM, which FSDP2 uses for divide factor 1.0
+            for m in parts:
+                for module in m.modules():
+                    if isinstance(module, FSDPModule):
+                        module.set_force_sum_reduction_for_comms(True)
+        optimizers = build_optimizers(parts, job.optimizer, dims)
+        gen = torch.Generator().manual_seed(100 + dp_rank)  # each dp rank its own batch
+        losses, norms, reduce_scatters = [], [], []
+        for _ in range(steps):
+            optimizers.zero_grad()
+            tokens = torch.randint(VOCAB, (BATCH, SEQ + 1), generator=gen)
+            inputs, labels = tokens[:, :-1], tokens[:, 1:]
+            # train.py's pipelined forward_backward_step
+            targets, mb_losses = (labels, []) if last else (None, None)
+            with count_collectives() as c:
+                if first:
+                    pp_schedule.step(inputs, target=targets, losses=mb_losses, return_outputs=False)
+                else:
+                    pp_schedule.step(target=targets, losses=mb_losses, return_outputs=False)
+            reduce_scatters.append(c.counts.get("reduce_scatter", 0))
+            params = [p for m in parts for p in m.parameters()]
+            norm = dist_utils.clip_grad_norm_(params, 1.0, foreach=True, pp_mesh=dims.get_optional_mesh("pp"))
+            norms.append(float(norm))
+            optimizers.step()
+            if last:
+                losses.append(float(torch.stack(mb_losses).sum()) / labels.numel())
+        out[name] = {
+            "losses": losses,
+            "norms": norms,
+            "reduce_scatters": reduce_scatters,
+            # apply_fsdp's groups on this rank's stages: the embeddings, each block, [norm, output]
+            "groups": sum((m.tok_embeddings is not None) + len(m.layers) + (m.norm is not None) for m in parts),
+            "params": {k: v.full_tensor() for m in parts for k, v in m.state_dict().items()},
+        }
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["Interleaved1F1B"])
+def test_torchtitan_pipelined_llama3_matches_fsdp2(schedule: str) -> None:
+    results = run_on_ranks(_train, 4, schedule, timeout=300)
+    for rank, result in enumerate(results):
+        ours, theirs = result["composable"], result["fsdp2"]
+        torch.testing.assert_close(ours["losses"], theirs["losses"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ours["norms"], theirs["norms"], rtol=1e-5, atol=1e-6)
+        assert_close_tensors(ours["params"], theirs["params"], rtol=1e-5, atol=1e-6)
+        # one reduce-scatter per sharded group per step (4 microbatches), from the first step on: as FSDP2
+        assert ours["groups"] == theirs["groups"] == 2, rank  # two stages per rank, one group each
+        assert ours["reduce_scatters"] == theirs["reduce_scatters"] == [2, 2, 2], (rank, ours, theirs)
+    last = results[-1]["composable"]["losses"]  # ranks 2, 3 hold the last stage
+    assert len(last) == 3 and last[0] != last[-1]
