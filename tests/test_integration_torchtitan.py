@@ -14,8 +14,9 @@ import sys
 
 import pytest
 import torch
+from _torchtitan import import_torchtitan
 
-pytest.importorskip("torchtitan.models.llama3")  # torchtitan 0.2.x (its import needs triton)
+import_torchtitan()  # torchtitan 0.2.x; skips this module without it
 
 from _harness import assert_close_tensors, requires_gpus, run_on_ranks  # noqa: E402
 
@@ -101,11 +102,12 @@ def test_torchtitan_llama3_matches_fsdp2() -> None:
 def test_register_llama3() -> None:
     from torchtitan.protocols.train_spec import get_train_spec
 
-    from composable.integrations.torchtitan import parallelize_llama, register_llama3
+    from composable.integrations.torchtitan import parallelize_llama, pipeline_llama, register_llama3
 
     assert register_llama3() == register_llama3() == "llama3_composable"  # idempotent
     spec = get_train_spec("llama3_composable")
     assert spec.parallelize_fn is parallelize_llama
+    assert spec.pipelining_fn is pipeline_llama  # pipeline parallelism builds composable stages
     assert spec.model_args is get_train_spec("llama3").model_args
 
 
