@@ -1,7 +1,7 @@
 """torchtitan's pipelined llama3 (`--parallelism.pipeline_parallel_degree 2`) with composable's data
-parallelism (`composable.integrations.torchtitan.pipeline_llama` + `parallelize_llama`, the
-`llama3_composable` train spec) trains like torchtitan's own `pipeline_llm` over its FSDP2
-`parallelize_llama`: torchtitan's stage split, schedule, sum-reduced cross-entropy, optimizer
+parallelism (the `llama3_composable` train spec: `composable.integrations.torchtitan.pipeline_llama`
+and `parallelize_llama`, called as torchtitan's trainer calls them) trains like torchtitan's own
+`llama3` (`pipeline_llm` over its FSDP2 `parallelize_llama`): torchtitan's stage split, schedule, sum-reduced cross-entropy, optimizer
 container and pipeline-aware `clip_grad_norm_`; same losses, gradient norms and parameters step by
 step, and one reduce-scatter per sharded group per step (not one per microbatch), as FSDP2.
 CPU, gloo, 4 ranks: pp 2 x dp 2."""
@@ -55,23 +55,20 @@ def _train(rank: int, world_size: int, schedule: str, steps: int = 3) -> dict:
     from torchtitan.components.loss import build_cross_entropy_loss
     from torchtitan.components.optimizer import build_optimizers
     from torchtitan.distributed import utils as dist_utils
-    from torchtitan.distributed.pipeline_parallel import pipeline_llm
-    from torchtitan.models.llama3 import parallelize_llama as torchtitan_parallelize
+    from torchtitan.protocols.train_spec import get_train_spec
 
     from composable import fully_shard
     from composable.integrations.pipelining import ComposablePipelineStage
-    from composable.integrations.torchtitan import parallelize_llama, pipeline_llama
+    from composable.integrations.torchtitan import register_llama3
 
     dims, job, args, model = _setup(schedule)
     dp_rank = dims.get_mesh("fsdp").get_local_rank()
     out = {}
-    for name, pipelining, parallelize in (
-        ("composable", pipeline_llama, parallelize_llama),
-        ("fsdp2", pipeline_llm, torchtitan_parallelize),
-    ):
+    for name, model_name in (("composable", register_llama3()), ("fsdp2", "llama3")):
+        spec = get_train_spec(model_name)  # the trainer's calls, as with --model.name <model_name>
         loss_fn = build_cross_entropy_loss(job)
-        pp_schedule, parts, first, last = pipelining(
-            copy.deepcopy(model), dims, job, torch.device("cpu"), args, parallelize, loss_fn
+        pp_schedule, parts, first, last = spec.pipelining_fn(
+            copy.deepcopy(model), dims, job, torch.device("cpu"), args, spec.parallelize_fn, loss_fn
         )
         stages = getattr(pp_schedule, "_stages", None) or [pp_schedule._stage]
         assert all(isinstance(s, ComposablePipelineStage) == (name == "composable") for s in stages)
@@ -83,7 +80,7 @@ def _train(rank: int, world_size: int, schedule: str, steps: int = 3) -> dict:
                         module.set_force_sum_reduction_for_comms(True)
         optimizers = build_optimizers(parts, job.optimizer, dims)
         gen = torch.Generator().manual_seed(100 + dp_rank)  # each dp rank its own batch
-        losses, norms, reduce_scatters = [], [], []
+        losses, norms, reduce_scatters, all_gathers = [], [], [], []
         for _ in range(steps):
             optimizers.zero_grad()
             tokens = torch.randint(VOCAB, (BATCH, SEQ + 1), generator=gen)
@@ -96,6 +93,7 @@ def _train(rank: int, world_size: int, schedule: str, steps: int = 3) -> dict:
                 else:
                     pp_schedule.step(target=targets, losses=mb_losses, return_outputs=False)
             reduce_scatters.append(c.counts.get("reduce_scatter", 0))
+            all_gathers.append(c.counts.get("all_gather", 0))
             params = [p for m in parts for p in m.parameters()]
             norm = dist_utils.clip_grad_norm_(params, 1.0, foreach=True, pp_mesh=dims.get_optional_mesh("pp"))
             norms.append(float(norm))
@@ -106,6 +104,7 @@ def _train(rank: int, world_size: int, schedule: str, steps: int = 3) -> dict:
             "losses": losses,
             "norms": norms,
             "reduce_scatters": reduce_scatters,
+            "all_gathers": all_gathers,
             # apply_fsdp's groups on this rank's stages: the embeddings, each block, [norm, output]
             "groups": sum((m.tok_embeddings is not None) + len(m.layers) + (m.norm is not None) for m in parts),
             "params": {k: v.full_tensor() for m in parts for k, v in m.state_dict().items()},
@@ -126,6 +125,9 @@ def test_torchtitan_pipelined_llama3_matches_fsdp2(schedule: str) -> None:
         # one reduce-scatter per sharded group per step (4 microbatches), from the first step on: as FSDP2
         assert ours["groups"] == theirs["groups"] == 2, rank
         assert ours["reduce_scatters"] == theirs["reduce_scatters"] == [2, 2, 2], (rank, ours, theirs)
+        # never more all-gathers than FSDP2; after the first step (shape inference) one per group per step
+        assert all(a <= b for a, b in zip(ours["all_gathers"], theirs["all_gathers"])), (rank, ours, theirs)
+        assert ours["all_gathers"][1:] == [2, 2], (rank, ours)
     last = [r["composable"]["losses"] for r in results if r["composable"]["losses"]]
     assert len(last) == 2  # the two dp ranks of the pipeline rank that holds the last stage
     assert all(len(losses) == 3 and losses[0] != losses[-1] for losses in last)
