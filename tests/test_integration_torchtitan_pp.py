@@ -1,10 +1,10 @@
 """torchtitan's pipelined llama3 (`--parallelism.pipeline_parallel_degree 2`) with composable's data
 parallelism (the `llama3_composable` train spec: `composable.integrations.torchtitan.pipeline_llama`
 and `parallelize_llama`, called as torchtitan's trainer calls them) trains like torchtitan's own
-`llama3` (`pipeline_llm` over its FSDP2 `parallelize_llama`): torchtitan's stage split, schedule, sum-reduced cross-entropy, optimizer
-container and pipeline-aware `clip_grad_norm_`; same losses, gradient norms and parameters step by
-step, and one reduce-scatter per sharded group per step (not one per microbatch), as FSDP2.
-CPU, gloo, 4 ranks: pp 2 x dp 2."""
+`llama3` (`pipeline_llm` over its FSDP2 `parallelize_llama`): torchtitan's stage split, schedule,
+sum-reduced cross-entropy, optimizer container and pipeline-aware `clip_grad_norm_`; same losses,
+gradient norms and parameters step by step, one reduce-scatter per sharded group per step (not one
+per microbatch) and never more all-gathers, as FSDP2. CPU, gloo, 4 ranks: pp 2 x dp 2."""
 
 from __future__ import annotations
 
