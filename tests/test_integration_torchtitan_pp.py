@@ -153,3 +153,36 @@ def test_torchtitan_pipelined_trainer_on_gpus(model: str, tmp_path) -> None:
     cmd += ["--checkpoint.enable", "--checkpoint.interval", "5", "--job.dump_folder", str(tmp_path)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env_without_launcher(), cwd=repo)
     assert done.returncode == 0, done.stderr[-4000:]
+
+
+def test_pipeline_llama_refuses_pytorch_fsdp2_stages() -> None:
+    """torchtitan's own FSDP2 `parallelize_llama` in composable's stages would leave every
+    gradient unreduced: refused with one line naming the function."""
+    from _harness import fake_process_group
+    from torchtitan.components.loss import build_cross_entropy_loss
+    from torchtitan.models.llama3 import parallelize_llama as torchtitan_parallelize
+
+    from composable.integrations.torchtitan import pipeline_llama
+
+    with fake_process_group(4, rank=0):
+        dims, job, args, model = _setup("1F1B")
+        with pytest.raises(
+            ValueError,
+            match=r"^pipeline_llama: parallelize_fn must shard with composable .*parallelize_llama, which applied PyTorch's FSDP2$",
+        ):
+            pipeline_llama(
+                model, dims, job, torch.device("cpu"), args, torchtitan_parallelize, build_cross_entropy_loss(job)
+            )
+
+
+def test_pipeline_llama_refuses_a_torchtitan_that_builds_no_stage(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchtitan.distributed import pipeline_parallel
+
+    from composable.integrations.torchtitan import pipeline_llama
+
+    monkeypatch.setattr(pipeline_parallel, "pipeline_llm", lambda *args: (None, [], True, True))
+    with pytest.raises(
+        NotImplementedError,
+        match=r"^pipeline_llama: torchtitan's pipeline_llm built no stage through torchtitan\.distributed\.pipeline_parallel\.PipelineStage",
+    ):
+        pipeline_llama(None, None, None, torch.device("cpu"), None, None, None)

@@ -169,18 +169,30 @@ def pipeline_llama(
 ) -> tuple[Any, list[nn.Module], bool, bool]:
     """torchtitan's `pipeline_llm` (its `pipelining_fn`: same arguments, same split, schedule and
     results) with each stage a `ComposablePipelineStage`: the stage modules that
-    `parallelize_fn` shards with composable reduce their gradients once per group per step,
-    not once per microbatch."""
-    from torchtitan.distributed.pipeline_parallel import pipeline_llm
+    `parallelize_fn` (composable's, e.g. `parallelize_llama`) shards with composable reduce
+    their gradients once per group per step, not once per microbatch."""
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.distributed import pipeline_parallel
 
     built: list[ComposablePipelineStage] = []
     with _composable_stages(built):
-        result = pipeline_llm(model, parallel_dims, job_config, device, model_args, parallelize_fn, loss_fn)
+        result = pipeline_parallel.pipeline_llm(
+            model, parallel_dims, job_config, device, model_args, parallelize_fn, loss_fn
+        )
     if not built:
         raise NotImplementedError(
             "pipeline_llama: torchtitan's pipeline_llm built no stage through "
             "torchtitan.distributed.pipeline_parallel.PipelineStage (a torchtitan version this does not support)"
         )
+    for stage in built:
+        for module in stage.submod.modules():
+            # PyTorch's FSDP2 in a composable stage would never reduce its gradients.
+            if isinstance(module, FSDPModule) and fully_shard.state(module) is None:
+                raise ValueError(
+                    f"pipeline_llama: parallelize_fn must shard with composable (parallelize_llama), "
+                    f"got {getattr(parallelize_fn, '__module__', '?')}.{getattr(parallelize_fn, '__name__', '?')}, "
+                    "which applied PyTorch's FSDP2"
+                )
     return result
 
 
