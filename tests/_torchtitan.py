@@ -18,16 +18,22 @@ def _kernels_unavailable(*args: object, **kwargs: object) -> None:
     raise NotImplementedError("torchtitan's MoE Triton kernels need triton, which is not installed")
 
 
-def import_torchtitan() -> None:
-    """Import torchtitan's llama3 model, pipelining, loss and optimizer modules, or skip the
-    calling test module with the reason."""
-    if importlib.util.find_spec("torchtitan") is None:
-        pytest.skip("torchtitan is not installed (pip install 'composable[torchtitan]')", allow_module_level=True)
+def stub_moe_kernels_without_triton() -> None:
+    """Without triton, put a stand-in for torchtitan's MoE kernels module (functions that
+    raise), so that the rest of torchtitan imports; with triton, nothing."""
     if importlib.util.find_spec("triton") is None and "torchtitan.models.moe.kernels" not in sys.modules:
         kernels = types.ModuleType("torchtitan.models.moe.kernels")
         kernels.generate_permute_indices = _kernels_unavailable  # type: ignore[attr-defined]
         kernels.fill_indices_wrapper = _kernels_unavailable  # type: ignore[attr-defined]
         sys.modules["torchtitan.models.moe.kernels"] = kernels
+
+
+def import_torchtitan() -> None:
+    """Import torchtitan's llama3 model, pipelining, loss and optimizer modules, or skip the
+    calling test module with the reason."""
+    if importlib.util.find_spec("torchtitan") is None:
+        pytest.skip("torchtitan is not installed (pip install 'composable[torchtitan]')", allow_module_level=True)
+    stub_moe_kernels_without_triton()
     try:
         import torchtitan.components.loss  # noqa: F401
         import torchtitan.components.optimizer  # noqa: F401

@@ -26,6 +26,8 @@ Any other comment directly above a fence is refused, so that no block is silentl
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.util
 import os
 import re
 import subprocess
@@ -34,6 +36,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -241,10 +244,22 @@ def _accelerate_fsdp_on_cpu() -> Iterator[dict[str, int]]:
 
 def _run_script(
     rank: int, world_size: int, code: str, filename: str, root: str, workdir: str, needs: tuple
-) -> dict[str, int]:
+) -> dict[str, Any]:
     """Harness worker: run one script block as torchrun would start it, then put the worker back.
-    Returns `_accelerate_fsdp_on_cpu`'s counts under `needs accelerate`, else {}."""
+    Returns `_accelerate_fsdp_on_cpu`'s counts under `needs accelerate`, else {}; or
+    {"skipped": why} where a module the block needs does not import here (importing is the
+    test: a package can be found yet fail to import, torchtitan without triton for one)."""
     from _hf import accelerate_env
+
+    if any(module.split(".")[0] == "torchtitan" for module in needs):
+        from _torchtitan import stub_moe_kernels_without_triton
+
+        stub_moe_kernels_without_triton()  # llama3 never calls the Triton MoE kernels
+    for module in needs:
+        try:
+            importlib.import_module(module)
+        except Exception as error:  # noqa: BLE001 - any import failure means the block cannot run here
+            return {"skipped": f"the block needs {module}, which does not import ({type(error).__name__}: {error})"}
 
     environ, cwd = dict(os.environ), os.getcwd()
     accelerate_env(rank, world_size)  # RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_*
@@ -268,10 +283,13 @@ def _run_script(
     return dict(counts)
 
 
-def _skip_unless_importable(needs: tuple[str, ...]) -> None:
-    """pytest.skip naming the first of `needs` that does not import."""
+def _skip_unless_installed(needs: tuple[str, ...]) -> None:
+    """pytest.skip naming the first of `needs` whose package is not installed. Only found, not
+    imported, here: the worker that runs the block imports them (and skips if that fails),
+    so a failing import cannot leave this process half-imported."""
     for module in needs:
-        pytest.importorskip(module, reason=f"the block needs {module}, which does not import")
+        if importlib.util.find_spec(module.split(".")[0]) is None:
+            pytest.skip(f"the block needs {module}, which is not installed")
 
 
 def _script_blocks() -> list:
@@ -281,7 +299,7 @@ def _script_blocks() -> list:
 @pytest.mark.parametrize("block", _script_blocks())
 def test_script_block_runs(block: Block) -> None:
     """A `ranks` / `needs` block runs alone, as a script, on its ranks (skipped without its modules)."""
-    _skip_unless_importable(block.needs)
+    _skip_unless_installed(block.needs)
     with tempfile.TemporaryDirectory() as workdir:
         done = run_on_ranks(
             _run_script,
@@ -294,6 +312,9 @@ def test_script_block_runs(block: Block) -> None:
             timeout=180.0,
         )
     assert len(done) == block.ranks
+    skipped = [d["skipped"] for d in done if "skipped" in d]
+    if skipped:
+        pytest.skip(skipped[0])
     for counts in done:  # each Accelerator on FSDP the block made is distributed and prepares with composable
         assert counts.get("prepared", 0) >= counts.get("accelerators", 0), counts
         assert counts.get("processes", block.ranks) == block.ranks, counts
@@ -318,7 +339,7 @@ def test_script_block_is_a_launched_script() -> None:
 def test_missing_module_skips() -> None:
     """A block that needs a module that does not import is skipped, naming it."""
     with pytest.raises(pytest.skip.Exception, match="needs composable_no_such_module"):
-        _skip_unless_importable(("torch", "composable_no_such_module"))
+        _skip_unless_installed(("torch", "composable_no_such_module"))
 
 
 def _accelerate_is_pytorch_fsdp2(rank: int, world_size: int) -> bool:
