@@ -3,8 +3,9 @@ launcher's environment for accelerate inside harness ranks, accelerate's shared 
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -105,3 +106,36 @@ def batches(rank: int, steps: int, batch: int = 2, vocab: int = 128) -> list:
     """`steps` batches of token ids (this rank's share), the same in every run."""
     gen = torch.Generator().manual_seed(1000 + rank)
     return [torch.randint(vocab, (batch, SEQ), generator=gen) for _ in range(steps)]
+
+
+@contextlib.contextmanager
+def accelerate_path(rank: int, world_size: int, composable: bool) -> Iterator[None]:
+    """Inside a harness rank: the launcher's variables set, accelerate's FSDP2 path taken by
+    composable (`use_composable()`) or by PyTorch FSDP2, and afterwards FSDP2 restored and
+    accelerate's process-wide state reset (harness workers serve later tests)."""
+    from composable.integrations import accelerate as integration
+
+    accelerate_env(rank, world_size)
+    if composable:
+        integration.use_composable()
+    try:
+        yield
+    finally:
+        integration.use_fsdp2()
+        reset_accelerate()
+
+
+def train_steps(
+    model: Any, accelerator: Any, optimizer: Any, rank: int, steps: int, max_norm: float | None = None
+) -> list[torch.Tensor]:
+    """accelerate's loop over `batches(rank, steps)` (clipping to `max_norm` where given); the losses."""
+    losses = []
+    for tokens in batches(rank, steps):
+        loss = model(input_ids=tokens, labels=tokens).loss
+        accelerator.backward(loss)
+        if max_norm is not None:
+            accelerator.clip_grad_norm_(model.parameters(), max_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach().clone())
+    return losses

@@ -19,12 +19,8 @@ def _train(rank: int, world_size: int, composable: bool, steps: int) -> dict:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     from composable import fully_shard
-    from composable.integrations import accelerate as integration
 
-    _hf.accelerate_env(rank, world_size)
-    if composable:
-        integration.use_composable()
-    try:
+    with _hf.accelerate_path(rank, world_size, composable):
         accelerator = _hf.make_accelerator(activation_checkpointing=True)
         model = _hf.tiny_llama(seed=1, use_cache=False)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -32,19 +28,9 @@ def _train(rank: int, world_size: int, composable: bool, steps: int) -> dict:
         layers = model.model.layers
         assert all(isinstance(layer, CheckpointWrapper) for layer in layers), [type(m) for m in layers]
         assert all((fully_shard.state(layer) is not None) == composable for layer in layers)
-        losses = []
-        for tokens in _hf.batches(rank, steps):
-            loss = model(input_ids=tokens, labels=tokens).loss
-            accelerator.backward(loss)
-            accelerator.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.detach().clone())
+        losses = _hf.train_steps(model, accelerator, optimizer, rank, steps, max_norm=1.0)
         params = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
         return dict(losses=losses, params=params)
-    finally:
-        integration.use_fsdp2()
-        _hf.reset_accelerate()
 
 
 def test_activation_checkpointing_matches_fsdp2() -> None:

@@ -44,12 +44,7 @@ def _load_and_train(rank: int, world_size: int, path: str, composable: bool, met
     from torch.profiler import ProfilerActivity, profile
     from transformers import LlamaForCausalLM
 
-    from composable.integrations import accelerate as integration
-
-    _hf.accelerate_env(rank, world_size)
-    if composable:
-        integration.use_composable()
-    try:
+    with _hf.accelerate_path(rank, world_size, composable):
         accelerator = _hf.make_accelerator(cpu_ram_efficient_loading=True)
         if rank == 0:
             model = LlamaForCausalLM.from_pretrained(path, attn_implementation="eager")
@@ -65,13 +60,7 @@ def _load_and_train(rank: int, world_size: int, path: str, composable: bool, met
         assert (fully_shard.state(model) is not None) == composable
         loaded = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
         shard_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-        losses = []
-        for tokens in _hf.batches(rank, steps):
-            loss = model(input_ids=tokens, labels=tokens).loss
-            accelerator.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.detach().clone())
+        losses = _hf.train_steps(model, accelerator, optimizer, rank, steps)
         params = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
         return dict(
             peak=peak,
@@ -82,9 +71,6 @@ def _load_and_train(rank: int, world_size: int, path: str, composable: bool, met
             losses=losses,
             params=params,
         )
-    finally:
-        integration.use_fsdp2()
-        _hf.reset_accelerate()
 
 
 @pytest.mark.parametrize("meta", [False, True], ids=["empty", "meta"])

@@ -90,14 +90,11 @@ def _run(rank: int, world_size: int, root: str, composable: bool, bf16: bool) ->
     from transformers import LlamaForCausalLM
 
     from composable import fully_shard
-    from composable.integrations import accelerate as integration
 
-    _hf.accelerate_env(rank, world_size)
     name = "composable" if composable else "fsdp2"
     out = os.path.join(root, name)
-    if composable:
-        integration.use_composable()  # the one line a Trainer user adds, before trainer.train()
-    try:
+    # composable: `use_composable()`, the one line a Trainer user adds before trainer.train()
+    with _hf.accelerate_path(rank, world_size, composable):
         losses, trainer = _train(os.path.join(root, "pretrained"), out, None, bf16)
         if composable:  # Trainer's bf16 reached composable as FSDP2's mixed-precision policy
             state = fully_shard.state(trainer.model)
@@ -110,9 +107,6 @@ def _run(rank: int, world_size: int, root: str, composable: bool, bf16: bool) ->
         loaded = LlamaForCausalLM.from_pretrained(out + "-final")
         reloaded = {n: p.detach().clone() for n, p in loaded.named_parameters()}
         return dict(losses=losses, resumed=resumed, params=params, reloaded=reloaded)
-    finally:
-        integration.use_fsdp2()
-        _hf.reset_accelerate()
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])

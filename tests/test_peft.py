@@ -19,12 +19,8 @@ def _lora_train(rank: int, world_size: int, composable: bool, steps: int) -> dic
     from peft import LoraConfig, get_peft_model
 
     from composable import fully_shard
-    from composable.integrations import accelerate as integration
 
-    _hf.accelerate_env(rank, world_size)
-    if composable:
-        integration.use_composable()
-    try:
+    with _hf.accelerate_path(rank, world_size, composable):
         accelerator = _hf.make_accelerator()
         base = _hf.tiny_llama(seed=11)
         config = LoraConfig(
@@ -36,20 +32,10 @@ def _lora_train(rank: int, world_size: int, composable: bool, steps: int) -> dic
         model, optimizer = accelerator.prepare(model, optimizer)
         assert (fully_shard.state(model) is not None) == composable
         before = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
-        losses = []
-        for tokens in _hf.batches(rank, steps):
-            loss = model(input_ids=tokens, labels=tokens).loss
-            accelerator.backward(loss)
-            accelerator.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.detach().clone())
+        losses = _hf.train_steps(model, accelerator, optimizer, rank, steps, max_norm=1.0)
         after = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
         frozen = sorted(n for n, p in model.named_parameters() if not p.requires_grad)
         return dict(losses=losses, before=before, after=after, frozen=frozen)
-    finally:
-        integration.use_fsdp2()
-        _hf.reset_accelerate()
 
 
 def test_lora_matches_fsdp2() -> None:

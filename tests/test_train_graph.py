@@ -14,14 +14,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from _harness import env_without_launcher, run_on_ranks
+from _harness import run_on_ranks
 from torch.distributed.tensor import DTensor
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -62,10 +61,17 @@ def test_on_without_cuda_is_one_line_naming_the_flag(tmp_path: Path, capsys: pyt
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has CUDA")
-def test_command_line_on_without_cuda_fails_before_spawning(tmp_path: Path) -> None:
-    cmd = [sys.executable, str(EXAMPLES / "train.py"), *SMALL, "--cuda-graph", "on", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env_without_launcher(), check=False)
-    assert (proc.returncode, proc.stderr, proc.stdout) == (2, f"train.py: error: {NO_CUDA}\n", "")
+def test_main_on_without_cuda_fails_before_spawning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("RANK", "WORLD_SIZE"):  # no launcher: main() would spawn its own ranks
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(train_script, "spawn_local", lambda *a: pytest.fail("spawned ranks"))
+    with pytest.raises(SystemExit) as exit_info:
+        train_script.main([*SMALL, "--cuda-graph", "on", "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr() == ("", f"train.py: error: {NO_CUDA}\n")
+    assert not any(tmp_path.iterdir())  # no run directory either
 
 
 @pytest.mark.parametrize(
