@@ -463,6 +463,20 @@ def requires_gpus(n: int) -> Callable[[Any], Any]:
     return lambda test: pytest.mark.gpu(skip(test))
 
 
+def gpu_worlds(*sizes: int) -> list[Any]:
+    """World sizes for a GPU test's ``world`` parameter (ids ``world1``, ``world2``, ...): each
+    marked ``gpu`` and skipped unless that many CUDA devices are visible, so that one GPU runs
+    the world-1 form and two GPUs run both."""
+    return [
+        pytest.param(
+            n,
+            id=f"world{n}",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < n, reason=f"needs {n} GPU(s)")],
+        )
+        for n in sizes
+    ]
+
+
 def assert_close_tensors(
     a: Any, b: Any, *, exact: bool = False, rtol: float | None = None, atol: float | None = None, msg: str = ""
 ) -> None:

@@ -15,7 +15,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from _harness import count_collectives, requires_gpus, run_on_ranks
+from _harness import count_collectives, gpu_worlds, run_on_ranks
 from _models import batch_for
 from _training import sgd
 from test_fsdp2_module_methods import EmbedNet, loss_of, sharded_pair, step
@@ -263,6 +263,6 @@ def _symm_mem(rank: int, world: int) -> None:
         step(model, ref, opts, s, rank, world, "cuda")
 
 
-@requires_gpus(2)
-def test_gpu_symm_mem_for_comm_trains_like_the_reference() -> None:
-    run_on_ranks(_symm_mem, 2, backend="nccl", timeout=300)
+@pytest.mark.parametrize("world", gpu_worlds(1, 2))
+def test_gpu_symm_mem_for_comm_trains_like_the_reference(world: int) -> None:
+    run_on_ranks(_symm_mem, world, backend="nccl", timeout=300)

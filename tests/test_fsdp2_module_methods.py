@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from _harness import count_collectives, requires_gpus, run_on_ranks
+from _harness import count_collectives, gpu_worlds, run_on_ranks
 from _models import batch_for
 from _training import check_grads, check_params, rank_mean, sgd
 from torch.distributed.fsdp import FSDPModule
@@ -295,10 +295,10 @@ def test_reduce_scatter_max_input_buffers_checks_and_trains() -> None:
     run_on_ranks(_max_input_buffers, 2)
 
 
-@requires_gpus(2)
+@pytest.mark.parametrize("world", gpu_worlds(1, 2))
 @pytest.mark.parametrize("cap", [1, 3])
-def test_gpu_reduce_scatter_max_input_buffers_keeps_that_many_inputs(cap: int) -> None:
-    run_on_ranks(_max_input_buffers, 2, "cuda", cap, backend="nccl", timeout=300)
+def test_gpu_reduce_scatter_max_input_buffers_keeps_that_many_inputs(cap: int, world: int) -> None:
+    run_on_ranks(_max_input_buffers, world, "cuda", cap, backend="nccl", timeout=300)
 
 
 # ----------------------------------------------------------------------------- set_post_optim_event
@@ -318,6 +318,6 @@ def _post_optim_event(rank: int, world: int) -> None:
     dist.barrier()
 
 
-@requires_gpus(2)
-def test_gpu_post_optim_event_orders_the_next_gathers() -> None:
-    run_on_ranks(_post_optim_event, 2, backend="nccl", timeout=300)
+@pytest.mark.parametrize("world", gpu_worlds(1, 2))
+def test_gpu_post_optim_event_orders_the_next_gathers(world: int) -> None:
+    run_on_ranks(_post_optim_event, world, backend="nccl", timeout=300)
