@@ -277,6 +277,7 @@ def time_run(run: str, args: argparse.Namespace, device: torch.device, profile: 
     result = {
         "run": run,
         "step_s": step_s,
+        "step_range_s": (min(times), max(times)),  # this rank's: a host-bound step jitters
         "tok_s_gpu": args.batch_size * args.seq_len / step_s,
         "mfu_per_tok_s": model_flops_per_token(cfg, args.seq_len) / (peak * 1e12),
         "peak_alloc_gib": (max_alloc - before_alloc) / 2**30,
@@ -333,6 +334,13 @@ def round_order(runs: list[str], r: int) -> list[str]:
     return runs if r % 2 == 0 else runs[::-1]
 
 
+def _range_ms(res: dict) -> str:
+    """The fastest and slowest timed step, in ms: a wide range means a jittery (host-bound) step,
+    whose median moves from run to run."""
+    lo, hi = res["step_range_s"]
+    return f"{lo * 1e3:.0f}-{hi * 1e3:.0f} ms"
+
+
 def run_rounds(args: argparse.Namespace, device: torch.device) -> list[dict[str, dict]]:
     """Every contender once per round, rounds one after the other, in the initialised process
     group: slow drifts of the host (other tenants, clocks) hit all contenders alike, and each
@@ -350,7 +358,8 @@ def run_rounds(args: argparse.Namespace, device: torch.device) -> list[dict[str,
             rounds[-1][run] = res
             if dist.get_rank() == 0:
                 print(
-                    f"[round {r}] [{run}] {res['step_s']:.4f} s/step  {res['tok_s_gpu'] / 1e3:.1f}k tok/s/GPU  "
+                    f"[round {r}] [{run}] {res['step_s']:.4f} s/step (rank 0's steps {_range_ms(res)})  "
+                    f"{res['tok_s_gpu'] / 1e3:.1f}k tok/s/GPU  "
                     f"peak {res['peak_alloc_gib']:.2f} GiB above the {res['left_before_gib']:.2f} GiB left by earlier runs",
                     flush=True,
                 )

@@ -228,6 +228,9 @@ def _smoke(rank: int, world_size: int, argv: list[str]) -> dict:
         ]
     )
     rounds = benchmark.run_rounds(args, torch.device("cpu"))
+    for res in rounds[0].values():  # the timed steps' spread, around the median
+        lo, hi = res["step_range_s"]
+        assert 0 < lo <= hi, res
     return {run: res["loss"] for run, res in rounds[0].items()}
 
 
