@@ -456,25 +456,27 @@ def env_without_launcher() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in launcher}
 
 
+def _gpu_marks(n: int) -> list[Any]:
+    """``gpu`` (``pytest -m gpu`` runs the GPU suite) and a skip unless ``n`` CUDA devices are visible."""
+    return [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < n, reason=f"needs {n} GPU(s)")]
+
+
 def requires_gpus(n: int) -> Callable[[Any], Any]:
-    """Mark a test ``gpu`` (``pytest -m gpu`` runs the GPU suite) and skip it unless at least
-    ``n`` CUDA devices are visible."""
-    skip = pytest.mark.skipif(torch.cuda.device_count() < n, reason=f"needs {n} GPU(s)")
-    return lambda test: pytest.mark.gpu(skip(test))
+    """Mark a test ``gpu`` and skip it unless at least ``n`` CUDA devices are visible."""
+
+    def mark(test: Any) -> Any:
+        for m in _gpu_marks(n):
+            test = m(test)
+        return test
+
+    return mark
 
 
 def gpu_worlds(*sizes: int) -> list[Any]:
-    """World sizes for a GPU test's ``world`` parameter (ids ``world1``, ``world2``, ...): each
-    marked ``gpu`` and skipped unless that many CUDA devices are visible, so that one GPU runs
-    the world-1 form and two GPUs run both."""
-    return [
-        pytest.param(
-            n,
-            id=f"world{n}",
-            marks=[pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < n, reason=f"needs {n} GPU(s)")],
-        )
-        for n in sizes
-    ]
+    """World sizes for a GPU test's ``world`` parameter (ids ``world1``, ``world2``, ...), each
+    with `requires_gpus`' marks for its size, so that one GPU runs the world-1 form and two GPUs
+    run both."""
+    return [pytest.param(n, id=f"world{n}", marks=_gpu_marks(n)) for n in sizes]
 
 
 def assert_close_tensors(

@@ -14,6 +14,7 @@ import torch
 
 pytest.importorskip("accelerate")
 
+import _hf  # noqa: E402
 from _harness import assert_close_tensors, requires_gpus, run_on_ranks  # noqa: E402
 
 from composable import fully_shard  # noqa: E402
@@ -22,30 +23,18 @@ EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples", "integratio
 sys.path.insert(0, EXAMPLES)
 
 
-def _accelerate_env(rank: int, world_size: int) -> None:
-    # accelerate reads the launcher's variables; the harness already made the process group.
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size)
-    )
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")
-
-
 def _train_both(rank: int, world_size: int, tail: bool, checkpoint_root: str) -> tuple[dict, dict, list]:
     from accelerate_train import TinyLM, train
     from torch.distributed.fsdp import FSDPModule
 
-    _accelerate_env(rank, world_size)
+    _hf.accelerate_env(rank, world_size)
     kw = dict(steps=3, accumulation=2, tail=tail)
     ours = train(composable=True, checkpoint_dir=os.path.join(checkpoint_root, "composable"), **kw)
     theirs = train(composable=False, checkpoint_dir=os.path.join(checkpoint_root, "fsdp2"), **kw)
     # Which modules accelerate sharded, and that they have FSDP2's interface: one fresh prepare.
     from accelerate_train import make_accelerator
 
-    from composable.integrations.accelerate import use_composable, use_fsdp2
-
-    use_composable()
-    try:
+    with _hf.accelerate_path(rank, world_size, composable=True):
         accelerator = make_accelerator(cpu=True, accumulation=1)
         model = TinyLM(tail=tail)
         model, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -54,12 +43,6 @@ def _train_both(rank: int, world_size: int, tail: bool, checkpoint_root: str) ->
             for name, m in model.named_modules()
             if fully_shard.state(m) is not None and isinstance(m, FSDPModule)
         ]
-    finally:
-        use_fsdp2()
-        from accelerate.state import AcceleratorState, GradientState
-
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
     return ours, theirs, sharded
 
 
@@ -107,21 +90,15 @@ def _prepare_without_composable(rank: int, world_size: int) -> str:
 
     from composable.integrations import accelerate as integration
 
-    _accelerate_env(rank, world_size)
-    accelerator = make_accelerator(cpu=True, accumulation=1)
-    integration.use_composable()
-    saved, integration._original = integration._original, lambda acc, model: model
-    try:
-        with pytest.raises(RuntimeError, match="without composable's fully_shard"):
-            integration.fsdp2_prepare_model(accelerator, TinyLM(tail=False))
-        return "ok"
-    finally:
-        integration._original = saved
-        integration.use_fsdp2()
-        from accelerate.state import AcceleratorState, GradientState
-
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
+    with _hf.accelerate_path(rank, world_size, composable=True):
+        accelerator = make_accelerator(cpu=True, accumulation=1)
+        saved, integration._original = integration._original, lambda acc, model: model
+        try:
+            with pytest.raises(RuntimeError, match="without composable's fully_shard"):
+                integration.fsdp2_prepare_model(accelerator, TinyLM(tail=False))
+            return "ok"
+        finally:
+            integration._original = saved
 
 
 def test_prepare_fails_loudly_when_accelerate_bypasses_the_patch() -> None:
