@@ -335,6 +335,26 @@ def test_new_scale_tensors_reach_the_unsharded_weights() -> None:
     assert all(r["late_posts"] > 0 for r in results), [r["late_posts"] for r in results]
 
 
+def test_fused_cast_gives_up_one_way_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compile failure of the combo-kernel cast moves to one kernel per weight, quietly; a
+    failure of that moves to the eager kernels, with one warning that names the error."""
+    import warnings
+
+    from composable._engine import float8_cast
+
+    monkeypatch.setattr(float8_cast, "_FUSED", {})
+    first = float8_cast._fused_cast()
+    assert first is float8_cast._fused_cast()  # made once
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        float8_cast._disable_fused(RuntimeError("no combo kernels here"))
+    second = float8_cast._fused_cast()
+    assert second is not None and second is not first
+    with pytest.warns(UserWarning, match=r"fused float8 cast failed to compile \(RuntimeError: no kernels\)"):
+        float8_cast._disable_fused(RuntimeError("no kernels"))
+    assert float8_cast._fused_cast() is None
+
+
 @pytest.mark.parametrize("mesh_shape", [(1, 2), (2, 1)])
 def test_matches_fsdp2_hsdp(mesh_shape: tuple[int, int]) -> None:
     _check(run_on_ranks(_train, 2, "cpu", mesh_shape, None, True, 3, False))

@@ -5,6 +5,10 @@
 - A sharded gradient carries its parameter's own `DTensorSpec` object (as FSDP2's do), so the
   optimizer's DTensor ops between the two skip a field-by-field spec comparison.
 - A sharded gradient is a view of the reduction output (no copy) for every API.
+- The reduce-scatter input of tensors that need no padding is built by one multi-tensor copy
+  instead of `torch._chunk_cat`: the same bytes, for every world size, layout and dtype cast.
+- The engine's current-stream and stream-switch shortcuts (CUDA) answer what
+  `torch.cuda.current_stream` and `torch.cuda.stream` would.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from _harness import requires_gpus
 from _models import MLP
 from hypothesis import given
 from hypothesis import strategies as st
@@ -22,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.utils import _apply_to_tensors
 
 import composable
+from composable._engine import collectives, streams
 from composable._engine.autograd import map_tensors, tensors_in
 
 Pair = collections.namedtuple("Pair", "a b")
@@ -106,3 +112,51 @@ def test_sharded_grads_share_their_parameters_spec(world2: DeviceMesh, api: str)
             assert p.grad.dtype == p.dtype and p.grad.shape == p.shape, name
             assert p.grad._local_tensor.shape == p._local_tensor.shape, name
         net.zero_grad()
+
+
+_piece_kinds = st.sampled_from(["contiguous", "rows", "scalar", "permuted", "uneven"])
+
+
+@given(
+    st.integers(1, 4), st.lists(_piece_kinds, min_size=1, max_size=5), st.sampled_from([torch.float32, torch.bfloat16])
+)
+def test_chunk_cat_equals_pytorchs(world: int, kinds: list[str], source_dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(len(kinds) * 10 + world)
+    pieces = []
+    for kind in kinds:
+        if kind == "contiguous":
+            pieces.append(torch.randn(2 * world, 3, generator=g))
+        elif kind == "rows":
+            pieces.append(torch.randn(world * 3, generator=g))
+        elif kind == "scalar":  # a 0-d gradient, replicated into every region (a stride-0 view)
+            pieces.append(torch.randn((), generator=g).expand(world))
+        elif kind == "permuted":  # a gradient sharded on dim 1, moved to dim 0 (no row view)
+            pieces.append(torch.randn(3, 2 * world, generator=g).movedim(1, 0))
+        else:  # dim 0 not a multiple of the world: padded chunks
+            pieces.append(torch.randn(world * 2 + 1, 2, generator=g))
+    pieces = [p.to(source_dtype) for p in pieces]
+    ours = collectives.chunk_cat(pieces, world, torch.float32, torch.device("cpu"))
+    total = sum(-(-p.shape[0] // world) * (p.numel() // p.shape[0]) for p in pieces)
+    reference = torch.empty(world, total)
+    torch._chunk_cat(pieces, dim=0, num_chunks=world, out=reference)
+    assert torch.equal(ours, reference.view(-1))
+    shortcut = collectives._even_rows(pieces, world) is not None
+    assert shortcut == all(k in ("contiguous", "rows", "scalar") or (k == "uneven" and world == 1) for k in kinds)
+
+
+@requires_gpus(1)
+def test_stream_shortcuts_answer_as_torch_cuda() -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    side = torch.cuda.Stream(device)
+    outer = torch.cuda.current_stream()
+    assert streams.current_stream(device) == outer
+    with streams.stream_context(side):
+        assert torch.cuda.current_stream() == side
+        assert streams.current_stream(device) == side
+        with streams.stream_context(outer):
+            assert streams.current_stream(device) == torch.cuda.current_stream() == outer
+        assert torch.cuda.current_stream() == side
+    assert torch.cuda.current_stream() == outer
+    with torch.cuda.stream(side):  # a stream set by the user is what the engine sees as current
+        assert streams.current_stream(device) == side
+    assert streams.current_stream(device) is streams.current_stream(device)  # one object per stream

@@ -143,9 +143,36 @@ def chunk_cat(
         out = torch.empty((world, total), dtype=dtype, device=device)
     else:
         out = allocate((world * total,), dtype=dtype, device=device).view(world, total)
-    if tensors:
-        torch._chunk_cat(tensors, dim=0, num_chunks=world, out=out)  # casts as it copies
+    if not tensors:
+        return out.view(-1)
+    rows = _even_rows(tensors, world)
+    if rows is None:
+        torch._chunk_cat(tensors, dim=0, num_chunks=world, out=out)  # pads; casts as it copies
+    else:
+        # No padding: tensor i's chunk r is row r of its (world, n_i) view, and fills columns
+        # [offset_i, offset_i + n_i) of row r of `out`. One multi-tensor copy (+cast) does all:
+        # _chunk_cat builds its metadata in pinned memory each call, about 290 us of host time
+        # on an H100 host against tens of us, once per group per backward.
+        columns, offset = [], 0
+        for row in rows:
+            columns.append(out[:, offset : offset + row.shape[1]])
+            offset += row.shape[1]
+        torch._foreach_copy_(columns, rows)
     return out.view(-1)
+
+
+def _even_rows(tensors: Sequence[torch.Tensor], world: int) -> list[torch.Tensor] | None:
+    """Each tensor as a (world, numel / world) view, or None where one needs padding (dim 0 not
+    a multiple of `world`) or has no such view (a permuted layout): `_chunk_cat` then."""
+    rows = []
+    for t in tensors:
+        if t.dim() == 0 or t.shape[0] % world:
+            return None
+        try:
+            rows.append(t.view(world, -1))
+        except RuntimeError:
+            return None
+    return rows
 
 
 def all_gather_int64(value: int, group: dist.ProcessGroup, device: torch.device) -> list[int]:

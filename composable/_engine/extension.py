@@ -40,7 +40,7 @@ from . import float8_cast
 from .optim_state import track_for_optimizers
 from .param import ManagedParam, _contiguous_stride
 from .policies import MixedPrecisionPolicy
-from .streams import stream_context
+from .streams import current_stream, stream_context
 
 HOOKS = ("fsdp_pre_all_gather", "fsdp_post_all_gather")
 
@@ -206,7 +206,7 @@ def _start_batched(
     works: list[list[Any]] = [[] for _ in params]
     if gather_stream is not None:
         # The outputs' memory, the shards and the scales are the current stream's until here.
-        gather_stream.wait_stream(torch.cuda.current_stream())
+        gather_stream.wait_stream(current_stream(outputs[0].device))
     with stream_context(gather_stream):
         float8_cast.cast_into(locals_, scales, [v[1] for v in views])
         if coalesced:

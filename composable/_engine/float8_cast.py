@@ -51,7 +51,8 @@ def cast_into(locals_: list[torch.Tensor], scales: list[torch.Tensor], slots: li
     """Write each local shard, scaled and saturated, as float8 into `slots` (float8 tensors of
     the shards' shapes): `(x.float() * scale).clamp(-max, max).to(float8)` for all at once.
 
-    On CUDA the cast is one fused kernel per weight (compiled once per group layout: it reads
+    On CUDA the cast is compiled once per group layout, one combo kernel for the group where
+    inductor makes one, else one fused kernel per weight (it reads
     the shard once and writes the float8 bytes, 5 bytes per element from fp32 against about
     29 for the eager passes, which the dim-4096 model felt); elsewhere, and wherever that
     compilation fails, foreach kernels do the same arithmetic."""
@@ -69,8 +70,10 @@ def cast_into(locals_: list[torch.Tensor], scales: list[torch.Tensor], slots: li
                 fused(hps, scales, slots, bound)
                 _COMPILED_LAYOUTS.add(layout)
                 return
-            except Exception as error:  # noqa: BLE001 - any compiler failure: the eager kernels do the same
+            except Exception as error:  # noqa: BLE001 - any compiler failure: the next way does the same
                 _disable_fused(error)
+                cast_into(locals_, scales, slots)
+                return
         scaled = torch._foreach_mul([hp.to(torch.float32) for hp in hps], scales)
         torch._foreach_clamp_min_(scaled, -bound)
         torch._foreach_clamp_max_(scaled, bound)
@@ -82,19 +85,32 @@ def _cast_each(hps: list[torch.Tensor], scales: list[torch.Tensor], slots: list[
         slot.copy_((hp.to(torch.float32) * scale).clamp(-bound, bound))
 
 
+# Compile options tried in turn: inductor's combo kernels launch the group's casts as one
+# kernel (a launch costs 15-25 us of host time, and a group has 7 weights); without them, one
+# kernel per weight. Past the last, the eager kernels.
+_COMPILE_OPTIONS: tuple[dict[str, Any], ...] = ({"combo_kernels": True}, {})
 _FUSED: dict[str, Any] = {}
 _COMPILED_LAYOUTS: set[tuple] = set()  # group layouts the compiled cast has run (graph capture may use it)
 
 
 def _fused_cast() -> Callable[..., None] | None:
-    """The compiled cast, made on first use (None once it failed). Automatic dynamic shapes:
-    the model's block groups share one compilation, the other groups one more."""
+    """The compiled cast, made on first use (None once every way of compiling it failed).
+    Automatic dynamic shapes: the model's block groups share one compilation, the other groups
+    one more."""
     if "fn" not in _FUSED:
-        _FUSED["fn"] = torch.compile(_cast_each, fullgraph=True)
+        _FUSED["fn"] = torch.compile(
+            _cast_each, fullgraph=True, options=_COMPILE_OPTIONS[_FUSED.setdefault("tried", 0)]
+        )
     return _FUSED["fn"]
 
 
 def _disable_fused(error: Exception) -> None:
+    """The compiled cast failed: the next compile options, or the eager kernels (a warning)."""
+    _FUSED["tried"] = _FUSED.get("tried", 0) + 1
+    _COMPILED_LAYOUTS.clear()
+    if _FUSED["tried"] < len(_COMPILE_OPTIONS):
+        del _FUSED["fn"]
+        return
     _FUSED["fn"] = None
     warnings.warn(
         f"fully_shard: the fused float8 cast failed to compile ({type(error).__name__}: {error}); "

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from . import collectives as comm
 from .param import copy_out_params
-from .streams import CommStreams, stream_context
+from .streams import CommStreams, current_stream, stream_context
 
 if TYPE_CHECKING:
     from .param import ManagedParam
@@ -133,7 +133,7 @@ def finish_gather(
     parameters out of the gather output."""
     work = pending.work
     if isinstance(work, torch.cuda.Event):
-        torch.cuda.current_stream().wait_event(work)
+        current_stream(device).wait_event(work)
     elif work is not None:
         work.wait()
     if pending.direct:

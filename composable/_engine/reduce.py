@@ -23,7 +23,7 @@ from . import collectives as comm
 from .layout import DataParallelLayout
 from .no_sync import NoSyncSums
 from .reduce_options import ReduceOptions
-from .streams import CommStreams, stream_context
+from .streams import CommStreams, current_stream, stream_context
 
 if TYPE_CHECKING:
     from .param import ManagedParam
@@ -281,7 +281,10 @@ class GradReducer(NoSyncSums, ReduceOptions):
             if flags is not None:
                 pieces.append(self._presence_flags(flags, dtype))
             flat = torch.empty(sum(p.numel() for p in pieces), dtype=dtype, device=self.spec.device)
-            torch.cat(pieces, out=flat)  # one kernel, casting as it copies
+            if all(p.dtype == dtype for p in pieces):
+                torch.cat(pieces, out=flat)  # one kernel
+            else:  # cat takes a per-input path when it casts; a multi-tensor copy casts in one
+                torch._foreach_copy_(list(flat.split([p.numel() for p in pieces])), pieces)
             del pieces
         if pre != 1.0:
             flat.div_(pre)
@@ -332,7 +335,7 @@ class GradReducer(NoSyncSums, ReduceOptions):
             for work in red.works:
                 work.wait()
             if red.event is not None:
-                torch.cuda.current_stream().wait_event(red.event)
+                current_stream(red.output.device).wait_event(red.event)
         for red in self.pending:
             if not red.all_reduced:
                 self._partial = red.output if self._partial is None else self._partial.add_(red.output)
