@@ -151,8 +151,8 @@ def chunk_cat(
     else:
         # No padding: tensor i's chunk r is row r of its (world, n_i) view, and fills columns
         # [offset_i, offset_i + n_i) of row r of `out`. One multi-tensor copy (+cast) does all:
-        # _chunk_cat builds its metadata in pinned memory each call, about 290 us of host time
-        # on an H100 host against tens of us, once per group per backward.
+        # in a host-bound float8 step on an H100 host, _chunk_cat (which also builds and copies
+        # per-call metadata to the device) took 450 us of host time per call, this 220 us.
         columns, offset = [], 0
         for row in rows:
             columns.append(out[:, offset : offset + row.shape[1]])
