@@ -51,11 +51,11 @@ def cast_into(locals_: list[torch.Tensor], scales: list[torch.Tensor], slots: li
     """Write each local shard, scaled and saturated, as float8 into `slots` (float8 tensors of
     the shards' shapes): `(x.float() * scale).clamp(-max, max).to(float8)` for all at once.
 
-    On CUDA the cast is compiled once per group layout, one combo kernel for the group where
-    inductor makes one, else one fused kernel per weight (it reads
-    the shard once and writes the float8 bytes, 5 bytes per element from fp32 against about
-    29 for the eager passes, which the dim-4096 model felt); elsewhere, and wherever that
-    compilation fails, foreach kernels do the same arithmetic."""
+    On CUDA the cast is compiled once per group layout: one combo kernel for the group where
+    inductor makes one, else one fused kernel per weight. Either reads the shard once and
+    writes the float8 bytes, 5 bytes per element from fp32 against about 29 for the eager
+    passes, which the dim-4096 model felt. Elsewhere, and wherever that compilation fails,
+    foreach kernels do the same arithmetic."""
     if not locals_:
         return
     bound = torch.finfo(slots[0].dtype).max
