@@ -4,7 +4,7 @@
 each linear weight a `WeightWithDynamicFloat8CastTensor`, which all-gathers its float8 data
 through FSDP2's all-gather extension (engine: _engine/extension.py). Checked:
 - shapes on a fake 2-rank world: a model built on the meta device (`to_empty` after the call)
-  gathers weights of their own size (it gathered `world` whole weights: the issue-22 crash);
+  gathers weights of their own size (it once gathered `world` whole weights and crashed);
 - numerics on gloo against PyTorch's FSDP2 + torchao on the same model and data, step by step
   (exact: both run the same casts, the same bytes travel). Every FSDP2 group here mixes fp32
   parameters with float8 weights, so FSDP2 gathers bytes (gloo has no float8); composable

@@ -160,3 +160,127 @@ def test_stream_shortcuts_answer_as_torch_cuda() -> None:
     with torch.cuda.stream(side):  # a stream set by the user is what the engine sees as current
         assert streams.current_stream(device) == side
     assert streams.current_stream(device) is streams.current_stream(device)  # one object per stream
+
+
+# The one-launch float8 cast (float8_kernel.py) against the eager arithmetic it replaces: every
+# byte, for each source and float8 dtype; weights of 0, 1 and odd element counts, one longer than
+# a grid of programs covers in one pass (the kernel loops), slots at odd addresses (a rank's slot
+# of an all-gather output), values from subnormal to beyond the float8 range, infinities, zeros
+# of both signs, and NaN (which stays NaN).
+_CAST_SHAPES = [(0,), (1,), (37, 5), (3001,), (2500, 1013)]
+
+
+def _cast_inputs(source: torch.dtype, target: torch.dtype, device: torch.device) -> tuple[list, list, list]:
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    hps, scales, slots = [], [], []
+    for i, shape in enumerate(_CAST_SHAPES):
+        magnitude = torch.randint(-12, 8, shape, generator=generator).float()
+        hp = torch.randn(shape, generator=generator) * torch.pow(10.0, magnitude)
+        if hp.numel() > 8:
+            hp.view(-1)[:7] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-45, -3e38])
+        hps.append(hp.to(source).to(device))
+        scales.append(torch.tensor([1.0, 3.5, 1e-2, 448 / 7, 2.0**-20][i], device=device))
+        buffer = torch.empty(hp.numel() + 3, dtype=target, device=device)
+        slots.append(buffer.narrow(0, 3, hp.numel()).view(shape))  # an odd address
+    return hps, scales, slots
+
+
+def _eager_cast(hp: torch.Tensor, scale: torch.Tensor, target: torch.dtype) -> torch.Tensor:
+    bound = torch.finfo(target).max
+    return (hp.to(torch.float32) * scale).clamp(-bound, bound).to(target)
+
+
+def _assert_same_float8(ours: torch.Tensor, reference: torch.Tensor) -> None:
+    nan = reference.float().isnan()
+    assert torch.equal(ours.float().isnan(), nan)
+    assert torch.equal(ours.view(torch.uint8)[~nan], reference.view(torch.uint8)[~nan])
+
+
+@requires_gpus(1)
+@pytest.mark.parametrize("source", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("target", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_one_launch_float8_cast_is_the_eager_arithmetic(source: torch.dtype, target: torch.dtype) -> None:
+    from composable._engine import float8_kernel
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    hps, scales, slots = _cast_inputs(source, target, device)
+    assert float8_kernel.supported(hps, scales, slots)
+    assert float8_kernel.cast(hps, scales, slots, torch.finfo(target).max)
+    for hp, scale, slot in zip(hps, scales, slots):
+        _assert_same_float8(slot, _eager_cast(hp, scale, target))
+    # The same tensors again: the table is found by their addresses, and the values are read anew.
+    tables = len(float8_kernel._TABLES)
+    for hp in hps:
+        hp.mul_(-2)
+    assert float8_kernel.cast(hps, scales, slots, torch.finfo(target).max)
+    assert len(float8_kernel._TABLES) == tables
+    for hp, scale, slot in zip(hps, scales, slots):
+        _assert_same_float8(slot, _eager_cast(hp, scale, target))
+
+
+@requires_gpus(1)
+def test_one_launch_float8_cast_replays_in_a_cuda_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Captured after it ran outside a capture, the cast replays with each replay's values; a
+    kernel that has not run yet is not compiled inside a capture (the caller casts another way)."""
+    from composable._engine import float8_kernel
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    target = torch.float8_e4m3fn
+    hps, scales, slots = _cast_inputs(torch.float32, target, device)
+    bound = torch.finfo(target).max
+    float8_kernel.cast(hps, scales, slots, bound)  # warm, outside the capture
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+        assert float8_kernel.cast(hps, scales, slots, bound)
+    for step in range(3):
+        for hp in hps:
+            hp.copy_(torch.randn_like(hp) * 10**step)
+        for scale in scales:
+            scale.mul_(0.5)
+        graph.replay()
+        torch.cuda.synchronize()
+        for hp, scale, slot in zip(hps, scales, slots):
+            _assert_same_float8(slot, _eager_cast(hp, scale, target))
+    monkeypatch.setattr(float8_kernel, "_WARM", set())
+    other = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side), torch.cuda.graph(other, stream=side):
+        assert not float8_kernel.cast(hps, scales, slots, bound)
+        hps[1].mul_(1)  # a graph with no work at all makes torch warn
+
+
+@requires_gpus(1)
+def test_float8_cast_without_the_one_launch_kernel_warns_once_and_casts_the_same(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No Triton (or a kernel that fails): one warning naming the error, then the compiled cast,
+    the same bytes."""
+    import warnings
+
+    from composable._engine import float8_cast, float8_kernel
+
+    def no_triton() -> None:
+        raise ImportError("No module named 'triton'")
+
+    monkeypatch.setattr(float8_kernel, "_STATE", {})
+    monkeypatch.setattr(float8_kernel, "_kernel", no_triton)
+    monkeypatch.setattr(float8_cast, "_KERNEL", {"usable": True})
+    device = torch.device("cuda", torch.cuda.current_device())
+    target = torch.float8_e4m3fn
+    hps, scales, slots = _cast_inputs(torch.float32, target, device)
+    locals_ = [_Float8Weight(hp) for hp in hps]
+    with pytest.warns(UserWarning, match=r"one-launch float8 cast is unavailable \(ImportError: No module"):
+        float8_cast.cast_into(locals_, scales, slots)
+    for hp, scale, slot in zip(hps, scales, slots):
+        _assert_same_float8(slot, _eager_cast(hp, scale, target))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        float8_cast.cast_into(locals_, scales, slots)
+
+
+@dataclasses.dataclass
+class _Float8Weight:
+    """What `cast_into` reads of a torchao float8 weight's local shard: its high-precision data."""
+
+    _tensor: torch.Tensor

@@ -5,7 +5,7 @@ implement FSDP2's all-gather extension one parameter at a time: each `fsdp_pre_a
 is an autograd function, three elementwise kernels and a new subclass object, and each
 parameter then gets its own all-gather. With the scales precomputed after the optimizer step
 (`precompute_float8_dynamic_scale_for_fsdp`, torchtitan's recipe) the cast is pure arithmetic,
-so for a whole group it is done here at once (one fused kernel per weight on CUDA), written straight into
+so for a whole group it is done here at once (one kernel launch on CUDA), written straight into
 this rank's slot of each parameter's all-gather output (no input buffer, no copy-in), and on
 CUDA all the group's weights travel in one coalesced all-gather. Measured on one H100 (1B
 model, compiled blocks, batch 4) the per-parameter path spent about 70 ms of host time per
@@ -25,6 +25,8 @@ import warnings
 from typing import Any, Callable
 
 import torch
+
+from . import float8_kernel
 
 _FLOAT8_WEIGHT = "WeightWithDynamicFloat8CastTensor"
 
@@ -51,16 +53,29 @@ def cast_into(locals_: list[torch.Tensor], scales: list[torch.Tensor], slots: li
     """Write each local shard, scaled and saturated, as float8 into `slots` (float8 tensors of
     the shards' shapes): `(x.float() * scale).clamp(-max, max).to(float8)` for all at once.
 
-    On CUDA the cast is compiled once per group layout: one combo kernel for the group where
-    inductor makes one, else one fused kernel per weight. Either reads the shard once and
-    writes the float8 bytes, 5 bytes per element from fp32 against about 29 for the eager
-    passes, which the dim-4096 model felt. Elsewhere, and wherever that compilation fails,
-    foreach kernels do the same arithmetic."""
+    On CUDA the group is cast by one hand-written Triton launch (float8_kernel.py), whose host
+    cost is a table lookup and the launch. Where that kernel does not apply or fails, the cast
+    is compiled once per group layout: one combo kernel for the group where inductor makes one,
+    else one fused kernel per weight. Each of these reads the shard once and writes the float8
+    bytes, 5 bytes per element from fp32 against about 29 for the eager passes, which the
+    dim-4096 model felt. Elsewhere, and wherever compilation fails too, foreach kernels do the
+    same arithmetic."""
     if not locals_:
         return
     bound = torch.finfo(slots[0].dtype).max
     hps = [local._tensor for local in locals_]  # type: ignore[attr-defined]
     with torch.no_grad():
+        if slots[0].is_cuda and _KERNEL["usable"] and float8_kernel.supported(hps, scales, slots):
+            try:
+                if float8_kernel.cast(hps, scales, slots, bound):
+                    return
+            except Exception as error:  # noqa: BLE001 - no Triton, or it failed: the compiled cast does the same
+                _KERNEL["usable"] = False
+                warnings.warn(
+                    f"fully_shard: the one-launch float8 cast is unavailable ({type(error).__name__}: {error}); "
+                    "using the compiled cast instead (same values, more host time)",
+                    stacklevel=3,
+                )
         fused = _fused_cast() if slots[0].is_cuda else None
         layout = tuple((hp.shape, hp.dtype, slot.dtype) for hp, slot in zip(hps, slots)) if fused else ()
         if fused is not None and torch.cuda.is_current_stream_capturing() and layout not in _COMPILED_LAYOUTS:
@@ -90,6 +105,7 @@ def _cast_each(hps: list[torch.Tensor], scales: list[torch.Tensor], slots: list[
 # kernel per weight. Past the last, the eager kernels.
 _COMPILE_OPTIONS: tuple[dict[str, Any], ...] = ({"combo_kernels": True}, {})
 _FUSED: dict[str, Any] = {}
+_KERNEL = {"usable": True}  # the one-launch kernel; False once it failed (no Triton, say)
 _COMPILED_LAYOUTS: set[tuple] = set()  # group layouts the compiled cast has run (graph capture may use it)
 
 
