@@ -334,3 +334,26 @@ def _errors(rank: int, world: int) -> None:
 @requires_gpus(1)
 def test_gpu_graphed_step_errors() -> None:
     run_on_ranks(_errors, 1, backend="nccl", timeout=300)
+
+
+def _warmups_and_capture_hold_no_memory(rank: int, world: int) -> None:
+    """The warm-up steps and the capture share one side stream: after the first step, no step
+    leaves more memory allocated than the one before (cuBLAS keeps a workspace per stream for
+    the process's life, so a stream per warm-up step grew allocated memory at every one)."""
+    model, opt, _ = _build("fully_shard", world)
+    step = graphed_step(_step_fn("fully_shard", model, opt, None), warmup=4)
+    tokens = torch.randint(0, 64, (4, 16), device="cuda")
+    allocated = []
+    for _ in range(6):  # 4 warm-ups, the capture, a replay
+        step(tokens)
+        torch.cuda.synchronize()
+        allocated.append(torch.cuda.memory_allocated())
+    assert step.graph is not None
+    assert allocated[1] == allocated[2] == allocated[3], allocated
+    assert allocated[4] - allocated[3] < 2**20 and allocated[5] == allocated[4], allocated  # the graph's outputs
+    dist.barrier()
+
+
+@requires_gpus(1)
+def test_gpu_graphed_step_warmups_and_capture_hold_no_memory() -> None:
+    run_on_ranks(_warmups_and_capture_hold_no_memory, 1, backend="nccl", timeout=300)
