@@ -17,6 +17,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
+import _crashing
 import bench_build
 import bench_float8
 import bench_overhead
@@ -379,25 +380,14 @@ def test_smoke_run_with_float8_on_two_gloo_ranks() -> None:
 # --- --cpu-overhead: a crash at teardown costs no result, one before reporting is retried ---
 
 
-def _abort_at_exit() -> str:
-    import atexit
-
-    atexit.register(os.abort)  # what DDP on gloo did: SIGABRT while the process tears down
-    return "measured"
-
-
-def _abort_now() -> str:
-    os.abort()
-
-
 def test_overhead_keeps_a_result_reported_before_a_crash_at_teardown() -> None:
-    result, notes = bench_overhead.run_isolated(_abort_at_exit, (), world=8, fake=True, what="t", retries=0)
+    result, notes = bench_overhead.run_isolated(_crashing.abort_at_exit, (), world=8, fake=True, what="t", retries=0)
     assert result == "measured"
     assert notes == ["t: rank 0 killed by SIGABRT at teardown, after reporting (result kept)"]
 
 
 def test_overhead_retries_a_crash_before_reporting_then_records_it() -> None:
-    result, notes = bench_overhead.run_isolated(_abort_now, (), world=8, fake=True, what="t", retries=1)
+    result, notes = bench_overhead.run_isolated(_crashing.abort_now, (), world=8, fake=True, what="t", retries=1)
     assert result is None
     assert notes == [f"t, attempt {i}: no result (rank 0 killed by SIGABRT)" for i in (1, 2)]
 

@@ -354,8 +354,33 @@ def _composed_parity(rank: int, world_size: int, name: str, set_to_none: bool) -
             assert [c[2] for c in seen] == ([False, True] if inside else [False]), (mod, seen)
 
 
-@pytest.mark.parametrize("set_to_none", [True, False], ids=["none", "zeros"])
-@pytest.mark.parametrize("name", list(CONFIGS))
+# Which zero_grad each composition runs with (a covering set of config x set_to_none):
+# set_to_none decides how the APIs' post-backward hooks find the gradients (None, or zeros to
+# accumulate into), not how checkpoint recomputes, so every API and strategy (fully_shard's
+# FULL_SHARD, SHARD_GRAD_OP and NO_SHARD, replicate) runs with both, each config with one.
+_SET_TO_NONE = {
+    "checkpoint(u1.seq); fully_shard(u1.seq, policy); fully_shard(root)": [True],
+    "fully_shard(u1); checkpoint(u1.seq); fully_shard(root)": [False],
+    "checkpoint(u1.seq); fully_shard(root)": [True],
+    "checkpoint(u1.seq); fully_shard(root, NO_SHARD)": [True],
+    "checkpoint(u); fully_shard(u)": [True, False],  # SHARD_GRAD_OP's only config
+    "fully_shard(u); checkpoint(u)": [False],
+    "fully_shard(u1); checkpoint(root); fully_shard(root)": [True],
+    "checkpoint(u1); replicate(u1); fully_shard(root)": [False],
+    "replicate(u1); checkpoint(u1); fully_shard(root)": [True],
+    "checkpoint(u1.seq); fully_shard(u2); checkpoint(u2); replicate(root)": [False],
+}
+assert list(_SET_TO_NONE) == list(CONFIGS)
+
+
+@pytest.mark.parametrize(
+    "name,set_to_none",
+    [
+        pytest.param(name, none, id=f"{name}-{'none' if none else 'zeros'}")
+        for name, values in _SET_TO_NONE.items()
+        for none in values
+    ],
+)
 def test_composed_with_fully_shard_and_replicate(name: str, set_to_none: bool) -> None:
     run_on_ranks(_composed_parity, 2, name=name, set_to_none=set_to_none)
 
@@ -430,7 +455,7 @@ def _mixed_precision(rank: int, world_size: int, where: str, set_to_none: bool) 
             assert seen == [(*want, False)] + ([(*want, True)] if recomputing else []), (mod, seen)
 
 
-@pytest.mark.parametrize("set_to_none", [True, False], ids=["none", "zeros"])
-@pytest.mark.parametrize("where", ["u2", "u2.l"])
+# A covering set: each place of the checkpoint, and each zero_grad mode, once.
+@pytest.mark.parametrize("where,set_to_none", [("u2", False), ("u2.l", True)], ids=["u2-zeros", "u2.l-none"])
 def test_mixed_precision_recompute_sees_cast_inputs(where: str, set_to_none: bool) -> None:
     run_on_ranks(_mixed_precision, 2, where=where, set_to_none=set_to_none)

@@ -122,9 +122,17 @@ def _accumulate(
             assert p.grad is None, name
 
 
-@pytest.mark.parametrize("offload", [False, True], ids=["no-offload", "offload"])
-@pytest.mark.parametrize("pattern", list(PATTERNS))
-@pytest.mark.parametrize("strategy", [FULL, GRAD_OP, NO_SHARD, HYBRID], ids=lambda s: s.name)
+# A covering set of strategy x pattern x offload: every strategy with both patterns and with
+# and without offload, and every pattern with and without offload.
+_SYNC_FIRST, _NOSYNC_FIRST = PATTERNS
+INTERLEAVED_CASES = [
+    pytest.param(strategy, pattern, offload, id=f"{strategy.name}-{pattern}-{'offload' if offload else 'no-offload'}")
+    for i, strategy in enumerate([FULL, GRAD_OP, NO_SHARD, HYBRID])
+    for pattern, offload in ((_SYNC_FIRST, i % 2 == 1), (_NOSYNC_FIRST, i % 2 == 0))
+]
+
+
+@pytest.mark.parametrize("strategy,pattern,offload", INTERLEAVED_CASES)
 def test_interleaved_accumulation_matches_reference(strategy: ShardingStrategy, pattern: str, offload: bool) -> None:
     """Any interleaving of synced and no-sync micro-steps equals accumulating them all."""
     world_size = 4 if strategy is HYBRID else 2

@@ -8,11 +8,16 @@ very small model (a fraction of a second per run); one test runs the real comman
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 
@@ -99,11 +104,13 @@ def _run(argv: list[str], world_size: int = 2, **kwargs: object) -> dict:
 
 
 @cache
-def _reference(out: str, steps: int = 4, extra: tuple[str, ...] = ()) -> tuple[float, ...]:
-    """Losses of the plain fsdp fp32 run everything else is compared with (cached)."""
-    return tuple(
-        _losses(_run(SMALL + ["--steps", str(steps), "--eval-every", "0", "--ckpt-every", "0", "--out", out, *extra]))
-    )
+def _reference(steps: int = 4, extra: tuple[str, ...] = ()) -> tuple[float, ...]:
+    """Losses of the plain fsdp fp32 run everything else is compared with, cached for the
+    whole test run (every test that compares with the same run shares it); the run writes
+    into a directory of its own, removed once its losses are read."""
+    with tempfile.TemporaryDirectory(prefix="train-reference-") as out:
+        argv = SMALL + ["--steps", str(steps), "--eval-every", "0", "--ckpt-every", "0", "--out", out, *extra]
+        return tuple(_losses(_run(argv)))
 
 
 # ----------------------------------------------------------------------------- training
@@ -196,7 +203,7 @@ def test_steady_throughput_skips_warm_up_busy_steps_and_checkpointed_history() -
 def test_parallelism_flags_train_the_same_model(tmp_path: Path, flags: list[str]) -> None:
     """Every data-parallel layout computes the same math on the same global batch."""
     extra = ("--max-norm", "0.05") if "--max-norm" in flags else ()
-    expected = _reference(str(tmp_path / "ref"), 4, extra)
+    expected = _reference(4, extra)
     got = _losses(
         _run(SMALL + ["--steps", "4", "--eval-every", "0", "--ckpt-every", "0", "--out", str(tmp_path / "run"), *flags])
     )
@@ -210,7 +217,7 @@ def test_gradient_accumulation_matches_the_large_batch(tmp_path: Path, parallel:
     base = [a for a in SMALL]
     base[base.index("--batch-size") + 1] = "2"
     common = ["--steps", "4", "--eval-every", "0", "--ckpt-every", "0", "--parallel", parallel]
-    expected = _reference(str(tmp_path / "ref"), 4)
+    expected = _reference(4)
     got = _losses(_run(base + common + ["--grad-accum", "2", "--out", str(tmp_path / "run")]))
     assert_close_tensors(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=1e-5)
 
@@ -218,7 +225,7 @@ def test_gradient_accumulation_matches_the_large_batch(tmp_path: Path, parallel:
 @pytest.mark.parametrize("mp", ["bf16", "fp16"])
 def test_mixed_precision_trains(tmp_path: Path, mp: str) -> None:
     """bf16 params / fp32 reduce, and fp16 with ShardedGradScaler, follow the fp32 curve."""
-    expected = _reference(str(tmp_path / "ref"), 4)
+    expected = _reference(4)
     got = _losses(
         _run(
             SMALL
@@ -268,31 +275,55 @@ def test_crash_during_save_leaves_previous_checkpoint_loadable(tmp_path: Path) -
 
     resumed = _run(argv + ["--resume"])  # loads step 3, redoes 4..6, saves 6 properly
     assert resumed["resumed_from"] == 3
-    expected = _reference(str(tmp_path.parent / "ref6"), 6, ("--ckpt-every", "3", "--eval-every", "0"))
+    expected = _reference(6, ("--ckpt-every", "3"))
     assert tuple(_losses(resumed)) == expected
     assert sorted(os.listdir(ckpts)) == ["step_0000003", "step_0000006"]
 
 
-def test_command_line_spawns_ranks_and_reports(tmp_path: Path) -> None:
+# Command lines of examples/train.py (this module's and test_train_faults.py's), registered at
+# import. Each is mostly Python starting and importing torch in three processes (the job and its
+# two ranks) on a 2-core machine, so the first one asked for runs all registered ones side by
+# side, once; each keeps its own output directory and its own time.
+_COMMAND_LINES: dict[str, list[str]] = {}
+_COMMAND_LINE_RESULTS: dict[str, tuple[Path, subprocess.CompletedProcess, float]] = {}
+
+
+def register_command_line(name: str, *flags: str) -> None:
+    """`python examples/train.py FLAGS --out DIR`, run by `command_line(name)`."""
+    assert name not in _COMMAND_LINES, name
+    _COMMAND_LINES[name] = list(flags)
+
+
+def command_line(name: str) -> tuple[Path, subprocess.CompletedProcess, float]:
+    """(its --out, the finished process, seconds from start to exit) of a registered command line."""
+    if name not in _COMMAND_LINE_RESULTS:
+        pending = [n for n in _COMMAND_LINES if n not in _COMMAND_LINE_RESULTS]
+        with ThreadPoolExecutor(len(pending)) as pool:
+            started = {n: pool.submit(_run_command_line, _COMMAND_LINES[n]) for n in pending}
+            _COMMAND_LINE_RESULTS.update({n: job.result() for n, job in started.items()})
+    return _COMMAND_LINE_RESULTS[name]
+
+
+def _run_command_line(flags: list[str]) -> tuple[Path, subprocess.CompletedProcess, float]:
+    out = Path(tempfile.mkdtemp(prefix="train-command-line-"))
+    atexit.register(shutil.rmtree, out, ignore_errors=True)
+    cmd = [sys.executable, str(EXAMPLES / "train.py"), *flags, "--out", str(out)]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env_without_launcher(), check=False)
+    return out, proc, time.monotonic() - start
+
+
+register_command_line(
+    "spawns ranks", *[a for a in SMALL if a != "--quiet"], "--steps", "3", "--eval-every", "0", "--ckpt-every", "3"
+)
+
+
+def test_command_line_spawns_ranks_and_reports() -> None:
     """`python examples/train.py` with no launcher spawns --nproc gloo ranks by itself."""
-    cmd = [
-        sys.executable,
-        str(EXAMPLES / "train.py"),
-        *[a for a in SMALL if a != "--quiet"],
-        "--steps",
-        "3",
-        "--eval-every",
-        "0",
-        "--ckpt-every",
-        "3",
-        "--out",
-        str(tmp_path),
-    ]
-    env = env_without_launcher()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, check=False)
+    out, proc, _ = command_line("spawns ranks")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "summary" in proc.stdout and "train loss" in proc.stdout and "tokens/s" in proc.stdout, proc.stdout
-    (run_dir,) = tmp_path.iterdir()
+    (run_dir,) = out.iterdir()
     assert json.loads((run_dir / "metrics.json").read_text())["summary"]["world_size"] == 2
     assert (run_dir / "checkpoints" / "step_0000003" / ".metadata").is_file()
 

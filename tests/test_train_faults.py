@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _harness import assert_close_tensors, env_without_launcher, run_on_ranks
+from _harness import assert_close_tensors, run_on_ranks
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 if str(EXAMPLES) not in sys.path:
@@ -37,7 +37,7 @@ import train as train_script  # noqa: E402
 from checkpointing import CheckpointError  # noqa: E402
 from model import PRESET_LR, Transformer, get_config  # noqa: E402
 from parallel import UsageError  # noqa: E402
-from test_train_example import SMALL, _losses, _reference, _run  # noqa: E402
+from test_train_example import SMALL, _losses, _reference, _run, command_line, register_command_line  # noqa: E402
 from watchdog import Watchdog  # noqa: E402
 
 BASE = SMALL + ["--eval-every", "0"]
@@ -119,7 +119,7 @@ def test_resume_refuses_another_model_or_seed_and_reshards_another_layout(tmp_pa
     assert one_rank.get("resumed_from") is None and one_rank["stopped_at"] == 4 and len(one_rank["history"]) == 4
     resumed = _try(argv + ["--resume", "--parallel", "replicate"])
     assert resumed["resumed_from"] == 3 and "error" not in resumed
-    full = _reference(str(tmp_path / "ref"), 6, ("--ckpt-every", "3"))
+    full = _reference(6, ("--ckpt-every", "3"))
     assert_close_tensors(torch.tensor(_losses(resumed)), torch.tensor(full), rtol=1e-5, atol=1e-5)
     assert _losses(first) == list(full[:3])
     again = _try(argv + ["--resume", "--mp", "bf16"])  # at step 6 = --steps: nothing to do, said so
@@ -142,7 +142,7 @@ def test_checkpoints_with_unflattened_optimizer_state_still_resume(tmp_path: Pat
     run_on_ranks(_attempt_with_unflattened_optimizer_state, 2, argv + ["--stop-after", "3"])
     resumed = _try(argv + ["--resume"])
     assert resumed.get("resumed_from") == 3 and "error" not in resumed, resumed
-    full = _reference(str(tmp_path / "ref"), 6, ("--ckpt-every", "3"))
+    full = _reference(6, ("--ckpt-every", "3"))
     assert_close_tensors(torch.tensor(_losses(resumed)), torch.tensor(full), rtol=1e-5, atol=1e-5)
 
 
@@ -175,7 +175,7 @@ DAMAGE = {
 def test_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(tmp_path: Path) -> None:
     argv = BASE + ["--steps", "6", "--ckpt-every", "3", "--run-id", "r"]
     _run(argv + ["--out", str(tmp_path / "pristine")])
-    expected = _reference(str(tmp_path / "ref"), 6, ("--ckpt-every", "3"))
+    expected = _reference(6, ("--ckpt-every", "3"))
     for name, (damage, reason) in DAMAGE.items():
         out = tmp_path / name.replace(" ", "-")
         shutil.copytree(tmp_path / "pristine", out)
@@ -242,37 +242,28 @@ def test_disk_full_for_real_on_a_tiny_tmpfs(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- 4: dead and stalled ranks
 
 
-def _command(tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedProcess, float]:
-    cmd = [
-        sys.executable,
-        str(EXAMPLES / "train.py"),
-        *BASE,
-        "--steps",
-        "6",
-        "--ckpt-every",
-        "0",
-        "--out",
-        str(tmp_path),
-        *flags,
-    ]
-    env = env_without_launcher()
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, check=False)
-    return proc, time.monotonic() - t0
+# Both run the command line (a rank must really die or stop), side by side with the other
+# registered command lines (test_train_example.command_line).
+register_command_line(
+    "killed rank", *BASE, "--steps", "6", "--ckpt-every", "0", "--fault", "1:KILL:3", "--timeout", "30"
+)
+register_command_line(
+    "stopped rank", *BASE, "--steps", "6", "--ckpt-every", "0", "--fault", "1:STOP:2", "--timeout", "4"
+)
 
 
-def test_a_killed_rank_ends_the_job_naming_the_rank_and_signal(tmp_path: Path) -> None:
-    proc, _ = _command(tmp_path, "--fault", "1:KILL:3", "--timeout", "30")
+def test_a_killed_rank_ends_the_job_naming_the_rank_and_signal() -> None:
+    out, proc, _ = command_line("killed rank")
     assert proc.returncode == 128 + 9, proc.stderr
     assert "rank 1 (pid" in proc.stderr and "was killed by SIGKILL" in proc.stderr, proc.stderr
     assert "rank 0: lost the connection to another rank" in proc.stderr and "rank 1 (pid" in proc.stderr
     assert "Traceback" not in proc.stderr and "leaked semaphore" not in proc.stderr, proc.stderr
-    (run_dir,) = tmp_path.iterdir()  # 5: the steps done before the crash are in metrics.csv
+    (run_dir,) = out.iterdir()  # 5: the steps done before the crash are in metrics.csv
     assert (run_dir / "metrics.csv").read_text().count("\n") == 1 + 2
 
 
-def test_a_stopped_rank_surfaces_within_the_timeout_naming_it(tmp_path: Path) -> None:
-    proc, elapsed = _command(tmp_path, "--fault", "1:STOP:2", "--timeout", "4")
+def test_a_stopped_rank_surfaces_within_the_timeout_naming_it() -> None:
+    _, proc, elapsed = command_line("stopped rank")
     assert proc.returncode == 1, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert any(

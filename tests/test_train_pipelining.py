@@ -6,7 +6,10 @@ layout."""
 
 from __future__ import annotations
 
+import shutil
 import sys
+import tempfile
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -31,6 +34,14 @@ def _history(result: dict) -> tuple[list[float], list[float]]:
     return _losses(result), [h["val_loss"] for h in result["history"] if h["val_loss"] is not None]
 
 
+@cache
+def _reference(flags: tuple[str, ...]) -> tuple[list[float], list[float]]:
+    """The 2-rank run without a pipeline (cached: several schedules compare with the same
+    one), in a directory of its own."""
+    with tempfile.TemporaryDirectory(prefix="train-pp-reference-") as out:
+        return _history(_run([*BASE, *flags, "--out", out], world_size=2))
+
+
 @pytest.mark.parametrize(
     "flags",
     [
@@ -44,12 +55,10 @@ def _history(result: dict) -> tuple[list[float], list[float]]:
 def test_pipelined_run_trains_the_data_parallel_model(tmp_path: Path, flags: list[str]) -> None:
     if "ZBVZeroBubble" in flags and "ZBVZeroBubble" not in SCHEDULES:
         pytest.skip("this torch has no ScheduleZBVZeroBubble")
-    extra = ["--max-norm", "0.05"] if "--max-norm" in flags else []
     if "tp" not in flags:
-        want = _history(_run(BASE + extra + ["--out", str(tmp_path / "ref")], world_size=2))
+        want = _reference(("--max-norm", "0.05") if "--max-norm" in flags else ())
     if "tp" in flags:  # (pp 2, dp 1, tp 2): the reference is (dp 1, tp 2)
-        ref = BASE + ["--parallel", "tp", "--activation-checkpointing", "--out", str(tmp_path / "ref")]
-        want = _history(_run(ref, world_size=2))
+        want = _reference(("--parallel", "tp", "--activation-checkpointing"))
     got = _history(_run(BASE + ["--pp", "2", "--microbatches", "2", "--out", str(tmp_path / "pp"), *flags], 4))
     for g, w in zip(got, want):
         assert_close_tensors(torch.tensor(g), torch.tensor(w), **TOL, msg=" ".join(flags))
@@ -62,10 +71,11 @@ def test_pipelined_checkpoints_resume_pipelined_and_in_another_layout(tmp_path: 
     pp = BASE + ["--pp", "2", "--pp-schedule", "Interleaved1F1B", "--ckpt-every", "2", "--run-id", "r"]
     full = _losses(_run(pp + ["--out", str(tmp_path / "full")], 4))
     _run(pp + ["--out", str(tmp_path / "split"), "--stop-after", "2"], 4)
+    # The same stopped run, resumed the other way below (a copy: the run is deterministic).
+    shutil.copytree(tmp_path / "split", tmp_path / "other")
     resumed = _run(pp + ["--out", str(tmp_path / "split"), "--resume"], 4)
     assert resumed["resumed_from"] == 2 and _losses(resumed) == full
 
-    _run(pp + ["--out", str(tmp_path / "other"), "--stop-after", "2"], 4)
     flat = BASE + ["--ckpt-every", "2", "--run-id", "r", "--out", str(tmp_path / "other"), "--resume"]
     moved = _run(flat, 2)
     assert moved["resumed_from"] == 2
