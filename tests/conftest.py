@@ -48,8 +48,9 @@ else:
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "composable"))
 
 
-def pytest_sessionfinish(session: object, exitstatus: int) -> None:
-    """Stop the worker pool now rather than at interpreter exit, so pytest exits promptly."""
+def pytest_unconfigure(config: object) -> None:
+    """Stop the worker pool when pytest is done rather than at interpreter exit, so pytest
+    exits promptly."""
     harness = sys.modules.get("_harness")
     if harness is not None:
         harness.shutdown_pool()
