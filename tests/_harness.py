@@ -177,6 +177,10 @@ def _worker_main(conn: Connection, fault_path: str) -> None:
                 # own collectives. Torn down here instead, within the call that made them. Not
                 # after a failure: a peer may still be blocked in a collective of those groups.
                 gc.collect()
+                # What survives is what the call left for good (modules it imported: dynamo,
+                # inductor, transformers; caches): out of later collections, as startup's is,
+                # or each later call's collection costs ~0.1 s per worker instead of milliseconds.
+                gc.freeze()
         except Exception:  # noqa: BLE001
             healthy = False
         try:
@@ -305,6 +309,7 @@ def run_on_ranks(
     *args: Any,
     backend: str = "gloo",
     timeout: float = 120.0,
+    fresh: bool = False,
     **kwargs: Any,
 ) -> list:
     """Run module-level ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks.
@@ -313,7 +318,11 @@ def run_on_ranks(
     rank (``torch.manual_seed(0)``, ``random.seed(0)``). Returns the ranks' (picklable)
     return values in rank order. Raises ``RankError`` naming the failing ranks with their
     tracebacks, or ``TimeoutError`` naming the ranks that did not finish in ``timeout`` s;
-    stuck or dead workers are killed and replaced.
+    stuck or dead workers are killed and replaced. ``fresh=True`` runs ``fn`` in workers started
+    for this call alone, for state a process keeps past its destroyed groups: torch's symmetric
+    memory keeps its pool's buffers registered to a group *name*, and every call's default group
+    is named "0", so a worker that ran an earlier call skips the collective registration its
+    fresh peers wait in (a hang).
     """
     __tracebackhide__ = True  # pytest: show the test and the remote traceback, not this
     global _pool
@@ -335,7 +344,9 @@ def run_on_ranks(
     pool = _pool
     died_idle: dict[int, str] = {}
     for slot in range(world_size):  # grow the pool; replace workers that died meanwhile
-        if slot >= len(pool.procs) or not pool.procs[slot].is_alive():
+        if fresh and slot < len(pool.procs) and pool.procs[slot].is_alive():
+            pool.start(slot)
+        elif slot >= len(pool.procs) or not pool.procs[slot].is_alive():
             if slot < len(pool.procs) and pool.procs[slot].exitcode:
                 died_idle[slot] = pool.death_note(slot)
             pool.start(slot)
@@ -356,7 +367,7 @@ def run_on_ranks(
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
     pending = {pool.conns[r]: r for r in range(world_size)}
-    retire: list[int] = []  # dead, or failed outside fn: replace them
+    retire: list[int] = list(range(world_size)) if fresh else []  # dead, failed outside fn, or fresh: replace them
     deadline = time.monotonic() + timeout
     try:
         while pending and time.monotonic() < deadline:
@@ -375,7 +386,7 @@ def run_on_ranks(
     finally:  # also on KeyboardInterrupt: a worker still busy would answer the next call
         stuck = sorted(pending.values())
         stacks = pool.stacks(stuck) if stuck else ""
-        for slot in stuck + retire:  # a wedged process group cannot be reused: fresh workers
+        for slot in sorted(set(stuck + retire)):  # a wedged process group cannot be reused: fresh workers
             pool.start(slot)
     if errors:
         raise _rank_error(errors, results, stuck, stacks)

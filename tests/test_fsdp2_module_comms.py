@@ -265,4 +265,6 @@ def _symm_mem(rank: int, world: int) -> None:
 
 @pytest.mark.parametrize("world", gpu_worlds(1, 2))
 def test_gpu_symm_mem_for_comm_trains_like_the_reference(world: int) -> None:
-    run_on_ranks(_symm_mem, world, backend="nccl", timeout=300)
+    # Fresh workers: the symmetric-memory pool of a worker that ran the world-1 form stays
+    # registered to group "0", and that worker's rank would skip the registration (a hang).
+    run_on_ranks(_symm_mem, world, backend="nccl", timeout=120, fresh=True)

@@ -113,6 +113,10 @@ def _group_left_in_a_cycle(rank: int, world_size: int) -> None:
     dist.barrier(group=holder["group"])
 
 
+def _pid(rank: int, world_size: int) -> int:
+    return os.getpid()
+
+
 def _unpicklable_result(rank: int, world_size: int) -> object:
     return lambda: None
 
@@ -256,6 +260,16 @@ def test_failed_init_retires_the_workers() -> None:
     with pytest.raises(RankError, match="(?s)rank 0 failed.*bogus"):
         run_on_ranks(_noop, 2, backend="bogus")
     assert run_on_ranks(_all_reduce_ranks, 2) == [3.0, 3.0]
+
+
+def test_fresh_workers_serve_one_call_alone() -> None:
+    """fresh=True: workers no earlier call ran in, retired after it, so that no later call
+    inherits what it left in the process (torch's symmetric-memory registrations)."""
+    before = run_on_ranks(_pid, 2)
+    assert run_on_ranks(_pid, 2) == before  # the pool's workers serve call after call
+    fresh = run_on_ranks(_pid, 2, fresh=True)
+    after = run_on_ranks(_pid, 2)
+    assert len(set(before + fresh + after)) == 6, (before, fresh, after)
 
 
 def test_unpicklable_result_and_fn() -> None:
