@@ -73,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="run each training step as a replayed CUDA graph (composable.graphed_step: no host overhead per "
         "step, for small per-GPU batches); auto: on with CUDA and --parallel fsdp, hsdp or replicate, without "
-        "--cpu-offload or --mp fp16, on one rank; on: also fp16 and several ranks, and an unsupported run is refused",
+        "--cpu-offload or --mp fp16; on: also fp16, and an unsupported run is refused",
     )
     p.add_argument(
         "--grad-accum", type=int, default=1, help="micro-batches per optimizer step (no_sync on all but the last)"
@@ -252,12 +252,12 @@ def cuda_graph_unsupported(args: argparse.Namespace, device_type: str) -> str | 
     return None
 
 
-def cuda_graph_mode(args: argparse.Namespace, device_type: str, world: int = 1) -> tuple[bool, str]:
+def cuda_graph_mode(args: argparse.Namespace, device_type: str) -> tuple[bool, str]:
     """(whether train.py runs its step through composable.graphed_step, why) for --cuda-graph
-    on this rank's device in a job of `world` ranks, e.g. (True, "auto"), (False, "--parallel tp
-    is not supported ..."). `auto` leaves fp16 eager (its ShardedGradScaler step is not yet
-    proven inside train.py's graph) and jobs of several ranks (graphs win on one GPU, measured;
-    on several, captured NCCL collectives are not yet measured: BENCHMARKS.md). UsageError for
+    on this rank's device, e.g. (True, "auto"), (False, "--parallel tp is not supported ...").
+    `auto` graphs one rank and several alike (measured on one GPU and on two: BENCHMARKS.md)
+    and leaves fp16 eager (its ShardedGradScaler step is not yet proven inside train.py's
+    graph). UsageError for
     `on` with a run graphs do not support (validate catches the cases known before the ranks
     start; a run on gloo despite a GPU is found here)."""
     if args.cuda_graph == "off":
@@ -271,8 +271,6 @@ def cuda_graph_mode(args: argparse.Namespace, device_type: str, world: int = 1) 
         return False, unsupported
     if args.mp == "fp16":
         return False, "--mp fp16: not yet proven under a graph; --cuda-graph on to try"
-    if world > 1:
-        return False, f"{world} ranks: graphs are measured on one GPU only so far; --cuda-graph on to try"
     return True, "auto"
 
 

@@ -26,9 +26,8 @@ Parallelism (`--parallel`; parallel.py):
 leading "pp" mesh dim, each stage parallelized as above, run by torch's Schedule<NAME>.
 
 CUDA graphs (`--cuda-graph auto|on|off`, default auto; train_step.py): on CUDA with fsdp, hsdp or
-replicate, without --cpu-offload (and, for auto, without --mp fp16 and on one rank: several
-ranks are not yet measured with graphs), each training step runs
-through `composable.graphed_step`: two eager steps, then one captured step replayed every step,
+replicate, without --cpu-offload (and, for auto, without --mp fp16), on one rank or several, each
+training step runs through `composable.graphed_step`: two eager steps, then one captured step replayed every step,
 which takes the host's per-step overhead away at small per-GPU batches. The optimizer is then a
 fused, capturable AdamW with a tensor learning rate set in place every step. The first lines of
 the output say which mode runs and why ("cuda graph: on (auto)", "cuda graph: off (...)").
@@ -195,7 +194,7 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
     )
     watchdog, say, warn, verbose = job.watchdog, job.say, job.warn, job.verbose
     rank, world = dist.get_rank(), dist.get_world_size()
-    graphs, graphs_why = cuda_graph_mode(args, device.type, world)  # before the model: `on` may be refused
+    graphs, graphs_why = cuda_graph_mode(args, device.type)  # before the model: `on` may be refused
     # Same seed on every rank: identical initial weights before sharding. On a GPU the model
     # is built on the meta device and materialised shard by shard after parallelize (a 1B
     # model never exists unsharded); on the CPU it is built whole, so the initial weights do

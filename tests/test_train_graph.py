@@ -115,12 +115,6 @@ def test_mode_resolves_as_documented(flags: tuple[str, ...], device: str, expect
     assert cuda_graph_mode(_args(*flags), device) == expected
 
 
-def test_auto_stays_eager_on_several_ranks_until_measured_there() -> None:
-    reason = "2 ranks: graphs are measured on one GPU only so far; --cuda-graph on to try"
-    assert cuda_graph_mode(_args(), "cuda", 2) == (False, reason)
-    assert cuda_graph_mode(_args("cuda_graph=on"), "cuda", 2) == (True, "--cuda-graph on")
-
-
 def test_on_is_refused_at_setup_when_the_rank_trains_on_the_cpu() -> None:
     """A machine with fewer GPUs than local ranks trains on gloo: known only on the rank."""
     with pytest.raises(UsageError, match=r"^--cuda-graph on: CUDA graphs need a CUDA device, and this rank trains"):
