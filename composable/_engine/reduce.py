@@ -213,7 +213,10 @@ class GradReducer(NoSyncSums, ReduceOptions):
         flat_in = comm.chunk_cat(pieces, world, dtype, device, None if custom is None else custom.allocate)
         if pre != 1.0:
             flat_in.div_(pre)
-        del grads, pieces
+        # Clear the caller's list too (`launch` holds it): the unsharded gradients are freed
+        # here, before the output is allocated, not when `launch` returns.
+        grads.clear()
+        del pieces
         streams = self.streams
         if streams is not None:
             streams.before_reduce(self.max_input_buffers)
@@ -288,7 +291,7 @@ class GradReducer(NoSyncSums, ReduceOptions):
             del pieces
         if pre != 1.0:
             flat.div_(pre)
-        del grads
+        grads.clear()  # the caller's list too: the gradients are in `flat` now
         # Issued from the current stream with async_op: the process group orders its own
         # communication stream after the copy-in, and `finish` (work.wait) orders the
         # current stream after the result. No stream switch or event of ours per bucket:

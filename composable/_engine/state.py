@@ -335,10 +335,13 @@ class ModuleState:
         if self.group is None:
             return
         if self.requires_gradient_sync:
+            # Reshard first, as FSDP2 does: the reduction reads the unsharded gradients, not the
+            # parameters, so their storage need not be held while it allocates its buffers.
+            self._end_backward_of_group()
             self._launch_reduction()
         else:
             self.group.stash_grads()
-        self._end_backward_of_group()
+            self._end_backward_of_group()
 
     def _end_backward_of_group(self) -> None:
         """Reshard, or with `reshard_after_backward=False` keep the unsharded storage (the next
@@ -368,10 +371,14 @@ class ModuleState:
             group = state.group
             if group is not None:
                 if state.requires_gradient_sync and state._final_reduction_needed():
+                    state._end_backward_of_group()  # first, as in `_post_backward`
+                    if group.streams is not None:  # no all-gather comes before the step: the
+                        group.streams.release_gather_buffers()  # frees deferred to one go now
                     state._launch_reduction()
-                elif not state.requires_gradient_sync:
-                    group.stash_grads()
-                state._end_backward_of_group()
+                else:
+                    if not state.requires_gradient_sync:
+                        group.stash_grads()
+                    state._end_backward_of_group()
             state.training_state = TrainingState.IDLE
             state._forward_index = None
             state._ran_forward_with_grad = False
