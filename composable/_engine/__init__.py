@@ -2,7 +2,8 @@
 
 build        claim -> layout -> managed params -> group (the one construction path)
 replicas     replicate's start: metadata check across ranks, coalesced broadcast of rank 0's values
-state        per-module state: forward/backward hooks, root context, final callback
+state        per-module state: forward/backward hooks, root context, final callback;
+             unshard_handle: what its unshard(async_op=True) returns
 autograd     the autograd functions and hooks the state attaches to inputs and outputs
 group        a parameter group: sharded storage, unshard / reshard / reduce_grads
 param        one parameter's layouts (sharded DTensor, unsharded twin) and bookkeeping

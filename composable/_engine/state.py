@@ -7,8 +7,8 @@ Order of events for one module (root marked *):
   post_forward  reshard if `reshard_after_forward` (or no backward can follow), attach
                 pre-backward hooks to the outputs, cast outputs
   pre_backward  (first output gradient) queue the root's final callback, unshard
-  post_backward (all input gradients done) launch gradient reduction, reshard
-  final*        reduce groups whose post_backward never fired, wait for reductions, reshard, reset
+  post_backward (all input gradients done) reshard, launch gradient reduction
+  final*        reshard and reduce groups whose post_backward never fired, wait for reductions, reset
 During backward a re-run forward (activation checkpointing) neither reshards nor re-hooks.
 
 One state may drive one group for several modules (`fully_shard([norm, head])`, as FSDP2): hooks on each; the
@@ -28,11 +28,12 @@ import torch.nn as nn
 
 from .autograd import any_requires_grad, attach_post_backward, attach_pre_backward, cast_floating, run_eagerly
 from .contract import check_bool, keep_post_hook_last, param_states, register_api_pre_hook
-from .group import GroupState, ParamGroup
+from .group import ParamGroup
 from .late_params import check_no_late_params
 from .policies import MixedPrecisionPolicy
 from .profiling import labelled
 from .streams import CommStreams
+from .unshard_handle import UnshardHandle
 from .wrappers import offset_free_state_dict
 
 
@@ -332,16 +333,20 @@ class ModuleState:
             if self._backward_pending > 0 or self._backward_untracked:
                 return  # gradients of other listed modules may still come: the last (or the end of backward) reduces
         self.training_state = TrainingState.POST_BACKWARD
-        if self.group is None:
-            return
-        if self.requires_gradient_sync:
-            # Reshard first, as FSDP2 does: the reduction reads the unsharded gradients, not the
-            # parameters, so their storage need not be held while it allocates its buffers.
-            self._end_backward_of_group()
+        if self.group is not None:
+            self._finish_backward_of_group(reduce=self.requires_gradient_sync)
+
+    def _finish_backward_of_group(self, reduce: bool, last: bool = False) -> None:
+        """Reshard, then reduce if `reduce` (FSDP2's order: the reduction reads gradients, not the
+        parameters, so their storage is not held while it allocates); no gradient sync: stash the
+        gradients first. `last`: no all-gather comes before the optimizer step: free what waits one."""
+        if not self.requires_gradient_sync:
+            self.group.stash_grads()  # type: ignore[union-attr]
+        self._end_backward_of_group()
+        if reduce:
+            if last and self.group.streams is not None:  # type: ignore[union-attr]
+                self.group.streams.release_gather_buffers()  # type: ignore[union-attr]
             self._launch_reduction()
-        else:
-            self.group.stash_grads()
-            self._end_backward_of_group()
 
     def _end_backward_of_group(self) -> None:
         """Reshard, or with `reshard_after_backward=False` keep the unsharded storage (the next
@@ -368,22 +373,13 @@ class ModuleState:
         context = self.root_context
         assert context is not None
         for state in context.states:
-            group = state.group
-            if group is not None:
-                if state.requires_gradient_sync and state._final_reduction_needed():
-                    state._end_backward_of_group()  # first, as in `_post_backward`
-                    if group.streams is not None:  # no all-gather comes before the step: the
-                        group.streams.release_gather_buffers()  # frees deferred to one go now
-                    state._launch_reduction()
-                else:
-                    if not state.requires_gradient_sync:
-                        group.stash_grads()
-                    state._end_backward_of_group()
+            if state.group is not None:
+                reduce = state.requires_gradient_sync and state._final_reduction_needed()
+                state._finish_backward_of_group(reduce, last=True)
             state.training_state = TrainingState.IDLE
-            state._forward_index = None
-            state._ran_forward_with_grad = False
-            state._forward_pending.clear()
+            state._forward_index, state._ran_forward_with_grad = None, False
             state._backward_pending, state._backward_untracked = 0, False
+            state._forward_pending.clear()
         context.final_callback_queued = False
         if not self.is_last_backward:
             return  # reductions finish at the next forward (set_is_last_backward(False): micro-batches)
@@ -392,16 +388,3 @@ class ModuleState:
                 state.group.finish_reduce()
         for streams in self._tree_streams():
             streams.end_of_backward()
-
-
-class UnshardHandle:
-    """What `unshard(async_op=True)` returns: `wait()` finishes the all-gather and registers
-    the unsharded parameters (a no-op when there was nothing to gather or it already ran)."""
-
-    def __init__(self, group: ParamGroup | None) -> None:
-        self._group = group
-
-    def wait(self) -> None:
-        group, self._group = self._group, None
-        if group is not None and group.state is GroupState.UNSHARDING:  # not yet used by a forward
-            group.wait_for_unshard()
