@@ -111,8 +111,16 @@ def _side_by_side(
 
 
 def _compiled_matches_eager(
-    rank: int, world: int, variant: str, order: str, backend: str = "aot_eager", device: str = "cpu"
+    rank: int,
+    world: int,
+    variant: str,
+    order: str,
+    backend: str = "aot_eager",
+    device: str = "cpu",
+    steady_state: bool = False,
 ) -> None:
+    """With `steady_state`, the compiled model then goes on to `_no_recompiles`' check (it is
+    that check's model: compiling another one would cost the same again)."""
     dev = torch.device(device, rank) if device == "cuda" else torch.device("cpu")
     if device == "cuda":
         torch.cuda.set_device(dev)
@@ -126,12 +134,15 @@ def _compiled_matches_eager(
     counters = torch._dynamo.utils.counters
     assert counters["stats"]["unique_graphs"] >= 1, "nothing was compiled"
     assert not counters["graph_break"], dict(counters["graph_break"])
+    if steady_state:
+        _no_recompiles(compiled, rank, world)
 
 
 @pytest.mark.parametrize("order", ["before", "after"])
 @pytest.mark.parametrize("variant", ["full_shard", "bf16", "checkpoint", "replicate"])
 def test_compiled_blocks_train_like_eager(variant: str, order: str) -> None:
-    run_on_ranks(_compiled_matches_eager, 2, variant, order)
+    # The full_shard blocks compiled after the API are also the steady-state model below.
+    run_on_ranks(_compiled_matches_eager, 2, variant, order, steady_state=(variant, order) == ("full_shard", "after"))
 
 
 @pytest.mark.parametrize("variant", ["shard_grad_op", "no_shard", "offload", "hsdp"])
@@ -178,9 +189,10 @@ def _cycle(model: TinyTransformer, opt: torch.optim.Optimizer, rank: int, world:
         state.reshard_after_forward = not state.reshard_after_forward
 
 
-def _no_recompiles(rank: int, world: int) -> None:
-    torch._dynamo.reset()
-    model = _build("full_shard", "after", "aot_eager", init_device_mesh("cpu", (world,)), torch.device("cpu"))
+def _no_recompiles(model: TinyTransformer, rank: int, world: int) -> None:
+    """Steady state of full_shard blocks compiled after the API (`_build("full_shard", "after",
+    "aot_eager", ...)`): once every mode and both reshard settings have run, no recompiles.
+    Run by test_compiled_blocks_train_like_eager[full_shard-after] on its compiled model."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(2):  # warm-up: every mode and both reshard settings once
         _cycle(model, opt, rank, world, step)
@@ -189,10 +201,6 @@ def _no_recompiles(rank: int, world: int) -> None:
         for step in range(2, 6):
             _cycle(model, opt, rank, world, step)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
-
-
-def test_steady_state_has_no_recompiles() -> None:
-    run_on_ranks(_no_recompiles, 2)
 
 
 @requires_gpus(2)

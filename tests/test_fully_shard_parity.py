@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from _harness import assert_close_tensors, requires_gpus, run_on_ranks, shutdown_pool
+from _harness import assert_close_tensors, requires_gpus, run_on_ranks
 from _models import Block, TinyTransformer, batch_for, lm_loss
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
@@ -222,12 +222,25 @@ def test_parity_with_torch_fsdp2(reshard_after_forward: bool) -> None:
     run_on_ranks(_parity_with_torch_fsdp, 2, reshard_after_forward)
 
 
+def _hybrid_step(rank: int, world: int) -> None:
+    """One HYBRID_SHARD step on a (2, world // 2) mesh, its gradients gathered: DTensor ops on
+    a 2D mesh, which resolve groups through DTensor's sharding caches."""
+    mesh = init_device_mesh("cpu", (2, world // 2))
+    model = TinyTransformer()
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, strategy=ShardingStrategy.HYBRID_SHARD)
+    fully_shard(model, mesh=mesh, strategy=ShardingStrategy.HYBRID_SHARD)
+    lm_loss(model, batch_for(0, world, rank)).backward()
+    for p in model.parameters():
+        p.grad.full_tensor()
+
+
 def test_parity_with_torch_fsdp2_int_reshard_after_forward() -> None:
     """reshard_after_forward=2 on 4 ranks (backward gathers within pairs), bit for bit."""
-    try:
-        run_on_ranks(_parity_with_torch_fsdp, 4, 2)
-    finally:
-        # FSDP2 builds its post-forward DeviceMesh directly, which leaves torch's mesh state
-        # in the worker naming groups that the harness destroys after the test: later tests
-        # on that worker fail with "Could not resolve the process group". Fresh workers.
-        shutdown_pool()
+    run_on_ranks(_parity_with_torch_fsdp, 4, 2)
+    # FSDP2 builds its post-forward DeviceMesh directly; the groups it names are destroyed
+    # with the call's process group, and DTensor's C++ sharding cache then hands a later call's
+    # ops specs naming them ("Could not resolve the process group"). The harness clears that
+    # cache between calls, so the same workers serve later tests: a 2D-mesh step on them, which
+    # fails that way without the clearing.
+    run_on_ranks(_hybrid_step, 4)
