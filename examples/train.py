@@ -27,10 +27,11 @@ leading "pp" mesh dim, each stage parallelized as above, run by torch's Schedule
 
 CUDA graphs (`--cuda-graph auto|on|off`, default auto; train_step.py): on CUDA with fsdp, hsdp or
 replicate, without --cpu-offload (and, for auto, without --mp fp16), on one rank or several, each
-training step runs through `composable.graphed_step`: two eager steps, then one captured step replayed every step,
-which takes the host's per-step overhead away at small per-GPU batches. The optimizer is then a
-fused, capturable AdamW with a tensor learning rate set in place every step. The first lines of
-the output say which mode runs and why ("cuda graph: on (auto)", "cuda graph: off (...)").
+training step runs through `composable.graphed_step`: two eager steps, then one captured step
+replayed every step, which takes the host's per-step overhead away at small per-GPU batches.
+The optimizer is then a fused, capturable AdamW with a tensor learning rate set in place every
+step. The first lines of the output say which mode runs and why ("cuda graph: on (auto)",
+"cuda graph: off (...)").
 """
 
 from __future__ import annotations
