@@ -67,12 +67,17 @@ class Net(nn.Module):
         return self.head(x)
 
 
-def _float8_net(device: str | torch.device, meta: bool = False) -> Net:
+def _float8_net(device: str | torch.device, meta: bool = False, bare: bool = False) -> Net:
     """`Net` with float8 weights that all-gather in float8 (the head excepted); on the meta
-    device when `meta` (materialise after sharding with `_materialise`)."""
+    device when `meta` (materialise after sharding with `_materialise`). `bare`: blocks of
+    float8 weights alone (no norm, no biases), so a block's group has no flat parameters."""
     torch.manual_seed(0)
     with torch.device("meta" if meta else device):
         net = Net()
+    if bare:
+        for block in net.blocks:
+            block.norm = nn.Identity()
+            block.up.bias = block.down.bias = None
     config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
     convert_to_float8_training(net, config=config, module_filter_fn=lambda m, fqn: fqn != "head")
     return net
@@ -204,6 +209,7 @@ def _train(
     precompute: bool | str,
     steps: int,
     bf16: bool,
+    bare: bool = False,
 ) -> dict[str, Any]:
     """Train composable's and FSDP2's copies of one float8 model side by side on the same
     data; return both sides' losses and final local shards, the graphs compiled for
@@ -226,7 +232,7 @@ def _train(
         ("fsdp2", torch_fully_shard, TorchPolicy),
     ):
         options = {"mp_policy": policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if bf16 else {}
-        net = _shard(_float8_net(device), api, mesh, compiled, **options)
+        net = _shard(_float8_net(device, bare=bare), api, mesh, compiled, **options)
         sides[name] = (net, torch.optim.AdamW(net.parameters(), lr=1e-2))
     losses: dict[str, list[float]] = {name: [] for name in sides}
     graphs = counters["stats"]
@@ -383,11 +389,38 @@ def test_gpu_matches_fsdp2(compiled: str | None, precompute: bool) -> None:
 
 
 @requires_gpus(1)
-@pytest.mark.parametrize("compiled", [None, "inductor"])
-def test_gpu_one_rank_matches_fsdp2(compiled: str | None) -> None:
-    """World 1 on NCCL: the batched cast and the coalesced all-gather of a group's weights."""
-    results = run_on_ranks(_train, 1, "cuda", (1,), compiled, True, GPU_STEPS, True, backend="nccl", timeout=600)
+@pytest.mark.parametrize("compiled, bare", [(None, False), ("inductor", False), (None, True)])
+def test_gpu_one_rank_matches_fsdp2(compiled: str | None, bare: bool) -> None:
+    """World 1 on NCCL: the batched cast and the coalesced all-gather of a group's weights
+    (`bare`: a block's group holds float8 weights alone)."""
+    results = run_on_ranks(_train, 1, "cuda", (1,), compiled, True, GPU_STEPS, True, bare, backend="nccl", timeout=600)
     _check(results, GPU_TOL)
+
+
+def _gathers_of_a_step(rank: int, world: int, bare: bool) -> list[str]:
+    """The all-gathers of one forward and backward, after two steps with precomputed scales."""
+    torch.cuda.set_device(rank)
+    net = _shard(_float8_net("cuda", bare=bare), fully_shard, _mesh("cuda", (world,)))
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    x = torch.randn(BATCH, DIM, device="cuda")
+    for _ in range(2):
+        net(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        precompute_float8_dynamic_scale_for_fsdp(net)
+    with trace_collectives() as tracer:
+        net(x).sum().backward()
+    return [r.op for r in tracer.records if r.kind == "all_gather"]
+
+
+@requires_gpus(1)
+@pytest.mark.parametrize("bare", [False, True])
+def test_gpu_group_gathers_float8_and_flat_parameters_in_one_collective(bare: bool) -> None:
+    """On CUDA a block's float8 weights ride in the coalesced all-gather of its other
+    parameters (norm, biases): one collective per unshard, also where the group has no others."""
+    ops = run_on_ranks(_gathers_of_a_step, 1, bare, backend="nccl")[0]
+    # each block in forward and again in backward; the root (kept for backward) once
+    assert len(ops) == 2 * 2 + 1 and all("coalesced" in op for op in ops), ops
 
 
 @requires_gpus(2)

@@ -176,17 +176,32 @@ def start_gathers(
     return pending
 
 
-def _start_batched(
-    params: list[ManagedParam],
-    group: dist.ProcessGroup,
-    world: int,
-    rank: int,
-    coalesced: bool,
-    gather_stream: "torch.cuda.Stream | None",
-) -> list[PendingGather] | None:
-    """The batched float8 path (see float8_cast.py), or None where it does not apply: the
-    parameters' unsharded twins exist (made by a per-parameter gather) and every local shard
-    is a torchao float8 weight with a precomputed scale."""
+@dataclass
+class BatchedFloat8:
+    """A group's float8 weights made ready to travel together (see float8_cast.py): their
+    all-gather outputs allocated, the gather stream ordered after the current one. `cast`
+    (on the gather stream) writes this rank's slots; the collective then gathers `inputs` (byte
+    views of the slots) into `outputs` (byte views of the outputs)."""
+
+    locals_: list[torch.Tensor]
+    scales: list[torch.Tensor]
+    slots: list[torch.Tensor]
+    outputs: list[torch.Tensor]
+    inputs: list[torch.Tensor]
+    pending: list[PendingGather]
+
+    def cast(self) -> None:
+        float8_cast.cast_into(self.locals_, self.scales, self.slots)
+
+
+def prepare_batched(
+    params: list[ManagedParam], world: int, rank: int, gather_stream: "torch.cuda.Stream | None"
+) -> BatchedFloat8 | None:
+    """The batched float8 path for `params`, ready to cast and gather, or None where it does
+    not apply: the parameters' unsharded twins do not exist yet (the first gather makes them
+    through the per-parameter path) or a local shard is not a torchao float8 weight with a
+    precomputed scale. Runs on the current stream, whose pool and order own the outputs' memory
+    (and wrote the shards and scales): `gather_stream` is ordered after it."""
     locals_ = [mp.sharded_param._local_tensor for mp in params]  # type: ignore[union-attr]
     scales = float8_cast.precomputed_scales(locals_)
     if scales is None:
@@ -198,27 +213,42 @@ def _start_batched(
             return None
         outputs.append(outs[0])
     for out in outputs:
-        _alloc(out)  # on the current stream: its pool and its order own the outputs' memory
+        _alloc(out)
     versions = [(o._version,) for o in outputs]
     # In place: this rank's slot of each output is the all-gather input, written by the cast.
     views = [_views(mp, out, local, rank) for mp, out, local in zip(params, outputs, locals_)]
-    byte_outs, byte_slots = [v[2] for v in views], [v[3] for v in views]
-    works: list[list[Any]] = [[] for _ in params]
     if gather_stream is not None:
-        # The outputs' memory, the shards and the scales are the current stream's until here.
         gather_stream.wait_stream(current_stream(outputs[0].device))
-    with stream_context(gather_stream):
-        float8_cast.cast_into(locals_, scales, [v[1] for v in views])
-        if coalesced:
-            comm.all_gather_coalesced(byte_outs, byte_slots, group)  # waited on the gather stream
-        else:
-            works = [[comm.all_gather(o, s, group, async_op=True)] for o, s in zip(byte_outs, byte_slots)]
-        if gather_stream is not None:
-            works[0].append(gather_stream.record_event())  # `finish_gathers` waits on the current stream
-    return [
-        PendingGather(w, [local.shape], float8_cast.metadata(scale), False, v, batched=True)
-        for w, local, scale, v in zip(works, locals_, scales, versions)
+    pending = [
+        PendingGather([], [local.shape], float8_cast.metadata(scale), False, v, batched=True)
+        for local, scale, v in zip(locals_, scales, versions)
     ]
+    return BatchedFloat8(locals_, scales, [v[1] for v in views], [v[2] for v in views], [v[3] for v in views], pending)
+
+
+def _start_batched(
+    params: list[ManagedParam],
+    group: dist.ProcessGroup,
+    world: int,
+    rank: int,
+    coalesced: bool,
+    gather_stream: "torch.cuda.Stream | None",
+) -> list[PendingGather] | None:
+    """The batched float8 path on its own collective(s) (see `prepare_batched`), or None where
+    it does not apply."""
+    batch = prepare_batched(params, world, rank, gather_stream)
+    if batch is None:
+        return None
+    with stream_context(gather_stream):
+        batch.cast()
+        if coalesced:
+            comm.all_gather_coalesced(batch.outputs, batch.inputs, group)  # waited on the gather stream
+        else:
+            for gather, out, slot in zip(batch.pending, batch.outputs, batch.inputs):
+                gather.works.append(comm.all_gather(out, slot, group, async_op=True))
+        if gather_stream is not None:
+            batch.pending[0].works.append(gather_stream.record_event())  # `finish_gathers` waits on the current stream
+    return batch.pending
 
 
 def _views(mp: ManagedParam, out: torch.Tensor, local: torch.Tensor, rank: int) -> tuple:

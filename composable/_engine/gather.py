@@ -23,7 +23,7 @@ stream order without `record_stream`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,16 @@ from .streams import CommStreams, current_stream, stream_context
 
 if TYPE_CHECKING:
     from .param import ManagedParam
+
+
+class GatherRiders(Protocol):
+    """Tensors that travel in a group's direct all-gather beside its flat parameters (the
+    group's batched float8 weights, extension.py)."""
+
+    outputs: list[torch.Tensor]
+    inputs: list[torch.Tensor]
+
+    def cast(self) -> None: ...
 
 
 @dataclass
@@ -68,14 +78,20 @@ def start_gather(
     streams: CommStreams | None,
     direct: bool,
     custom: Any = None,
+    riders: "GatherRiders | None" = None,
 ) -> PendingGather:
     """Launch the all-gather of `params` over `group` (this process is its `rank`), in `dtype`
     on `device`, on the all-gather stream when there is one. `source` is the 1D input (this
     rank's region of `region_numel` elements, or after `reshard_after_forward=N` the N-rank
     group's share of regions); the output holds the `world` regions of the shard group.
-    `custom` (an FSDP2 `AllGather`, flat way only) allocates the output and gathers into it."""
+    `custom` (an FSDP2 `AllGather`, flat way only) allocates the output and gathers into it.
+    `riders` (direct way only) travel in the same collective: their inputs are filled on the
+    all-gather stream (`riders.cast()`) before it is issued, so a group is one collective, one
+    stream switch and one event however its parameters are gathered."""
     n = source.numel()  # a post-forward shard holds several ranks' regions: `world` counts those
     direct = direct and custom is None
+    assert riders is None or direct, "riders travel only in a direct gather"
+    travels = n > 0 or riders is not None  # the flat buffer may be empty (only extension parameters)
     async_op = streams is None
     with stream_context(streams.all_gather if streams is not None else None):
         if direct:
@@ -94,8 +110,12 @@ def start_gather(
             # `all_gather_coalesced` waits before returning: whatever version bumps the
             # collective makes (at issue or, like gloo's, at completion) happen in here.
             with comm.refilling(*outputs):  # type: ignore[arg-type]
-                torch._foreach_copy_(inputs, shards, non_blocking=True)
-                work = comm.all_gather_coalesced(outputs, inputs, group) if n else None
+                if outputs:
+                    torch._foreach_copy_(inputs, shards, non_blocking=True)
+                if riders is not None:
+                    riders.cast()
+                    outputs, inputs = outputs + riders.outputs, inputs + riders.inputs
+                work = comm.all_gather_coalesced(outputs, inputs, group) if travels else None
             gather_in, gather_out = source, None
         else:
             # In place: the input is this rank's slot of the output.
@@ -107,7 +127,7 @@ def start_gather(
             gather_in.copy_(source, non_blocking=True)
             # n == 0: only extension parameters, nothing in the flat buffer
             work = comm.all_gather(gather_out, gather_in, group, async_op, custom) if n else None
-        if streams is not None and n > 0:
+        if streams is not None and travels:
             work = streams.all_gather.record_event()
     return PendingGather(work, direct, gather_out, gather_in, source)
 

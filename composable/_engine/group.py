@@ -281,6 +281,12 @@ class ParamGroup:
                 lay.shard_group, self.flat_shard
             )
         direct = gathers_directly(self.flat_params, self._coalesced_gather_ok, full_group=source is self.flat_shard)
+        custom = getattr(self, "all_gather_comm", None)  # set_custom_all_gather (an FSDP2 `AllGather`)
+        riders = None  # the group's float8 weights ride in the flat parameters' collective where it is direct
+        if direct and custom is None and self.extension_params and streams is not None:
+            riders = extension.prepare_batched(
+                self.extension_params, lay.shard_world, lay.shard_rank, streams.all_gather
+            )
         pending = start_gather(
             self.flat_params,
             source,
@@ -292,10 +298,13 @@ class ParamGroup:
             self.config.device,
             streams,
             direct,
-            getattr(self, "all_gather_comm", None),  # set_custom_all_gather (an FSDP2 `AllGather`)
+            custom,
+            riders,
         )
         self._pending_gather = pending  # first: waited for even if an extension gather below raises
-        if self.extension_params:
+        if riders is not None:
+            self._extension_gathers = riders.pending
+        elif self.extension_params:
             policy = MixedPrecisionPolicy(self.config.param_dtype, self.config.reduce_dtype)
             self._extension_gathers = extension.start_gathers(
                 self.extension_params,
