@@ -37,6 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from . import collectives as comm
 from . import float8_cast
+from .layout import DataParallelLayout
 from .optim_state import track_for_optimizers
 from .param import ManagedParam, _contiguous_stride
 from .policies import MixedPrecisionPolicy
@@ -138,19 +139,18 @@ def _outputs_fit(mp: ManagedParam, inputs: list[torch.Tensor], world: int) -> bo
 
 def start_gathers(
     params: list[ManagedParam],
-    group: dist.ProcessGroup,
-    mesh: DeviceMesh,
-    world: int,
-    rank: int,
+    layout: DataParallelLayout,
     mp_policy: MixedPrecisionPolicy,
     coalesced: bool,
     gather_stream: "torch.cuda.Stream | None" = None,
 ) -> list[PendingGather]:
-    """Ask each parameter's local shard what to all-gather and launch those all-gathers into
-    the parameter's all-gather outputs (made at the first gather, re-grown after). torchao
-    float8 weights with precomputed scales are cast for the whole group at once
-    (float8_cast.py), and with `coalesced` (CUDA) all travel in one collective, cast and
-    gathered on `gather_stream` (overlapping compute, as the group's other parameters do)."""
+    """Ask each parameter's local shard what to all-gather and launch those all-gathers (over
+    `layout`'s shard group) into the parameter's all-gather outputs (made at the first gather,
+    re-grown after). torchao float8 weights with precomputed scales are cast for the whole
+    group at once (float8_cast.py), and with `coalesced` (CUDA) all travel in one collective,
+    cast and gathered on `gather_stream` (overlapping compute, as the group's other parameters
+    do)."""
+    group, mesh, world, rank = layout.shard_group, layout.mesh, layout.shard_world, layout.shard_rank
     batched = _start_batched(params, group, world, rank, coalesced, gather_stream)
     if batched is not None:
         return batched

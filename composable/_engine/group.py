@@ -25,7 +25,7 @@ from .claim import mark_replaced
 from .gather import PendingGather, finish_gather, free_storages, gathers_directly, start_gather
 from .layout import DataParallelLayout
 from .optim_state import track_for_optimizers
-from .param import ManagedParam, is_freed
+from .param import ManagedParam, is_freed, raise_still_on_meta
 from .policies import MixedPrecisionPolicy
 from .profiling import labelled
 from .reduce import GradReducer, GroupDtypes, ReduceSpec
@@ -258,7 +258,7 @@ class ParamGroup:
 
     def _start_unshard(self, prefetch: bool) -> None:
         if self.flat_shard.is_meta:
-            self._raise_on_meta()
+            raise_still_on_meta(self.config.api, self.params, self.layout.mesh.get_rank())
         self.state = GroupState.UNSHARDING
         if self._unsharded_aliases_shard:
             self._pending_gather = None
@@ -306,25 +306,11 @@ class ParamGroup:
             self._extension_gathers = riders.pending
         elif self.extension_params:
             policy = MixedPrecisionPolicy(self.config.param_dtype, self.config.reduce_dtype)
+            gather_stream = streams.all_gather if streams is not None else None
+            coalesced = bool(self._coalesced_gather_ok)
             self._extension_gathers = extension.start_gathers(
-                self.extension_params,
-                lay.shard_group,
-                lay.mesh,
-                lay.shard_world,
-                lay.shard_rank,
-                policy,
-                bool(self._coalesced_gather_ok),
-                streams.all_gather if streams is not None else None,
+                self.extension_params, lay, policy, coalesced, gather_stream
             )
-
-    def _raise_on_meta(self) -> None:
-        names = [mp.fqn for mp in self.params]
-        shown = ", ".join(repr(n) for n in names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-        raise RuntimeError(
-            f"{self.config.api}: parameters {shown} are still on the meta device (rank {self.layout.mesh.get_rank()}); "
-            "materialise them before the forward, e.g. model.to_empty(device=...) then initialise them "
-            "(reset_parameters() or a load_state_dict)"
-        )
 
     def _refill_replica(self) -> None:
         """Replicated group, no gather: cast (or copy back from the CPU) the shard into the

@@ -383,3 +383,14 @@ def copy_out_params(gathered: torch.Tensor, world: int, params: list[ManagedPara
     for mp in params:
         if mp.layout.dim != 0:
             mp.fill_from_rank_major(staged[id(mp)], world)
+
+
+def raise_still_on_meta(api: str, params: list[ManagedParam], rank: int) -> None:
+    """The error of a gather whose parameters were never materialised (meta device)."""
+    names = [mp.fqn for mp in params]
+    shown = ", ".join(repr(n) for n in names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    raise RuntimeError(
+        f"{api}: parameters {shown} are still on the meta device (rank {rank}); "
+        "materialise them before the forward, e.g. model.to_empty(device=...) then initialise them "
+        "(reset_parameters() or a load_state_dict)"
+    )
