@@ -129,7 +129,6 @@ def build(
     contender as its eager one: the benchmark graphs its step."""
     if run not in ALL_RUNS:
         raise ValueError(f"build: run must be one of {ALL_RUNS}, got {run!r}")
-    graphed = run.endswith("_graphed")
     run = run.removesuffix("_graphed")
     if model not in MODELS:
         raise ValueError(f"build: model must be one of {MODELS}, got {model!r}")
@@ -164,9 +163,8 @@ def build(
         autocast = nullcontext
     logits = _own_logits if model == "own" else _hf_logits
     if float8 and run in bench_float8.FSDP_RUNS:
-        return Contender(
-            net, autocast, logits, bench_float8.after_step_in_place if graphed else bench_float8.after_step
-        )
+        after = bench_float8.after_step_in_place if run == "fully_shard" else bench_float8.after_step
+        return Contender(net, autocast, logits, after)
     return Contender(net, autocast, logits)
 
 

@@ -8,9 +8,10 @@ recipes keep it out) and any linear whose dimensions are not multiples of 16 (`_
 requirement). For the FSDP-style contenders (fully_shard, FSDP2) the weights also all-gather
 in float8 (`enable_fsdp_float8_all_gather`: half the bf16 bytes), and the next step's weight
 scales are computed after each optimizer step in one all-reduce
-(`precompute_float8_dynamic_scale_for_fsdp`; in a graphed run composable's in-place twin,
-which a CUDA graph can capture). The floor, replicate and DDP gather nothing, so their weights
-stay plain tensors and are cast in each forward.
+(`precompute_float8_dynamic_scale_for_fsdp`: torchao's for FSDP2, composable's in-place twin
+for fully_shard, the same scales bit for bit, which a CUDA graph can capture and which costs
+less host time). The floor, replicate and DDP gather nothing, so their weights stay plain
+tensors and are cast in each forward.
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ def to_float8(model: nn.Module, head: nn.Module, run: str) -> nn.Module:
 
 
 def after_step_in_place(model: nn.Module) -> None:
-    """`after_step` for a graphed step: the same scales, written into the tensors the weights
-    hold (torchao's makes new ones at every call, which a CUDA graph cannot follow)."""
+    """`after_step` for fully_shard, eager or graphed: composable's twin of torchao's, the same
+    scales written into the tensors the weights hold (torchao's makes new ones at every call,
+    which a CUDA graph cannot follow), from the local shards' plain data."""
     from composable.integrations.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     precompute_float8_dynamic_scale_for_fsdp(model)

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _harness import requires_gpus, run_on_ranks
+from _harness import count_collectives, requires_gpus, run_on_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -65,24 +65,33 @@ def test_a_failed_capture_names_the_steps_own_error() -> None:
     assert "must not synchronise with the CPU" in str(sync)
 
 
-def _precompute_matches_torchao(rank: int, world: int) -> None:
+def _precompute_matches_torchao(rank: int, world: int, mesh_shape: tuple[int, ...], through_dtensor: bool) -> list[int]:
+    """Ours against torchao's over 3 steps; returns the number of collectives each of our
+    calls issued. `through_dtensor`: ours takes its DTensor way (as where the local shards do
+    not qualify)."""
     from test_float8 import _float8_net, _mesh, _shard
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp as torchao_precompute
 
+    from composable.integrations import float8
     from composable.integrations.float8 import precompute_float8_dynamic_scale_for_fsdp as ours
 
-    net = _shard(_float8_net("cpu"), fully_shard, _mesh("cpu", (world,)))
+    if through_dtensor:
+        float8._amax_from_local_shards = lambda weights: None
+    net = _shard(_float8_net("cpu"), fully_shard, _mesh("cpu", mesh_shape))
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     locals_ = [p._local_tensor for n, p in net.named_parameters() if n.endswith(("up.weight", "down.weight"))]
     ours(net)  # the first call makes the scale tensors
     assert not any(t._precomputed_scale.requires_grad for t in locals_), "scales requiring grad recompile the blocks"
+    collectives = []
     for step in range(3):
         net(torch.randn(16, 32)).sum().backward()
         opt.step()
         opt.zero_grad()
         torchao_precompute(net)  # new scale tensors, every call
         expected = [t._precomputed_scale.clone() for t in locals_]
-        ours(net)
+        with count_collectives() as counts:
+            ours(net)
+        collectives.append(counts.total)
         held = [t._precomputed_scale for t in locals_]
         assert all(torch.equal(a, b) for a, b in zip(held, expected)), (step, held, expected)
         for t in held:
@@ -91,11 +100,21 @@ def _precompute_matches_torchao(rank: int, world: int) -> None:
         now = [t._precomputed_scale for t in locals_]
         assert all(a is b for a, b in zip(now, held)), "the scales were not updated in place"
         assert all(torch.equal(a, b) for a, b in zip(now, expected)), (step, now, expected)
+    return collectives
 
 
-def test_float8_precompute_matches_torchao_in_place() -> None:
+@pytest.mark.parametrize(
+    "mesh_shape, through_dtensor, collectives",
+    [((2,), False, 1), ((2,), True, 1), ((1, 2), False, 1), ((2, 1), False, 0)],
+)
+def test_float8_precompute_matches_torchao_in_place(
+    mesh_shape: tuple[int, ...], through_dtensor: bool, collectives: int
+) -> None:
+    """Bit for bit torchao's scales, in place, with one all-reduce over the sharded mesh
+    dimension (none where the weights are whole on every rank: HSDP with shard groups of one)."""
     pytest.importorskip("torchao")
-    run_on_ranks(_precompute_matches_torchao, 2)
+    for counts in run_on_ranks(_precompute_matches_torchao, 2, mesh_shape, through_dtensor, fresh=through_dtensor):
+        assert counts == [collectives] * 3, counts
 
 
 def test_float8_precompute_refuses_a_non_module() -> None:

@@ -7,7 +7,10 @@ as under FSDP2, but it hands each weight a new scale tensor at every call, which
 cannot follow (a graph replays the addresses it captured: the next forward would read the
 scales of the step before the capture forever). `precompute_float8_dynamic_scale_for_fsdp`
 here computes the same scales, bit for bit, with the same single all-reduce, and writes them
-into the tensors the weights already hold, so `composable.graphed_step` can capture it.
+into the tensors the weights already hold, so `composable.graphed_step` can capture it. It
+also costs less host time: it reads the plain data of the local shards instead of sending a
+hundred weights through DTensor's and torchao's dispatch (about 3 ms per step at the 1B
+benchmark model, where an eager float8 step is host-bound).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -25,9 +29,10 @@ _API = "precompute_float8_dynamic_scale_for_fsdp"
 def precompute_float8_dynamic_scale_for_fsdp(module: nn.Module) -> None:
     """Compute the float8 scale of every torchao float8 weight under `module` for its next
     all-gather, as `torchao.float8.precompute_float8_dynamic_scale_for_fsdp` does (the same
-    arithmetic: `finfo(float8).max / max(|w|)` over the whole weight, one all-reduce for all),
-    writing into each weight's existing scale tensor where it has one (the first call makes
-    them). Call it after each optimizer step, inside a `graphed_step` step too.
+    arithmetic: `finfo(float8).max / max(|w|)` over the whole weight, one all-reduce for all
+    over the sharded mesh dimension, none where that dimension has one rank), writing into
+    each weight's existing scale tensor where it has one (the first call makes them). Call it
+    after each optimizer step, eagerly or inside a `graphed_step` step.
 
     Needs torchao; raises `ImportError` naming it otherwise. Weights that are not sharded
     DTensors of torchao's `WeightWithDynamicFloat8CastTensor` are left alone, as torchao does.
@@ -58,12 +63,15 @@ def precompute_float8_dynamic_scale_for_fsdp(module: nn.Module) -> None:
         )
     (target,) = target_dtypes
     weights = [m.weight for m in linears]
-    amax = torch.clamp(torch.stack(torch._foreach_norm(weights, ord=math.inf)), EPS)  # the one all-reduce
+    amax = _amax_from_local_shards(weights)
+    if amax is None:  # through DTensor: the max of each weight's local shards is a Partial, reduced once
+        amax = torch.stack(torch._foreach_norm(weights, ord=math.inf))
+    amax = torch.clamp(amax, EPS)
     origin = amax.dtype
     scales = torch.finfo(target).max / amax.to(torch.float64)  # float64, as torchao: eager equals compiled
     if origin is torch.float16:
         scales = torch.clamp(scales, max=torch.finfo(torch.float16).max)
-    local = scales.to_local().to(torch.float32)
+    local = (scales.to_local() if isinstance(scales, DTensor) else scales).to(torch.float32)
     locals_ = [m.weight._local_tensor for m in linears]
     held = [t._precomputed_scale for t in locals_]
     if all(
@@ -74,3 +82,26 @@ def precompute_float8_dynamic_scale_for_fsdp(module: nn.Module) -> None:
         return
     for i, t in enumerate(locals_):
         t._precomputed_scale = local[i]
+
+
+def _amax_from_local_shards(weights: list[DTensor]) -> torch.Tensor | None:
+    """`max(|w|)` of every weight as a plain tensor, from the plain data of the local shards
+    and one all-reduce (MAX) over each mesh dimension the weights are sharded on: the values
+    DTensor computes, without its dispatch and torchao's over every weight (milliseconds of
+    host time per step at a hundred weights). None where that does not apply (weights on
+    different meshes or placements, a placement other than Shard and Replicate, an empty local
+    shard): then DTensor computes it."""
+    mesh, placements = weights[0].device_mesh, weights[0].placements
+    if not all(p.is_shard() or p.is_replicate() for p in placements):
+        return None
+    plain = []
+    for weight in weights:
+        data = weight._local_tensor._tensor
+        if weight.device_mesh is not mesh or weight.placements != placements or data.numel() == 0:
+            return None
+        plain.append(data)
+    amax = torch.stack(torch._foreach_norm(plain, ord=math.inf))
+    for dim, placement in enumerate(placements):
+        if placement.is_shard() and mesh.size(dim) > 1:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+    return amax
