@@ -280,10 +280,12 @@ class ParamGroup:
             self._coalesced_gather_ok = streams is not None and comm.supports_coalesced_gather(
                 lay.shard_group, self.flat_shard
             )
-        direct = gathers_directly(self.flat_params, self._coalesced_gather_ok, full_group=source is self.flat_shard)
-        custom = getattr(self, "all_gather_comm", None)  # set_custom_all_gather (an FSDP2 `AllGather`)
+        custom = getattr(self, "all_gather_comm", None)  # set_custom_all_gather (an FSDP2 `AllGather`): flat way
+        direct = custom is None and gathers_directly(
+            self.flat_params, self._coalesced_gather_ok, full_group=source is self.flat_shard
+        )
         riders = None  # the group's float8 weights ride in the flat parameters' collective where it is direct
-        if direct and custom is None and self.extension_params and streams is not None:
+        if direct and self.extension_params and streams is not None:
             riders = extension.prepare_batched(
                 self.extension_params, lay.shard_world, lay.shard_rank, streams.all_gather
             )
