@@ -84,12 +84,13 @@ def start_gather(
     on `device`, on the all-gather stream when there is one. `source` is the 1D input (this
     rank's region of `region_numel` elements, or after `reshard_after_forward=N` the N-rank
     group's share of regions); the output holds the `world` regions of the shard group.
-    `custom` (an FSDP2 `AllGather`, flat way only) allocates the output and gathers into it.
+    `direct` is `gathers_directly`'s answer, never with a `custom` all-gather (an FSDP2
+    `AllGather`, flat way only), which allocates the output and gathers into it.
     `riders` (direct way only) travel in the same collective: their inputs are filled on the
     all-gather stream (`riders.cast()`) before it is issued, so a group is one collective, one
     stream switch and one event however its parameters are gathered."""
     n = source.numel()  # a post-forward shard holds several ranks' regions: `world` counts those
-    direct = direct and custom is None
+    assert not (direct and custom is not None), "a custom all-gather takes the flat way"
     assert riders is None or direct, "riders travel only in a direct gather"
     travels = n > 0 or riders is not None  # the flat buffer may be empty (only extension parameters)
     async_op = streams is None
