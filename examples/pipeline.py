@@ -205,7 +205,9 @@ class Pipeline:
         def step(xs: torch.Tensor, ys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
             losses: list[torch.Tensor] = []
             kwargs: dict[str, Any] = dict(target=ys, losses=losses) if last else {}
-            schedule.step(xs, **kwargs) if first else schedule.step(**kwargs)
+            # Contiguous: torch 2.11's stages check the first stage's input strides against the
+            # microbatch they traced with, and `tokens[:, :-1]` is a strided view.
+            schedule.step(xs.contiguous(), **kwargs) if first else schedule.step(**kwargs)
             loss = torch.zeros((), device=device)
             if last:  # equal microbatches: their mean is the batch's mean loss
                 loss = torch.stack([v.detach().float() for v in losses]).mean()
