@@ -18,6 +18,7 @@ With fewer than 4 GPUs the GPU forms skip (`pytest -m gpu` selects them).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import sys
@@ -63,6 +64,16 @@ def _tokens(step: int, dp_rank: int | None, dp: int, device: str) -> torch.Tenso
     full = torch.randint(0, CFG.vocab_size, (dp * BATCH, CFG.max_seq_len + 1), generator=g)
     rows = full if dp_rank is None else full[dp_rank * BATCH : (dp_rank + 1) * BATCH]
     return rows.to(_device(device))
+
+
+def _deterministic_attention(device: str) -> contextlib.AbstractContextManager[object]:
+    """On GPUs, SDPA's math kernel: the flash kernel's backward may accumulate in any order,
+    and bit-for-bit parity must compare the libraries, not the attention kernel's atomics."""
+    if device != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.MATH])
 
 
 def _lay_out(model: Transformer, mesh: DeviceMesh, kind: str, api: str, mixed: bool) -> Transformer:
@@ -111,8 +122,9 @@ def _vs_fsdp2(rank: int, world: int, kind: str, device: str) -> list[float]:
         tokens = _tokens(step, dp_rank, dp, device)
         got = []
         for m in (ours, theirs):
-            loss = lm_loss(m(tokens[:, :-1]), tokens[:, 1:])
-            loss.backward()
+            with _deterministic_attention(device):
+                loss = lm_loss(m(tokens[:, :-1]), tokens[:, 1:])
+                loss.backward()
             got.append(loss.detach())
         assert torch.equal(got[0], got[1]), (step, got)
         for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
