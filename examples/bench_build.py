@@ -6,7 +6,8 @@ Every contender is built the same way, in the order the APIs need:
 3. with `compile_backend`, every block (`TransformerBlock` / `LlamaDecoderLayer`) `.compile()`d,
    before any API is applied, as torchtitan does;
 4. the API: nothing (floor), `fully_shard` on every sharding unit bottom-up (ours or FSDP2),
-   or `replicate` on the root;
+   or `replicate` on the root; on `--mesh hsdp` / `tp` (bench_mesh.py) the FSDP-style ones
+   shard over its data-parallel mesh, under `tp` after the blocks' tensor-parallel plan;
 5. materialised on the device and initialised *after* sharding (each rank fills its shards);
 6. DDP last: it broadcasts rank 0's initialised parameters when it is constructed.
 The floor and DDP compute in fp32 under bf16 autocast; fully_shard, FSDP2 and replicate keep
@@ -21,6 +22,7 @@ from typing import NamedTuple
 
 import bench_float8
 import torch
+from bench_mesh import MESH_RUNS, BenchMesh, tensor_parallel
 from model import ModelConfig, Transformer
 from torch import nn
 
@@ -123,12 +125,18 @@ def build(
     model: str = "own",
     compile_backend: str | None = None,
     float8: bool = False,
+    mesh: BenchMesh | None = None,
 ) -> Contender:
     """Contender `run` (one of ALL_RUNS) on `device` for model `model` (one of MODELS), with
     torchao float8 training if `float8`; see the module doc. A graphed run builds the same
-    contender as its eager one: the benchmark graphs its step."""
+    contender as its eager one: the benchmark graphs its step. `mesh` (bench_mesh.py; None:
+    `--mesh dp`): fully_shard and FSDP2 shard over its data-parallel mesh, after tensor
+    parallelism under `--mesh tp`; the floors ignore it."""
     if run not in ALL_RUNS:
         raise ValueError(f"build: run must be one of {ALL_RUNS}, got {run!r}")
+    allowed = MESH_RUNS[mesh.kind] if mesh is not None else None
+    if allowed is not None and run not in allowed:
+        raise ValueError(f"build: run {run!r} does not run on --mesh {mesh.kind}; runs there: {allowed}")
     run = run.removesuffix("_graphed")
     if model not in MODELS:
         raise ValueError(f"build: model must be one of {MODELS}, got {model!r}")
@@ -147,8 +155,11 @@ def build(
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
             shard, mpp = fully_shard, MixedPrecisionPolicy(**bf16)
+        if mesh is not None:
+            tensor_parallel(blocks(net), mesh)  # --mesh tp: the blocks' TP plan first, as train.py
+        dp_mesh = None if mesh is None else mesh.dp_mesh  # None: the API's default world mesh
         for module in sharding_units(net, wrap):
-            shard(module, mp_policy=mpp)
+            shard(module, mesh=dp_mesh, mp_policy=mpp)
     elif run == "replicate":
         composable.replicate(net, mp_policy=composable.MixedPrecisionPolicy(**bf16))
     net.to_empty(device=device)
