@@ -20,6 +20,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import _checkpoint_without_reentrant_generator, noop_context_fn
 
 from .._engine.autograd import run_eagerly
+from .._engine.compile_boundary import keep_hooks_outside_graphs
 from .._engine.contract import (
     check_bool,
     check_module,
@@ -96,6 +97,7 @@ def checkpoint(module: nn.Module, *, preserve_rng_state: bool = True) -> nn.Modu
         raise RuntimeError("checkpoint: the checkpoint context was entered twice")
 
     # Eager even when the module is compiled: the checkpoint context wraps the compiled forward.
+    keep_hooks_outside_graphs(module, api)
     register_outermost_pre_hook(module, run_eagerly(pre_hook))
     module.register_forward_hook(run_eagerly(post_hook), prepend=True, always_call=True)
     install_state(module, api, state)
