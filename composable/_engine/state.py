@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from .autograd import any_requires_grad, attach_post_backward, attach_pre_backward, cast_floating, run_eagerly
+from .compile_boundary import keep_hooks_outside_graphs
 from .contract import check_bool, keep_post_hook_last, param_states, register_api_pre_hook
 from .group import ParamGroup
 from .late_params import check_no_late_params
@@ -97,6 +98,7 @@ class ModuleState:
         self._hook_handles = []
         self._post_hook_ids: list[int] = []  # per listed module: its post-forward hook, kept last
         for m in self.modules:
+            keep_hooks_outside_graphs(m, self.api_name)
             post_hook = m.register_forward_hook(self._post_forward, always_call=False)
             self._post_hook_ids.append(post_hook.id)
             self._hook_handles += [
