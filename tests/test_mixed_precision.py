@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from composable import MixedPrecisionPolicy, fully_shard
+from composable._engine.grad_dtype import FOLLOWS_GRAD_DTYPE
 
 bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -135,17 +136,18 @@ def _reduce_dtypes(rank: int, world_size: int, model_dtype: torch.dtype) -> list
 
 @pytest.mark.parametrize("model_dtype", [fp32, fp16])
 def test_reduce_dtype_semantics(model_dtype: torch.dtype) -> None:
-    """reduce_dtype if set, else param_dtype, else the parameter's own dtype; the sharded
-    gradient always ends in the parameter's dtype."""
+    """reduce_dtype if set, else (as the installed FSDP2: torch < 2.15) param_dtype, else the
+    parameter's own dtype; the sharded gradient always ends in the parameter's dtype."""
     found = run_on_ranks(_reduce_dtypes, 2, model_dtype)[0]
     own = str(model_dtype)
+    unset = str(bf16) if not FOLLOWS_GRAD_DTYPE else own  # reduce dtype of param_dtype=bf16 alone
     expected = [
         ("None/None", own, own),
-        ("torch.bfloat16/None", "torch.bfloat16", "torch.bfloat16"),
+        ("torch.bfloat16/None", "torch.bfloat16", unset),
         ("torch.bfloat16/torch.float32", "torch.bfloat16", "torch.float32"),
         ("None/torch.bfloat16", own, "torch.bfloat16"),
         ("torch.float16/torch.bfloat16", "torch.float16", "torch.bfloat16"),
-        ("torch.float32/None", "torch.float32", "torch.float32"),
+        ("torch.float32/None", "torch.float32", "torch.float32" if not FOLLOWS_GRAD_DTYPE else own),
         ("torch.float16/torch.float32", "torch.float16", "torch.float32"),
     ]
     assert found == expected

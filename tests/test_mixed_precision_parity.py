@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from composable import CPUOffloadPolicy, MixedPrecisionPolicy
+from composable._engine.grad_dtype import FOLLOWS_GRAD_DTYPE, default_reduce_dtype
 
 bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
 STEPS = 3
@@ -135,7 +136,10 @@ def _reference_step(
     averaged, cast back to `ref`'s dtype and set as `ref`'s gradients. Returns the losses."""
     own = next(ref.parameters()).dtype
     compute = copy.deepcopy(ref).to(param_dtype or own)
-    reduce = reduce_dtype or param_dtype or own
+    reduce = reduce_dtype or default_reduce_dtype(param_dtype, own)
+    if FOLLOWS_GRAD_DTYPE and reduce.itemsize < (param_dtype or own).itemsize:
+        for p in compute.parameters():  # autograd casts each contribution (tied weights: two)
+            p.grad_dtype = reduce
     # Half-precision reductions divide before summing (avoids overflow; PyTorch FSDP2 does the
     # same); this is exact except for subnormals, so the reference must do it too.
     pre, post = (world_size, 1) if reduce in (fp16, bf16) else (1, world_size)
@@ -176,7 +180,7 @@ def _pure_fp16(
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     gather_dtype = str(param_dtype or fp16)
-    reduce_dtype_str = str(reduce_dtype or param_dtype or fp16)
+    reduce_dtype_str = str(reduce_dtype or default_reduce_dtype(param_dtype, fp16))
     for step in range(STEPS):
         with trace_collectives() as t:
             loss = lm_loss(model, batch_for(step, world_size, rank))

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from composable import MixedPrecisionPolicy, fully_shard, no_sync, replicate
+from composable._engine.grad_dtype import default_reduce_dtype
 
 STEPS = 4
 
@@ -177,8 +178,10 @@ def _mixed_precision(rank: int, world_size: int) -> None:
         loss = loss_fn(model, data(step, rank))
         loss.backward()
         assert seen[-2:] == [torch.bfloat16, torch.bfloat16], seen  # computes in bf16
-        # Reference: each rank's bf16 gradient, halved and summed in bf16 (the reduce dtype
-        # defaults to param_dtype), then cast to the fp32 parameters.
+        # Reference: each rank's bf16 gradient, halved and summed in the default reduce dtype
+        # (as the installed FSDP2: bf16, param_dtype, before torch 2.15; fp32, the parameters'
+        # own dtype, from 2.15 on), then cast to the fp32 parameters.
+        reduce = default_reduce_dtype(torch.bfloat16, torch.float32)
         grads, losses = [], []
         for r in range(world_size):
             low = copy.deepcopy(ref).to(torch.bfloat16)
@@ -189,7 +192,7 @@ def _mixed_precision(rank: int, world_size: int) -> None:
             grads.append([p.grad for p in low.parameters()])
         assert torch.equal(loss, losses[rank]), (step, loss.item(), losses[rank].item())
         for (n, p), q, *gs in zip(model.named_parameters(), ref.parameters(), *grads):
-            q.grad = sum(g / world_size for g in gs).float()
+            q.grad = sum(g.to(reduce) / world_size for g in gs).float()
             assert p.dtype == torch.float32 and p.grad.dtype == torch.float32, n
             assert_close_tensors(p.grad, q.grad, atol=1e-6, rtol=1e-5, msg=f"grad {n} step {step}")
         optim.step()

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from . import collectives as comm
+from .grad_dtype import default_reduce_dtype
 from .layout import DataParallelLayout
 from .no_sync import NoSyncSums
 from .reduce_options import ReduceOptions
@@ -71,7 +72,7 @@ class GroupDtypes:
 
     @property
     def reduce(self) -> torch.dtype:
-        return self.reduce_policy or self.param_dtype or self.orig
+        return self.reduce_policy or default_reduce_dtype(self.param_dtype, self.orig)
 
 
 @dataclass(frozen=True)

@@ -314,6 +314,7 @@ class ModuleState:
             self.group.reducer.drop_discarded_sums()  # zero_grad since a no-sync backward
             if self.unshard_in_backward:
                 self.group.unshard()
+            self.group.set_unsharded_grad_dtypes(reducing=self.requires_gradient_sync)
         for other in self.backward_prefetch or self._implicit_backward_prefetch():
             if other.group is not None and other.training_state is not TrainingState.PRE_BACKWARD:
                 if other.unshard_in_backward:
