@@ -73,6 +73,7 @@ class ParamGroup:
         # end of forward to backward's all-gather within its N ranks (1D, unsharded dtype).
         self._post_forward_shard: tuple[torch.Tensor, int] | None = None
         self._kept_versions: tuple[int, ...] | None = None  # see `keep_unsharded`
+        self.keep_unsharded_storage = False  # set_keep_unsharded_storage: reshard keeps it (stable data pointers)
         self._coalesced_gather_ok: bool | None = None  # see `gather.gathers_directly`
         # Replicated groups that cast (or copy back from the CPU): one persistent flat buffer
         # in the unsharded dtype, refilled in place, the unsharded parameters views of it.
@@ -368,13 +369,12 @@ class ParamGroup:
             self.wait_for_unshard()
         if self.state is GroupState.SHARDED:
             return
-        for mp in self.flat_params:
+        for mp in self.params:
             mp.register(mp.sharded_param)
-        if not self._unsharded_aliases_shard:
-            free_storages(self.flat_params, self.streams)
-        for mp in self.extension_params:
-            mp.register(mp.sharded_param)
-        extension.free(self.extension_params)
+        if not self.keep_unsharded_storage:
+            if not self._unsharded_aliases_shard:
+                free_storages(self.flat_params, self.streams)
+            extension.free(self.extension_params)
         self.state = GroupState.SHARDED
         self._unsharded_registered = False
 

@@ -7,7 +7,7 @@ its state, `fully_shard.state(m)`, has those methods. This opt-in adapter does w
 and the core does not: `as_fsdp_module(m)` swaps `m.__class__` for a subclass of
 `(ComposableFSDPModule, type(m))`, where `ComposableFSDPModule` derives from FSDP2's
 `FSDPModule` and forwards each method to `fully_shard.state(m)`: every public method of
-torch 2.11-2.13's `FSDPModule` has its counterpart there (docs/fsdp2_methods.md). A method a
+torch 2.11-2.15's `FSDPModule` has its counterpart there (docs/fsdp2_methods.md). A method a
 later torch adds, and FSDP2's private ones, raise `NotImplementedError` naming the method
 (`UNSUPPORTED_METHODS` lists them). Parameter names, `state_dict()`
 and `copy.deepcopy` are unchanged; `restore_class(m)` undoes the swap.
@@ -71,6 +71,15 @@ class ComposableFSDPModule(FSDPModule):
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         _reject_torch_pipeline_stage(sys._getframe(1), self)
         self._composable_state("set_is_last_backward").set_is_last_backward(is_last_backward)
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        self._composable_state("set_manual_backward_finalization").set_manual_backward_finalization(enabled)
+
+    def finalize_backward(self, *, async_op: bool = False) -> Any:
+        return self._composable_state("finalize_backward").finalize_backward(async_op=async_op)
+
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        self._composable_state("set_keep_unsharded_storage").set_keep_unsharded_storage(keep, recurse=recurse)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         self._composable_state("set_requires_gradient_sync").set_requires_gradient_sync(
