@@ -56,6 +56,10 @@ class GroupConfig:
 class ParamGroup:
     """Sharded storage and communication for a list of parameters of one module subtree."""
 
+    # Whether the modules keep showing the unsharded parameters where storage is kept between
+    # forward and backward (`register_sharded`); the FSDP2 module adapter sets it, as FSDP2 does.
+    shows_unsharded_between_passes: bool = False
+
     def __init__(self, params: list[ManagedParam], originals: list[torch.Tensor], config: GroupConfig) -> None:
         self.params = params
         # Parameters whose local shard implements FSDP2's all-gather extension keep storage of
@@ -226,6 +230,8 @@ class ParamGroup:
         forward (activation checkpointing)."""
         if self.state is GroupState.UNSHARDING:
             self.wait_for_unshard()
+        if self.shows_unsharded_between_passes:
+            return  # FSDP2's module interface (integrations.fsdp2_module): the unsharded ones stay, as in FSDP2
         for mp in self.params:
             mp.register(mp.sharded_param)
         self._unsharded_registered = False

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from . import alone
 from . import collectives as comm
 from .grad_dtype import default_reduce_dtype
 from .layout import DataParallelLayout
@@ -205,9 +206,9 @@ class GradReducer(NoSyncSums, ReduceOptions):
         # the presence flags (one per parameter, at the end of every region): after the sum,
         # a rank knows which gradients any rank produced, even for its own missing ones.
         flags = self._presence_flags(present, grads[0].dtype)
-        # dim > 0 parameters are chunked in the moved layout (a permuted view: _chunk_cat copies).
+        # dim > 0 parameters go in as their rank-major regions (each rank's contiguous shard).
         pieces = [
-            gr.expand(world) if gr.dim() == 0 else gr.movedim(mp.layout.dim, 0) if mp.layout.dim else gr
+            gr.expand(world) if gr.dim() == 0 else mp.layout.full_to_regions(gr, world) if mp.layout.dim else gr
             for mp, gr in zip(params, grads)
         ] + [flags.expand(world, len(present)).contiguous()]
         custom = self.reduce_scatter_comm
@@ -240,7 +241,7 @@ class GradReducer(NoSyncSums, ReduceOptions):
             red.flags = (out, out.numel() - len(present))
             async_op = streams is None
             group = self.reduce_scatter_group or lay.shard_group
-            red.works.append(comm.reduce_scatter(out, flat_in, group, average, async_op, custom))
+            red.works.append(alone.reduce_scatter(out, flat_in, group, average, async_op, custom))
             if lay.replicate_groups:
                 if self.requires_all_reduce:
                     if async_op:

@@ -226,7 +226,17 @@ def as_fsdp_module(module: nn.Module) -> nn.Module:
         adapted.__module__ = cls.__module__
         _classes[cls] = adapted
     module.__class__ = adapted
+    _show_unsharded_between_passes(module, True)
     return module
+
+
+def _show_unsharded_between_passes(module: nn.Module, show: bool) -> None:
+    """FSDP2 keeps the unsharded parameters registered after a forward that does not reshard
+    (`reshard_after_forward=False`) until backward reshards; composable's core shows the
+    sharded ones meanwhile (docs/migrating.md). The adapter does as FSDP2."""
+    state = fully_shard.state(module)
+    if state is not None and state.group is not None:
+        state.group.shows_unsharded_between_passes = show
 
 
 def as_fsdp_modules(root: nn.Module) -> nn.Module:
@@ -241,6 +251,7 @@ def restore_class(module: nn.Module) -> nn.Module:
     """Undo `as_fsdp_module`: `module` gets its own class back; returns `module`."""
     if isinstance(module, ComposableFSDPModule):
         module.__class__ = type(module)._composable_orig_cls
+        _show_unsharded_between_passes(module, False)
     return module
 
 
