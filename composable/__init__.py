@@ -6,6 +6,7 @@ returns the same module: `fully_shard` (FSDP), `replicate` (DDP) and `checkpoint
 """
 
 from ._engine.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._engine.spmd import DataParallelMeshDims
 from .accumulate import no_sync, set_requires_gradient_sync
 from .checkpoint import checkpoint
 from .clip_grad import clip_grad_norm_
@@ -23,6 +24,7 @@ __all__ = [
     "OffloadPolicy",
     "CPUOffloadPolicy",
     "ShardingStrategy",
+    "DataParallelMeshDims",
     "no_sync",
     "set_requires_gradient_sync",
     "clip_grad_norm_",
