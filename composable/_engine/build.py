@@ -22,6 +22,7 @@ from .layout import DataParallelLayout
 from .mesh import compute_device
 from .optim_state import install_step_hook
 from .param import DTensorSpecLite, ManagedParam, ParamLayout
+from .placement_result import placement_of
 from .replicas import check_same_model, sync_replicas
 from .spmd import SpmdDims, check_spmd_param, make_spmd_param
 
@@ -139,7 +140,7 @@ def _shard_dim(api: str, fqn: str, param: torch.Tensor, layout: DataParallelLayo
     fn = options.shard_placement_fn
     if fn is None or not layout.sharded or param.dim() == 0:
         return 0
-    placement = fn(param)  # type: ignore[arg-type]
+    placement = placement_of(api, fqn, fn(param), layout)  # type: ignore[arg-type]
     if placement is None:
         return 0
     if not isinstance(placement, Shard) or type(placement) is not Shard:

@@ -12,8 +12,8 @@ from torch.distributed.tensor import Shard
 from .._engine.build import GroupOptions, ListedModules, build_group
 from .._engine.contract import check_composable, check_module, install_state, owning_api, state_of
 from .._engine.mesh import check_mesh, default_mesh
-from .._engine.spmd import DataParallelMeshDims
 from .._engine.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, check_policies
+from .._engine.spmd import DataParallelMeshDims
 from ._state import FSDPState
 from .strategy import ShardingStrategy, normalize_reshard, resolve_strategy, spmd_strategy
 

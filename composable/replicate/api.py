@@ -9,8 +9,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from .._engine.build import GroupOptions, build_group
 from .._engine.contract import check_composable, check_module, install_state, state_of
 from .._engine.mesh import check_mesh, default_mesh, infer_device_type, mesh_from_process_group
-from .._engine.spmd import DataParallelMeshDims, resolve_dp_mesh_dims
 from .._engine.policies import MixedPrecisionPolicy, check_policies
+from .._engine.spmd import DataParallelMeshDims, resolve_dp_mesh_dims
 from ._state import ReplicateState
 
 
