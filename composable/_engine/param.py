@@ -138,6 +138,7 @@ class ManagedParam:
     requires_grad: bool  # at the call; `wants_grad` is the live value (users may freeze later)
     spec: "DTensorSpecLite | None" = None  # how the sharded parameter presents itself
     tp: "DTensorSpecLite | None" = None  # tensor-parallel spec of the unsharded parameter, if any
+    dp_dims: frozenset = frozenset()  # dp_mesh_dims: dims of `tp`'s mesh the group reduces over (spmd.py)
     sharded_param: nn.Parameter | None = None  # DTensor parameter the optimizer sees
     unsharded_param: nn.Parameter | None = None  # plain parameter the module computes with
     unsharded_padded: torch.Tensor | None = None  # 1D padded storage behind unsharded_param

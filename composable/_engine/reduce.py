@@ -25,6 +25,7 @@ from .grad_dtype import default_reduce_dtype
 from .layout import DataParallelLayout
 from .no_sync import NoSyncSums
 from .reduce_options import ReduceOptions
+from .spmd import grad_to_local
 from .streams import CommStreams, current_stream, stream_context
 
 if TYPE_CHECKING:
@@ -145,7 +146,7 @@ class GradReducer(NoSyncSums, ReduceOptions):
                     local = visible._local_tensor.to(self.spec.device)
                     g = local if g is None else local.add_(g)
             if isinstance(g, DTensor):  # tensor parallel: complete pending TP reductions, go local
-                g = g.redistribute(mp.tp.mesh, mp.tp.placements).to_local()
+                g = grad_to_local(g, mp.tp, mp.dp_dims)
             present.append(g is not None)
             if g is None:
                 g = torch.zeros(mp.layout.shape, dtype=self.spec.dtypes.unsharded, device=self.spec.device)

@@ -286,11 +286,9 @@ def fsdp2_fully_shard(
     Takes FSDP2's policy objects (`torch.distributed.fsdp.MixedPrecisionPolicy`,
     `OffloadPolicy`, `CPUOffloadPolicy`) as well as composable's, and gives the sharded
     module(s) FSDP2's module interface (`as_fsdp_module`), so a framework that calls FSDP2's
-    `fully_shard` and then FSDP2's methods can be handed this function instead. torch 2.13's
-    `dp_mesh_dims` (full-DTensor storage meshes) is not supported: `NotImplementedError`.
+    `fully_shard` and then FSDP2's methods can be handed this function instead; `dp_mesh_dims`
+    (full-DTensor meshes) is passed on.
     """
-    if dp_mesh_dims is not None:
-        raise NotImplementedError(f"fully_shard: 'dp_mesh_dims' is not supported by composable, got {dp_mesh_dims!r}")
     mp, offload = _policies(
         mp_policy if mp_policy is not None else composable.MixedPrecisionPolicy(),
         offload_policy if offload_policy is not None else composable.OffloadPolicy(),
@@ -303,6 +301,7 @@ def fsdp2_fully_shard(
         mp_policy=mp,
         offload_policy=offload,
         ignored_params=ignored_params,
+        dp_mesh_dims=dp_mesh_dims,
     )
     for m in result if isinstance(result, (list, tuple)) else [result]:
         as_fsdp_module(m)
