@@ -4,7 +4,9 @@ Every contender is built the same way, in the order the APIs need:
 1. the model on the meta device (no memory, no init cost);
 2. with `float8`, its linears swapped for torchao's `Float8Linear` (bench_float8.py);
 3. with `compile_backend`, every block (`TransformerBlock` / `LlamaDecoderLayer`) `.compile()`d,
-   before any API is applied, as torchtitan does;
+   before any API is applied, as torchtitan does; with `ac` "full" or "selective" every block
+   checkpointed (composable's `checkpoint` for our contenders, torch's `checkpoint_wrapper`
+   for FSDP2 and DDP; "selective" keeps the matmuls: `composable.checkpoint.save_matmuls`);
 4. the API: nothing (floor), `fully_shard` on every sharding unit bottom-up (ours or FSDP2),
    or `replicate` on the root; on `--mesh hsdp` / `tp` (bench_mesh.py) the FSDP-style ones
    shard over its data-parallel mesh, under `tp` after the blocks' tensor-parallel plan;
@@ -33,6 +35,7 @@ RUNS = ("floor", "fully_shard", "fsdp2", "replicate", "ddp")
 GRAPHED_RUNS = ("floor_graphed", "fully_shard_graphed", "replicate_graphed")
 ALL_RUNS = RUNS + GRAPHED_RUNS
 MODELS = ("own", "hf-llama")
+AC_MODES = ("none", "full", "selective")  # activation checkpointing of every block
 WRAPS = ("separate-ends", "blocks")  # how fully_shard/FSDP2 group the model: see `sharding_units`
 HF_MISSING = "--model hf-llama needs HuggingFace transformers, which is not installed: pip install transformers"
 
@@ -125,6 +128,7 @@ def build(
     model: str = "own",
     compile_backend: str | None = None,
     float8: bool = False,
+    ac: str = "none",
     mesh: BenchMesh | None = None,
 ) -> Contender:
     """Contender `run` (one of ALL_RUNS) on `device` for model `model` (one of MODELS), with
@@ -140,6 +144,8 @@ def build(
     run = run.removesuffix("_graphed")
     if model not in MODELS:
         raise ValueError(f"build: model must be one of {MODELS}, got {model!r}")
+    if ac not in AC_MODES:
+        raise ValueError(f"build: ac must be one of {AC_MODES}, got {ac!r}")
     with torch.device("meta"):
         net = Transformer(cfg) if model == "own" else hf_llama(cfg)
     if float8:
@@ -147,6 +153,8 @@ def build(
     if compile_backend is not None:
         for block in blocks(net):
             block.compile(backend=compile_backend)
+    if ac != "none":
+        _checkpoint_blocks(net, run, ac)
     bf16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
     if run in ("fully_shard", "fsdp2"):
         if run == "fully_shard":
@@ -177,6 +185,23 @@ def build(
         after = bench_float8.after_step_in_place if run == "fully_shard" else bench_float8.after_step
         return Contender(net, autocast, logits, after)
     return Contender(net, autocast, logits)
+
+
+def _checkpoint_blocks(net: nn.Module, run: str, ac: str) -> None:
+    """Every block checkpointed: ours by `composable.checkpoint`; FSDP2's and DDP's as
+    torchtitan does, each block replaced by torch's `checkpoint_wrapper` (torch's composable
+    checkpoint with a `context_fn` trips over FSDP2's backward prefetch on torch 2.15: the
+    recompute meets ops the forward did not record)."""
+    options = {"context_fn": composable.checkpoint.save_matmuls()} if ac == "selective" else {}
+    if run not in ("fsdp2", "ddp"):
+        for block in blocks(net):
+            composable.checkpoint(block, **options)
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    layers = net.layers if isinstance(net, Transformer) else net.model.layers
+    for name, block in list(layers.named_children()):
+        layers.register_module(name, checkpoint_wrapper(block, **options))
 
 
 def _own_logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:

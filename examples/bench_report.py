@@ -36,8 +36,9 @@ def describe(args: argparse.Namespace) -> str:
     changed = [f"{k}={getattr(args, k)}" for k in ("dim", "n_layers", "n_heads", "ffn_dim") if getattr(args, k, None)]
     shape = f" ({' '.join(changed)})" if changed else ""
     float8 = ", float8 (torchao)" if getattr(args, "float8", False) else ""
+    ac = f", {args.ac} activation checkpointing" if getattr(args, "ac", "none") != "none" else ""
     return (
-        f"model {args.model}, preset {args.preset}{shape}{float8}, local batch {args.batch_size}, seq {args.seq_len}, "
+        f"model {args.model}, preset {args.preset}{shape}{float8}{ac}, local batch {args.batch_size}, seq {args.seq_len}, "
         f"wrap {args.wrap}, {compiled}, {args.rounds} rounds x {args.steps} steps, torch {torch.__version__}"
     )
 

@@ -48,7 +48,18 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # 
 
 import torch
 import torch.distributed as dist
-from bench_build import ALL_RUNS, GRAPHED_RUNS, HF_MISSING, MODELS, RUNS, WRAPS, Contender, build, hf_available
+from bench_build import (
+    AC_MODES,
+    ALL_RUNS,
+    GRAPHED_RUNS,
+    HF_MISSING,
+    MODELS,
+    RUNS,
+    WRAPS,
+    Contender,
+    build,
+    hf_available,
+)
 from bench_float8 import FLOAT8_MISSING, float8_available
 from bench_mesh import (
     MESH_DEFAULT_RUNS,
@@ -108,6 +119,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="every contender trains with torchao float8 linears (the head and dims not divisible by 16 excepted)",
     )
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend for --compile")
+    p.add_argument(
+        "--ac",
+        choices=AC_MODES,
+        default="none",
+        help="activation checkpointing of every block of every contender: full, or selective (keeps the matmuls)",
+    )
     p.add_argument("--out", default=None, help="write results JSON here")
     p.add_argument("--profile", default="", help="comma list of runs to profile (2 extra steps each, first round)")
     p.add_argument(
@@ -273,7 +290,15 @@ def time_run(
     forget_dtensor_caches()
     torch.manual_seed(0)
     c = build(
-        run, cfg, device, args.wrap, args.model, args.compile_backend if args.compile else None, args.float8, mesh=mesh
+        run,
+        cfg,
+        device,
+        args.wrap,
+        args.model,
+        args.compile_backend if args.compile else None,
+        args.float8,
+        args.ac,
+        mesh=mesh,
     )
     graphed = run in GRAPHED_RUNS
     opt = torch.optim.AdamW(c.model.parameters(), lr=1e-4, fused=True, capturable=graphed)

@@ -50,7 +50,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="compute dtype: bf16 = bf16 params / fp32 reduce; fp16 adds ShardedGradScaler (default: bf16 on GPU, fp32 on CPU)",
     )
-    p.add_argument("--activation-checkpointing", action="store_true", help="checkpoint() every transformer block")
+    p.add_argument(
+        "--ac",
+        choices=["none", "full", "selective"],
+        default="none",
+        help="activation checkpointing of every transformer block: full (checkpoint()), or selective "
+        "(checkpoint(context_fn=save_matmuls()): keeps the matmul outputs, recomputes the rest)",
+    )
+    p.add_argument(
+        "--activation-checkpointing", dest="ac", action="store_const", const="full", help="the same as --ac full"
+    )
     p.add_argument(
         "--cpu-offload",
         action="store_true",
@@ -164,6 +173,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(problem)
     if args.lr is None:
         args.lr = PRESET_LR[args.preset]
+    args.activation_checkpointing = args.ac != "none"  # what the memory estimate and the stages read
     return args
 
 
@@ -336,7 +346,7 @@ def check_memory(
         raise UsageError(
             f"--seq-len {seq_len} with --batch-size {args.batch_size} needs at least {need / 2**30:.1f} GiB per rank, "
             f"more than the {available / 2**30:.1f} GiB {where}; lower --seq-len or --batch-size"
-            + ("" if args.activation_checkpointing else ", or add --activation-checkpointing")
+            + ("" if args.activation_checkpointing else ", or add --ac full")
         )
 
 

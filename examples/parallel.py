@@ -5,6 +5,7 @@ in order."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -72,6 +73,16 @@ def tp_plan() -> dict[str, ParallelStyle]:
     return plan
 
 
+def checkpoint_blocks(blocks: Iterable[nn.Module], ac: str) -> None:
+    """`--ac`: "full" checkpoints every block; "selective" keeps the outputs of its matmuls
+    (torchtitan's op-level policy) and recomputes the rest; "none" does nothing."""
+    if ac == "none":
+        return
+    options = {"context_fn": checkpoint.save_matmuls()} if ac == "selective" else {}
+    for block in blocks:
+        checkpoint(block, **options)
+
+
 def parallelize(model: Transformer, args: argparse.Namespace, mesh: DeviceMesh, dp_mesh: DeviceMesh) -> None:
     """Apply torch.compile / checkpoint / tensor parallelism / fully_shard or replicate, in
     that order: per block first, then the root (see `sharding_units`)."""
@@ -82,9 +93,7 @@ def parallelize(model: Transformer, args: argparse.Namespace, mesh: DeviceMesh, 
         # so the APIs applied below change nothing the compiled code depends on.
         for block in model.layers:
             block.compile(backend=args.compile_backend)
-    if args.activation_checkpointing:
-        for block in model.layers:
-            checkpoint(block)
+    checkpoint_blocks(model.layers, args.ac)
     if args.parallel == "tp":
         if model.cfg.n_heads % args.tp_size:
             raise UsageError(f"--tp-size {args.tp_size} must divide n_heads {model.cfg.n_heads}")
