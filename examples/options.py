@@ -25,7 +25,7 @@ from parallel import UsageError
 from pipeline import SCHEDULES, validate_pp
 
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
-FAULT = re.compile(r"(\d+):(KILL|STOP|TERM|SEGV):(\d+)")
+FAULT = re.compile(r"(\d+):(KILL|STOP|TERM|SEGV|EXITHANG):(\d+)")  # EXITHANG: the teardown blocks
 CUDA_GRAPH_PARALLEL = ("fsdp", "hsdp", "replicate")  # what --cuda-graph supports
 
 
@@ -166,7 +166,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # tests: stop as if killed after step N
     p.add_argument(
         "--fault", default=None, help=argparse.SUPPRESS
-    )  # tests: RANK:KILL|STOP|TERM|SEGV:STEP, a rank signals itself
+    )  # tests: RANK:KILL|STOP|TERM|SEGV:STEP, a rank signals itself; RANK:EXITHANG:0, its teardown blocks
     args = p.parse_args(argv)
     problem = validate(args)
     if problem:
@@ -236,7 +236,7 @@ def validate(args: argparse.Namespace) -> str | None:
     if args.run_id is not None and not RUN_ID.fullmatch(args.run_id):
         return f"--run-id must be letters, digits, '.', '_' or '-' (at most 100, not starting with '.'), got {args.run_id!r}"
     if args.fault is not None and not FAULT.fullmatch(args.fault):
-        return f"--fault must be RANK:KILL|STOP|TERM|SEGV:STEP, got {args.fault!r}"
+        return f"--fault must be RANK:KILL|STOP|TERM|SEGV|EXITHANG:STEP, got {args.fault!r}"
     try:
         cfg = model_config(args)
     except ValueError as e:

@@ -56,9 +56,7 @@ class GroupConfig:
 class ParamGroup:
     """Sharded storage and communication for a list of parameters of one module subtree."""
 
-    # Whether the modules keep showing the unsharded parameters where storage is kept between
-    # forward and backward (`register_sharded`); the FSDP2 module adapter sets it, as FSDP2 does.
-    shows_unsharded_between_passes: bool = False
+    shows_unsharded_between_passes = False  # see `register_sharded`
 
     def __init__(self, params: list[ManagedParam], originals: list[torch.Tensor], config: GroupConfig) -> None:
         self.params = params
@@ -224,14 +222,13 @@ class ParamGroup:
 
     def register_sharded(self) -> None:
         """Register the sharded DTensors but keep the unsharded storage (no reshard): outside
-        forward/backward the module shows its sharded parameters (state dicts, DCP, the
-        optimizer's view), while backward, which holds its own references to the unsharded
-        parameters, needs no new all-gather; `unshard` registers them again for a re-run
-        forward (activation checkpointing)."""
+        forward/backward the module shows its sharded parameters (state dicts, DCP, the optimizer's
+        view; not under FSDP2's adapter, as FSDP2), while backward, which holds its own references
+        to the unsharded parameters, needs no new all-gather; `unshard` registers them again."""
         if self.state is GroupState.UNSHARDING:
             self.wait_for_unshard()
         if self.shows_unsharded_between_passes:
-            return  # FSDP2's module interface (integrations.fsdp2_module): the unsharded ones stay, as in FSDP2
+            return
         for mp in self.params:
             mp.register(mp.sharded_param)
         self._unsharded_registered = False

@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor, Placement
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from . import collectives as comm
+from .shard_dims import full_to_regions, regions_to_full
 from .wrappers import new_dtensor, offset_free
 
 
@@ -84,38 +85,6 @@ class ParamLayout:
         computed once, instead of a slice, a shape and a view."""
         sizes, strides = self._local_geometry
         return flat.as_strided(sizes, strides, flat.storage_offset() + offset)
-
-    def _split(self, full: torch.Tensor) -> tuple[int, int, torch.Tensor]:
-        """dim > 0: (full ranks, rows of the one partial rank, `full` as (before, rows, after))."""
-        before = math.prod(self.shape[: self.dim])
-        whole = self.rows // self.chunk_rows if self.chunk_rows else 0
-        return whole, self.rows - whole * self.chunk_rows, full.reshape(before, self.rows, -1)
-
-    def regions_to_full(self, regions: torch.Tensor, full: torch.Tensor) -> None:
-        """dim > 0: copy `world` rank-major regions (1D, each a local shard, contiguous, then
-        padding) into `full`, the contiguous parameter: two copies whatever the world size."""
-        whole, part, out = self._split(full)
-        per_rank = regions.view(-1, self.region_numel)
-        if whole:
-            shard = per_rank[:whole].view(whole, out.shape[0], self.chunk_rows, out.shape[2])
-            out[:, : whole * self.chunk_rows].view(out.shape[0], whole, self.chunk_rows, -1).copy_(
-                shard.transpose(0, 1)
-            )
-        if part:
-            last = per_rank[whole, : part * self.row_numel]
-            out[:, whole * self.chunk_rows :].copy_(last.view(out.shape[0], part, out.shape[2]))
-
-    def full_to_regions(self, full: torch.Tensor, world: int) -> torch.Tensor:
-        """dim > 0: the inverse of `regions_to_full`: `world` zero-padded rank-major regions
-        of `full` (any dtype), as a (world, region_numel) tensor."""
-        out = full.new_zeros((world, self.region_numel))
-        whole, part, src = self._split(full)
-        if whole:
-            shard = src[:, : whole * self.chunk_rows].view(src.shape[0], whole, self.chunk_rows, -1)
-            out[:whole].view(whole, src.shape[0], self.chunk_rows, -1).copy_(shard.transpose(0, 1))
-        if part:
-            out[whole, : part * self.row_numel].view(src.shape[0], part, -1).copy_(src[:, whole * self.chunk_rows :])
-        return out
 
     @functools.cached_property
     def _local_geometry(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -283,7 +252,7 @@ class ManagedParam:
         version counter: refilling freed storage is not a mutation autograd should see."""
         target = self.unsharded_padded
         with comm.refilling(target):  # type: ignore[arg-type]
-            self.layout.regions_to_full(staging, target)  # type: ignore[arg-type]
+            regions_to_full(self.layout, staging, target)  # type: ignore[arg-type]
 
     def rank_major(self, world: int) -> torch.Tensor:
         """The unsharded parameter as `world` padded regions, rank-major (the all-gather
@@ -291,7 +260,7 @@ class ManagedParam:
         lay = self.layout
         if lay.dim == 0:
             return self.unsharded_padded  # type: ignore[return-value]
-        return lay.full_to_regions(self.unsharded_padded, world).view(-1)  # type: ignore[arg-type]
+        return full_to_regions(lay, self.unsharded_padded, world).view(-1)  # type: ignore[arg-type]
 
     def alias_unsharded(self, flat: torch.Tensor) -> None:
         """Replicated groups: make the unsharded parameter a view of `flat` (the shard itself,

@@ -25,6 +25,7 @@ from .grad_dtype import default_reduce_dtype
 from .layout import DataParallelLayout
 from .no_sync import NoSyncSums
 from .reduce_options import ReduceOptions
+from .shard_dims import full_to_regions
 from .spmd import grad_to_local
 from .streams import CommStreams, current_stream, stream_context
 
@@ -209,7 +210,7 @@ class GradReducer(NoSyncSums, ReduceOptions):
         flags = self._presence_flags(present, grads[0].dtype)
         # dim > 0 parameters go in as their rank-major regions (each rank's contiguous shard).
         pieces = [
-            gr.expand(world) if gr.dim() == 0 else mp.layout.full_to_regions(gr, world) if mp.layout.dim else gr
+            gr.expand(world) if gr.dim() == 0 else full_to_regions(mp.layout, gr, world) if mp.layout.dim else gr
             for mp, gr in zip(params, grads)
         ] + [flags.expand(world, len(present)).contiguous()]
         custom = self.reduce_scatter_comm
