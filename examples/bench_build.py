@@ -22,6 +22,7 @@ from typing import NamedTuple
 import bench_float8
 import torch
 from model import ModelConfig, Transformer
+from parallel import expert_mesh, shard_experts
 from torch import nn
 
 import composable
@@ -147,6 +148,8 @@ def build(
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
             shard, mpp = fully_shard, MixedPrecisionPolicy(**bf16)
+        if cfg.n_experts:  # --moe: expert parallelism, the experts sharded over the rest first
+            shard_experts(net, expert_mesh(device.type, cfg.n_experts), shard, mp_policy=mpp)  # type: ignore[arg-type]
         for module in sharding_units(net, wrap):
             shard(module, mp_policy=mpp)
     elif run == "replicate":

@@ -82,3 +82,34 @@ def _both(rank: int, world: int) -> None:
 @pytest.mark.skipif(torch_fully_shard is None, reason="no FSDP2 in this torch")
 def test_moe_expert_parallel_equal_to_fsdp2() -> None:
     run_on_ranks(_both, 4)
+
+
+def _bench(rank: int, world: int) -> None:
+    from bench_build import build
+
+    cfg = get_config("tiny", dim=32, n_layers=2, n_heads=2, ffn_dim=48, n_experts=4, max_seq_len=16)
+    losses = []
+    for run in ("fsdp2", "fully_shard"):
+        torch.manual_seed(0)
+        c = build(run, cfg, torch.device("cpu"))
+        assert c.model.layers[0].feed_forward.experts.w1.device_mesh.mesh_dim_names == ("edp", "ep")
+        tokens = _tokens(0, rank)[:, :16]
+        losses.append(lm_loss(c.logits(c.model, tokens[:, :-1]), tokens[:, 1:]))
+    torch.testing.assert_close(losses[0], losses[1])
+
+
+@pytest.mark.skipif(torch_fully_shard is None, reason="no FSDP2 in this torch")
+def test_benchmark_builds_moe() -> None:
+    """benchmark.py --moe: both contenders split and shard the experts and compute the same loss."""
+    run_on_ranks(_bench, 2)
+
+
+def test_benchmark_moe_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--moe` gives the model experts; with float8 or graphed runs it is refused, named."""
+    from benchmark import model_config, parse_args
+    from parallel import MOE_EXPERTS
+
+    assert model_config(parse_args(["--moe", "--preset", "tiny"])).n_experts == MOE_EXPERTS
+    with pytest.raises(SystemExit):
+        parse_args(["--moe", "--float8"])
+    assert "--moe runs with --model own, eagerly" in capsys.readouterr().err
