@@ -26,6 +26,7 @@ import bench_float8
 import torch
 from bench_mesh import MESH_RUNS, BenchMesh, tensor_parallel
 from model import ModelConfig, Transformer
+from parallel import expert_mesh, shard_experts
 from torch import nn
 
 import composable
@@ -166,6 +167,8 @@ def build(
         if mesh is not None:
             tensor_parallel(blocks(net), mesh)  # --mesh tp: the blocks' TP plan first, as train.py
         dp_mesh = None if mesh is None else mesh.dp_mesh  # None: the API's default world mesh
+        if cfg.n_experts:  # --moe: expert parallelism, the experts sharded over the rest first
+            shard_experts(net, expert_mesh(device.type, cfg.n_experts), shard, mp_policy=mpp)  # type: ignore[arg-type]
         for module in sharding_units(net, wrap):
             shard(module, mesh=dp_mesh, mp_policy=mpp)
     elif run == "replicate":

@@ -72,6 +72,7 @@ from bench_mesh import (
 )
 from bench_report import report, write_trace
 from model import PRESETS, ModelConfig, get_config, lm_loss, model_flops_per_token
+from parallel import MOE_EXPERTS
 from torch import nn
 
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0}
@@ -118,6 +119,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="every contender trains with torchao float8 linears (the head and dims not divisible by 16 excepted)",
     )
+    p.add_argument(
+        "--moe",
+        action="store_true",
+        help="mixture-of-experts feed-forwards (examples/moe.py, --model own): fully_shard and FSDP2 split the experts "
+        "over an expert-parallel dim and shard them over the rest (examples/parallel.py's shard_experts)",
+    )
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend for --compile")
     p.add_argument(
         "--ac",
@@ -158,6 +165,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"--warmup must be >= 2 with --runs {graphed[0]} (graphed_step's eager warm-up, then the capture, "
             f"so that every timed step is a replay), got {args.warmup}"
         )
+    if args.moe and (graphed or args.float8 or args.model != "own" or args.mesh != "dp"):
+        p.error(
+            "--moe runs with --model own and --mesh dp (its own expert mesh), eagerly (no graphed runs: routing "
+            f"syncs with the host) and without --float8; got --mesh {args.mesh}"
+        )
     if args.model == "hf-llama" and not args.cpu_overhead and not hf_available():
         p.error(HF_MISSING)
     if args.float8 and not args.cpu_overhead and not float8_available():
@@ -194,7 +206,8 @@ def width_overrides(preset: str, dim: int | None, n_heads: int | None, ffn_dim: 
 def model_config(args: argparse.Namespace) -> ModelConfig:
     """The preset, at `--seq-len`, with the width/depth flags applied."""
     width = width_overrides(args.preset, args.dim, args.n_heads, args.ffn_dim)
-    return get_config(args.preset, max_seq_len=args.seq_len, n_layers=args.n_layers, **width)
+    moe = {"n_experts": MOE_EXPERTS} if getattr(args, "moe", False) else {}
+    return get_config(args.preset, max_seq_len=args.seq_len, n_layers=args.n_layers, **width, **moe)
 
 
 def train_step(c: Contender, opt: torch.optim.Optimizer, tokens: torch.Tensor) -> torch.Tensor:

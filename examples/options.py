@@ -21,7 +21,7 @@ from typing import NoReturn
 import torch
 from data import VOCAB_SIZE, ByteCorpus
 from model import PRESET_LR, PRESETS, ModelConfig, get_config
-from parallel import UsageError
+from parallel import MOE_EXPERTS, UsageError
 from pipeline import SCHEDULES, validate_pp
 
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
@@ -156,6 +156,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     m.add_argument("--n-layers", type=int)
     m.add_argument("--n-heads", type=int)
     m.add_argument("--ffn-dim", type=int)
+    m.add_argument(
+        "--moe",
+        action="store_true",
+        help=f"mixture-of-experts feed-forwards ({MOE_EXPERTS} experts, top 2): experts split over an expert-parallel "
+        "dim and sharded over the rest (--parallel fsdp)",
+    )
     m.add_argument("--vocab-size", type=int, help=f"at least {VOCAB_SIZE} (bytes)")
     m.add_argument("--tie-embeddings", action="store_true", default=None)
     p.add_argument(
@@ -311,6 +317,7 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
         ffn_dim=args.ffn_dim,
         vocab_size=args.vocab_size,
         tie_embeddings=args.tie_embeddings,
+        n_experts=MOE_EXPERTS if getattr(args, "moe", False) else None,
     )
     if args.seq_len is not None and args.seq_len > cfg.max_seq_len:
         cfg = dataclasses.replace(cfg, max_seq_len=args.seq_len)
