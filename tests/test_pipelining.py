@@ -180,12 +180,16 @@ def _torch_stage_fails(rank: int, world: int, how: str) -> None:
     stage = stage_module(full_model(), 0, 1)
     _apply(stage, how, mesh)
     schedule = _torch_schedule("Schedule1F1B", [stage], [0], 1, pp_group)
-    with pytest.raises(
-        RuntimeError,
-        match=r"^fully_shard: torch.distributed.pipelining's PipelineStage runs .*once per microbatch.*pipeline_stage",
+    with (
+        count_collectives() as c,
+        pytest.raises(
+            RuntimeError,
+            match=r"^fully_shard: torch.distributed.pipelining's PipelineStage runs .*once per microbatch.*pipeline_stage",
+        ),
     ):
         run_step(schedule, "Schedule1F1B", [0], 1, x_local[0], y_local[0])
-    assert all(p.grad is None for p in stage.parameters())  # it failed at the first forward
+    assert all(p.grad is None for p in stage.parameters())  # it failed at the first forward,
+    assert c.counts.get("all_gather", 0) == c.counts.get("reduce_scatter", 0) == 0  # before any collective
     schedule = make_schedule("Schedule1F1B", [stage], 1, pp_group)  # composable's stage runs the same module
     run_step(schedule, "Schedule1F1B", [0], 1, x_local[0], y_local[0])
     assert all(p.grad is not None for p in stage.parameters())

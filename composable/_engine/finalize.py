@@ -15,7 +15,7 @@ Until that handle is waited on, a forward or another finalization raises.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed.fsdp as torch_fsdp
@@ -23,8 +23,9 @@ import torch.distributed.fsdp as torch_fsdp
 from .contract import check_bool
 from .group import GroupState
 
-if TYPE_CHECKING:
-    from .state import ModuleState, RootContext
+# The states and root context of state.py (which imports this file): `ModuleState`, `RootContext`.
+ModuleState = Any
+RootContext = Any
 
 # torch 2.15 defines the handle type; subclass it where it exists so `isinstance` checks of
 # code written for FSDP2 hold.
@@ -163,7 +164,9 @@ def _check_finalize(root: "ModuleState") -> None:
         if group is None or not group.layout.replicate_groups:
             continue
         reducer = group.reducer
-        if getattr(reducer, "_partial", None) is not None or not getattr(reducer, "requires_all_reduce", True):
+        to_reduce = state.requires_gradient_sync and (state.finalize_pending or group.has_unsharded_grads())
+        deferred = to_reduce and not getattr(reducer, "requires_all_reduce", True)
+        if getattr(reducer, "_partial", None) is not None or deferred:
             raise RuntimeError(
                 f"{api}: manual backward finalization does not support HSDP's deferred replica all-reduce "
                 f"(set_requires_all_reduce(False)) of module {_name(state)}; call set_requires_all_reduce(True) "

@@ -160,10 +160,12 @@ class ComposableFSDPModule(FSDPModule):
 
 
 def _reject_torch_pipeline_stage(caller: FrameType, module: nn.Module) -> None:
-    """torch's own pipeline stages call `set_is_last_backward` first in each microbatch's
-    backward and, after the last, reach into FSDP2's private state (`fully_shard.state(m)`'s
-    `_state_ctx`, which a composable module does not have): fail there, before any gradient,
-    with the stage that works. `ComposablePipelineStage` (a subclass) is let through."""
+    """torch's own pipeline stages before 2.15 call `set_is_last_backward` first in each
+    microbatch's backward and, after the last, reach into FSDP2's private state
+    (`fully_shard.state(m)`'s `_state_ctx`, which a composable module does not have): fail
+    there, before any gradient, with the stage that works (the engine already refuses such a
+    stage at the first forward; this catches a module whose first forward ran outside it).
+    `ComposablePipelineStage` (a subclass) is let through."""
     if caller.f_code.co_name != "backward_maybe_with_nosync":
         return
     if caller.f_globals.get("__name__") != "torch.distributed.pipelining.stage":

@@ -4,15 +4,18 @@
 torch's pipeline stage recognises data parallelism by class (`DistributedDataParallel`,
 `FSDPModule`); a composable stage module keeps its own class, so a plain `PipelineStage`
 would run each microbatch's backward as a full training backward and reduce gradients once
-per microbatch. `ComposablePipelineStage` (built by `pipeline_stage`) tells composable what
-the schedule knows, as torch does for FSDP2:
+per microbatch (the engine refuses that at the first forward, `_engine/pipeline_guard.py`).
+`ComposablePipelineStage` (built by `pipeline_stage`) tells composable what the schedule knows,
+as torch 2.15 does for FSDP2, on every torch:
 
-- every microbatch's backward runs with gradient sync off and reshard-after-backward off:
-  unsharded gradients accumulate locally, the gathered parameters stay for the next
-  microbatch (no all-gather per microbatch);
+- every microbatch's backward runs under manual backward finalization (`_engine/finalize.py`)
+  with gradient sync off and reshard-after-backward off: unsharded gradients accumulate
+  locally, the gathered parameters stay for the next microbatch (no all-gather per microbatch);
 - after the last microbatch's backward of the step (or at the schedule's REDUCE_GRAD action),
-  each group reduces once (one reduce-scatter per `fully_shard` group, one all-reduce per
-  `replicate` bucket), waits, and reshards;
+  `finalize_backward` reduces each group once (one reduce-scatter per `fully_shard` group, one
+  all-reduce per `replicate` bucket), waits, and reshards; where torch 2.15's schedule finalizes
+  an `FSDPModule` stage itself (composable's FSDP2 interface), it does so through the same
+  methods;
 - then the gradients are divided by the number of microbatches where the schedule scales
   them (`scale_grads=True`, torch's default), exactly as torch's stage does.
 
@@ -26,8 +29,9 @@ reshards it (gather once per step, the fewest possible), so the number of all-ga
 is that of FSDP2 under the same schedule with `reshard_after_forward=False` (the schedules'
 prefetch only moves those gathers earlier). A stage module given FSDP2's interface
 (`composable.integrations.fsdp2_module.as_fsdp_modules`) gets the schedule's UNSHARD/RESHARD
-calls as FSDP2 does; torch's own `PipelineStage` cannot drive such a module (it reaches into
-FSDP2's private state) and fails at its first backward with a line naming `pipeline_stage`.
+calls as FSDP2 does. torch 2.15's own `PipelineStage` drives such a module through
+`finalize_backward` as it drives FSDP2; older torch reaches into FSDP2's private state there,
+so it fails at the first forward with a line naming `pipeline_stage`.
 """
 
 from __future__ import annotations
