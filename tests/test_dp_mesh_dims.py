@@ -244,6 +244,19 @@ def _errors(rank: int, world: int) -> None:
         replicate(fresh(), process_group=dist.group.WORLD, dp_mesh_dims=DataParallelMeshDims(replicate="dp"))
 
 
+def _adapter(rank: int, world: int) -> None:
+    from composable.integrations.fsdp2_module import fsdp2_fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = _distribute(Model(), mesh, tp=True)
+    fsdp2_fully_shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+    assert model.out.weight.placements == (Shard(0), Replicate())
+
+
+def test_fsdp2_signature_adapter_passes_dp_mesh_dims() -> None:
+    run_on_ranks(_adapter, 4)
+
+
 def test_errors() -> None:
     """Every bad dp_mesh_dims raises at the call, naming the API, the argument and the value."""
     run_on_ranks(_errors, 4)

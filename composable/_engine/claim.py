@@ -81,3 +81,12 @@ def check_same_device(api: str, params: list[torch.Tensor]) -> None:
     devices = {p.device for p in params}
     if len(devices) > 1:
         raise ValueError(f"{api}: all managed parameters must be on one device, got {sorted(map(str, devices))}")
+
+
+def check_ignored(api: str, ignored_params: object) -> set[nn.Parameter]:
+    """`ignored_params` as a set (`TypeError` naming `api` unless a set of tensors or None)."""
+    if ignored_params is None:
+        return set()
+    if not isinstance(ignored_params, (set, frozenset)) or not all(isinstance(p, torch.Tensor) for p in ignored_params):
+        raise TypeError(f"{api}: 'ignored_params' must be a set of nn.Parameter or None, got {ignored_params!r:.80}")
+    return set(ignored_params)

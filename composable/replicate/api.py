@@ -7,9 +7,10 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._engine.build import GroupOptions, build_group
+from .._engine.claim import check_ignored
 from .._engine.contract import check_composable, check_module, install_state, state_of
 from .._engine.mesh import check_mesh, default_mesh, infer_device_type, mesh_from_process_group
-from .._engine.policies import MixedPrecisionPolicy, check_policies
+from .._engine.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, check_policies
 from .._engine.spmd import DataParallelMeshDims, resolve_dp_mesh_dims
 from ._state import ReplicateState
 
@@ -21,6 +22,8 @@ def replicate(
     process_group: dist.ProcessGroup | None = None,
     bucket_cap_mb: float = 25.0,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims: DataParallelMeshDims | None = None,
 ) -> nn.Module:
     """Replicate `module` over a 1D mesh (DDP semantics) and return `module` itself.
@@ -37,6 +40,10 @@ def replicate(
     every rank of the mesh must call it. Meta-device tensors are skipped: materialise and
     initialise them identically on every rank (same seed) afterwards.
 
+    As torch's FSDP2-based `replicate`: `offload_policy=CPUOffloadPolicy()` keeps the
+    parameters, gradients and the optimizer step on the CPU; `ignored_params` are left alone
+    (plain tensors, not synchronised).
+
     `dp_mesh_dims=DataParallelMeshDims(replicate=...)` (as torch's FSDP2-based replicate):
     `mesh` is the whole SPMD mesh (e.g. dp x tp), every parameter already is a DTensor on it
     with `Replicate()` on the named dim(s), and gradients are averaged over those dims only
@@ -44,7 +51,8 @@ def replicate(
     """
     api = "replicate"
     check_module(api, module)
-    check_policies(api, mp_policy)
+    check_policies(api, mp_policy, offload_policy)
+    ignored = check_ignored(api, ignored_params)
     check_composable(api, module)
     if mesh is not None and process_group is not None:
         raise ValueError("replicate: pass 'mesh' or 'process_group', not both")
@@ -73,8 +81,10 @@ def replicate(
         accepts_dtensors=False,
         sync_replicas=True,
         spmd=spmd,
+        offload=isinstance(offload_policy, CPUOffloadPolicy),
+        pin_memory=getattr(offload_policy, "pin_memory", False),
     )
-    group = build_group(api, module, mesh, set(), options)
+    group = build_group(api, module, mesh, ignored, options)
     state = ReplicateState(module, group, mp_policy, reshard_after_forward=False, reshard_is_default=False)
     state.mesh = mesh
     state.bucket_cap_mb = float(bucket_cap_mb)
