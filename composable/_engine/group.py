@@ -23,7 +23,6 @@ from . import extension
 from .buckets import BucketedReducer
 from .claim import mark_replaced
 from .gather import PendingGather, finish_gather, free_storages, gathers_directly, start_gather
-from .grad_dtype import set_unsharded_grad_dtypes
 from .layout import DataParallelLayout
 from .optim_state import track_for_optimizers
 from .param import ManagedParam, is_freed, raise_still_on_meta
@@ -389,11 +388,6 @@ class ParamGroup:
         """No-sync backward: keep the unsharded gradients for a later reduction (see
         `GradReducer.stash`)."""
         self.reducer.stash()
-
-    def set_unsharded_grad_dtypes(self, reducing: bool) -> None:
-        """Before this group's backward: the dtype autograd writes the unsharded gradients in
-        (grad_dtype.py; PyTorch FSDP2's rule of the installed torch)."""
-        set_unsharded_grad_dtypes(self.params, self.dtypes.unsharded, self.dtypes.reduce, reducing)
 
     @labelled("composable::reduce_grads")
     def reduce_grads(self) -> None:

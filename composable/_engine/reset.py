@@ -4,7 +4,8 @@ backward (FSDP2's `reset_iter_state`), and finishing a backward that autograd di
 from __future__ import annotations
 
 from .finalize import discard_finalization
-from .state import ModuleState, TrainingState
+from .root_context import TrainingState
+from .state import ModuleState
 
 
 def reset_iteration(root: ModuleState, api: str) -> None:

@@ -19,8 +19,6 @@ the group reduces once, after the post-backward of every listed module that ran.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from enum import Enum, auto
 from typing import Any, Sequence
 
 import torch
@@ -30,36 +28,16 @@ from . import finalize
 from .autograd import any_requires_grad, attach_post_backward, attach_pre_backward, cast_floating, run_eagerly
 from .compile_boundary import keep_hooks_outside_graphs
 from .contract import check_bool, keep_post_hook_last, param_states, register_api_pre_hook
+from .grad_dtype import set_unsharded_grad_dtypes
 from .group import ParamGroup
 from .late_params import check_no_late_params
 from .pipeline_guard import check_pipeline_stage
 from .policies import MixedPrecisionPolicy
 from .profiling import labelled
+from .root_context import RootContext, TrainingState
 from .streams import CommStreams
 from .unshard_handle import UnshardHandle
 from .wrappers import offset_free_state_dict
-
-
-class TrainingState(Enum):
-    IDLE = auto()
-    FORWARD = auto()
-    PRE_BACKWARD = auto()
-    POST_BACKWARD = auto()
-
-
-@dataclass(eq=False)
-class RootContext:
-    """What only the root of a tree keeps, shared by every state of the tree: the states
-    themselves, the order their forwards finished in this iteration (backward prefetches in
-    reverse) and whether the end-of-backward callback is queued."""
-
-    root: "ModuleState"
-    states: list["ModuleState"]
-    forward_order: list["ModuleState"] = field(default_factory=list)
-    final_callback_queued: bool = False
-    manual_active: bool | None = None  # manual finalization, as chosen when this backward started (finalize.py)
-    pending_reduction: finalize.GradientReductionHandle | None = None  # finalize_backward's, until finished
-    finalizing: bool = False  # inside finalize_backward
 
 
 class ModuleState(finalize.BackwardFinalization):
@@ -327,7 +305,8 @@ class ModuleState(finalize.BackwardFinalization):
             self.group.reducer.drop_discarded_sums()  # zero_grad since a no-sync backward
             if self.unshard_in_backward:
                 self.group.unshard()
-            self.group.set_unsharded_grad_dtypes(reducing=self.requires_gradient_sync)
+            g = self.group  # the dtype autograd writes its unsharded gradients in (grad_dtype.py)
+            set_unsharded_grad_dtypes(g.params, g.dtypes.unsharded, g.dtypes.reduce, self.requires_gradient_sync)
         for other in self.backward_prefetch or self._implicit_backward_prefetch():
             if other.group is not None and other.training_state is not TrainingState.PRE_BACKWARD:
                 if other.unshard_in_backward:
