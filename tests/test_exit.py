@@ -43,10 +43,11 @@ def test_a_rank_whose_teardown_hangs_exits_naming_it_within_the_bound() -> None:
     # Without the bound the job never ends: the command line's own 240 s timeout fails the test.
 
 
-def test_the_bound_follows_timeout() -> None:
-    assert launch.teardown_bound(parse_args(SMALL)) == 60.0  # --timeout 600: a minute
-    assert launch.teardown_bound(parse_args([*SMALL, "--timeout", "4"])) == 10.0
-    assert launch.teardown_bound(parse_args([*SMALL, "--timeout", "30"])) == 30.0
+def test_the_bound_follows_timeout(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    flags = [*SMALL, "--out", str(tmp_path)]
+    assert launch.teardown_bound(parse_args(flags)) == 60.0  # --timeout 600: a minute
+    assert launch.teardown_bound(parse_args([*flags, "--timeout", "4"])) == 10.0
+    assert launch.teardown_bound(parse_args([*flags, "--timeout", "30"])) == 30.0
 
 
 # A rank's end on a gloo world of one, as `run_rank` ends: `teardown` then `exit_process`.
