@@ -20,6 +20,7 @@ from .group import GroupConfig, ParamGroup
 from .late_params import watch_subtree
 from .layout import DataParallelLayout
 from .mesh import compute_device
+from .mixed_dtypes import resolve_param_dtypes
 from .optim_state import install_step_hook
 from .param import DTensorSpecLite, ManagedParam, ParamLayout
 from .replicas import check_same_model, sync_replicas
@@ -38,6 +39,8 @@ class GroupOptions:
     accepts_dtensors: bool = True  # tensor-parallel parameters (fully_shard only)
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None  # fully_shard: Shard(d) per parameter
     sync_replicas: bool = False  # broadcast rank 0's values at the call (replicate); every API checks shapes
+    # MixedPrecisionPolicy.param_dtype_for: (fqn, original param) -> its compute dtype (None: own)
+    param_dtype_for: Callable[[str, nn.Parameter], torch.dtype | None] | None = None
 
 
 def build_group(
@@ -75,10 +78,12 @@ def build_group(
     if not claimed:
         return None
     layout = DataParallelLayout.make(mesh, options.sharded)
+    param_dtype, param_dtypes = resolve_param_dtypes(claimed, options.param_dtype, options.param_dtype_for)
     config = GroupConfig(
         layout=layout,
         device=device,
-        param_dtype=options.param_dtype,
+        param_dtype=param_dtype,
+        param_dtypes=param_dtypes,
         reduce_dtype=options.reduce_dtype,
         offload=options.offload,
         pin_memory=options.pin_memory,

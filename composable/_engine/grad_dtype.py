@@ -15,7 +15,7 @@ no-sync accumulation. `FOLLOWS_GRAD_DTYPE` says which rule the installed torch f
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from torch.distributed.tensor import Replicate
@@ -57,15 +57,18 @@ def _has_unreduced_grad(mp: "ManagedParam") -> bool:
 
 
 def set_unsharded_grad_dtypes(
-    params: list["ManagedParam"], compute: torch.dtype, reduce: torch.dtype, reducing: bool
+    params: list["ManagedParam"], compute: Sequence[torch.dtype], reduce: torch.dtype, reducing: bool
 ) -> None:
     """Before a group's backward: give each unsharded parameter the `grad_dtype` FSDP2 gives
-    it (None where the rule lifts it). `reducing`: this backward reduces the gradients. Nothing
-    to do where the reduce dtype is the compute dtype or under the older rule."""
-    if not FOLLOWS_GRAD_DTYPE or compute == reduce:
+    it (None where the rule lifts it). `compute`: each parameter's compute dtype; `reducing`:
+    this backward reduces the gradients. Nothing to do where the reduce dtype is the compute
+    dtype or under the older rule."""
+    if not FOLLOWS_GRAD_DTYPE:
         return
-    wider = reduce.itemsize > compute.itemsize
-    for mp in params:
+    for mp, dtype in zip(params, compute):
+        if dtype == reduce:
+            continue
+        wider = reduce.itemsize > dtype.itemsize
         up = mp.unsharded_param
         if up is None or not up.requires_grad:
             continue

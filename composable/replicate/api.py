@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .._engine.build import GroupOptions, build_group
 from .._engine.contract import check_composable, check_module, install_state, state_of
 from .._engine.mesh import check_mesh, default_mesh, infer_device_type, mesh_from_process_group
-from .._engine.policies import MixedPrecisionPolicy, check_policies
+from .._engine.policies import MixedPrecisionPolicy, check_policies, param_dtype_resolver
 from ._state import ReplicateState
 
 
@@ -37,7 +37,7 @@ def replicate(
     """
     api = "replicate"
     check_module(api, module)
-    check_policies(api, mp_policy)
+    mp_policy, _ = check_policies(api, mp_policy)
     check_composable(api, module)
     if mesh is not None and process_group is not None:
         raise ValueError("replicate: pass 'mesh' or 'process_group', not both")
@@ -58,6 +58,7 @@ def replicate(
         bucket_cap_bytes=int(bucket_cap_mb * 1024 * 1024),
         accepts_dtensors=False,
         sync_replicas=True,
+        param_dtype_for=param_dtype_resolver(api, mp_policy),
     )
     group = build_group(api, module, mesh, set(), options)
     state = ReplicateState(module, group, mp_policy, reshard_after_forward=False, reshard_is_default=False)
