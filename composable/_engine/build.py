@@ -20,7 +20,7 @@ from .group import GroupConfig, ParamGroup
 from .late_params import watch_subtree
 from .layout import DataParallelLayout
 from .mesh import compute_device
-from .mixed_dtypes import resolve_param_dtypes
+from .mixed_dtypes import check_mixed_group, resolve_param_dtypes
 from .optim_state import install_step_hook
 from .param import DTensorSpecLite, ManagedParam, ParamLayout
 from .replicas import check_same_model, sync_replicas
@@ -97,6 +97,7 @@ def build_group(
         mp.extension = has_extension(p)
         if mp.extension:
             _check_extension(api, mp, layout, options)
+    check_mixed_group(api, param_dtypes, layout.sharded, any(mp.extension for mp in params))
     group = ParamGroup(params, sources, config)
     for mp in params:
         mp.register(mp.sharded_param)

@@ -22,8 +22,7 @@ from . import collectives as comm
 from . import extension
 from .buckets import BucketedReducer
 from .claim import mark_replaced
-from .gather import PendingGather, finish_gather, free_storages, gathers_directly, start_gather
-from .grad_dtype import set_unsharded_grad_dtypes
+from .gather import PendingGather, free_storages, gathers_directly, start_gather
 from .layout import DataParallelLayout
 from .mixed_dtypes import finish_gather_mixed
 from .optim_state import track_for_optimizers
@@ -93,11 +92,6 @@ class ParamGroup:
             dtype_if_empty=extension_sources[0].dtype if extension_sources else torch.float32,
         )
         extension.init_shards(self.extension_params, extension_sources, self._local_rows, self._storage_device)
-        if config.param_dtypes is not None and (self.extension_params or not self.layout.sharded):
-            raise NotImplementedError(
-                f"{config.api}: parameters of one group in different dtypes (param_dtype_override_fn) need a "
-                "sharded layout and no all-gather extension parameters"
-            )
 
     _SHARED_ON_COPY = ("streams", "all_gather_comm")  # runtime handles: a deep copy of the model shares them
 
@@ -253,12 +247,8 @@ class ParamGroup:
         within `size` ranks instead of the whole shard group; free the rest."""
         if self.state is GroupState.UNSHARDING:
             self.wait_for_unshard()
-        if (
-            self.state is GroupState.SHARDED
-            or self.extension_params
-            or self._unsharded_aliases_shard
-            or self.config.param_dtypes
-        ):
+        full = self.extension_params or self._unsharded_aliases_shard or self.config.param_dtypes
+        if self.state is GroupState.SHARDED or full:
             self.reshard()  # (all-gather extensions decide what travels: they regather fully)
             return
         _, rank = self.layout.post_forward_group(size)
@@ -294,11 +284,8 @@ class ParamGroup:
                 lay.shard_group, self.flat_shard
             )
         custom = getattr(self, "all_gather_comm", None)  # set_custom_all_gather (an FSDP2 `AllGather`): flat way
-        direct = (
-            custom is None
-            and self.config.param_dtypes is None
-            and gathers_directly(self.flat_params, self._coalesced_gather_ok, full_group=source is self.flat_shard)
-        )
+        ok = self._coalesced_gather_ok and not self.config.param_dtypes  # several dtypes: flat way (mixed_dtypes.py)
+        direct = custom is None and gathers_directly(self.flat_params, ok, full_group=source is self.flat_shard)
         riders = None  # the group's float8 weights ride in the flat parameters' collective where it is direct
         if direct and self.extension_params and streams is not None:
             riders = extension.prepare_batched(
@@ -366,12 +353,7 @@ class ParamGroup:
             self._point_unsharded_at(self._replica_flat)  # type: ignore[arg-type]
         else:
             world, dtypes = self.layout.shard_world, self.config.param_dtypes
-            if dtypes is None:
-                finish_gather(self._pending_gather, self.flat_params, world, self.config.device, self.streams)  # type: ignore[arg-type]
-            else:
-                finish_gather_mixed(
-                    self._pending_gather, self.flat_params, dtypes, world, self.config.device, self.streams
-                )  # type: ignore[arg-type]
+            finish_gather_mixed(self._pending_gather, self.flat_params, dtypes, world, self.config.device, self.streams)  # type: ignore[arg-type]
             extension.finish_gathers(self.extension_params, self._extension_gathers, world, self.unsharded_dtype)
             self._extension_gathers = []
         self._pending_gather = None
@@ -405,16 +387,6 @@ class ParamGroup:
         """No-sync backward: keep the unsharded gradients for a later reduction (see
         `GradReducer.stash`)."""
         self.reducer.stash()
-
-    def set_unsharded_grad_dtypes(self, reducing: bool) -> None:
-        """Before this group's backward: the dtype autograd writes the unsharded gradients in
-        (grad_dtype.py; PyTorch FSDP2's rule of the installed torch)."""
-        compute = self.config.param_dtypes
-        if compute is None:
-            if self.dtypes.unsharded == self.dtypes.reduce:
-                return  # nothing to set (no mixed precision, or reducing in the compute dtype)
-            compute = (self.dtypes.unsharded,) * len(self.params)
-        set_unsharded_grad_dtypes(self.params, compute, self.dtypes.reduce, reducing)
 
     @labelled("composable::reduce_grads")
     def reduce_grads(self) -> None:

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from . import collectives as comm
+from .gather import finish_gather
 from .streams import CommStreams, current_stream
 
 if TYPE_CHECKING:
@@ -43,16 +44,30 @@ def resolve_param_dtypes(
     return param_dtype, computes
 
 
+def check_mixed_group(api: str, dtypes: tuple[torch.dtype, ...] | None, sharded: bool, extension: bool) -> None:
+    """`NotImplementedError` for a group in several compute dtypes (`dtypes`) that is replicated
+    (NO_SHARD, replicate: one replica buffer in one dtype) or has all-gather extension parameters."""
+    if dtypes is not None and (extension or not sharded):
+        raise NotImplementedError(
+            f"{api}: parameters of one group in different dtypes (param_dtype_override_fn) need a "
+            "sharded layout and no all-gather extension parameters"
+        )
+
+
 def finish_gather_mixed(
     pending: "PendingGather",
     params: list["ManagedParam"],
-    dtypes: tuple[torch.dtype, ...],
+    dtypes: tuple[torch.dtype, ...] | None,
     world: int,
     device: torch.device,
     streams: CommStreams | None,
 ) -> None:
-    """Wait for the flat all-gather `pending` (in the parameters' own dtype) and copy each
-    parameter out into its unsharded storage in its compute dtype (`dtypes`, one each)."""
+    """Wait for the all-gather `pending` and copy the parameters out. With `dtypes` (one compute
+    dtype per parameter; the gather was in their own dtype) each is cast into its unsharded
+    storage in its compute dtype; without, as `gather.finish_gather`."""
+    if dtypes is None:
+        finish_gather(pending, params, world, device, streams)
+        return
     work = pending.work
     if isinstance(work, torch.cuda.Event):
         current_stream(device).wait_event(work)

@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from .autograd import any_requires_grad, attach_post_backward, attach_pre_backward, cast_floating, run_eagerly
 from .contract import check_bool, keep_post_hook_last, param_states, register_api_pre_hook
+from .grad_dtype import set_unsharded_grad_dtypes
 from .group import ParamGroup
 from .late_params import check_no_late_params
 from .policies import MixedPrecisionPolicy
@@ -312,7 +313,7 @@ class ModuleState:
             self.group.reducer.drop_discarded_sums()  # zero_grad since a no-sync backward
             if self.unshard_in_backward:
                 self.group.unshard()
-            self.group.set_unsharded_grad_dtypes(reducing=self.requires_gradient_sync)
+            set_unsharded_grad_dtypes(self.group, reducing=self.requires_gradient_sync)
         for other in self.backward_prefetch or self._implicit_backward_prefetch():
             if other.group is not None and other.training_state is not TrainingState.PRE_BACKWARD:
                 if other.unshard_in_backward:
