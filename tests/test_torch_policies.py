@@ -52,6 +52,12 @@ def _accepted(rank: int, world_size: int) -> None:
     a, b = replicate(_model(), mp_policy=torch_mp), replicate(_model(), mp_policy=ours_mp)
     assert replicate.state(a).mp_policy == ours_mp
     assert_close_tensors(_train(a, rank), _train(b, rank), exact=True, msg="replicate")
+    if "param_dtype_override_fn" in TorchMP.__dataclass_fields__:  # torch >= 2.15: carried over too
+        keep = lambda p: p.dtype  # noqa: E731
+        state = fully_shard.state(
+            fully_shard(_model(), mp_policy=TorchMP(param_dtype=bf16, param_dtype_override_fn=keep))
+        )
+        assert state.mp_policy == MixedPrecisionPolicy(param_dtype=bf16, param_dtype_override_fn=keep)
     # The FSDP2-signature adapter (what accelerate calls) takes them too.
     a = fsdp2_fully_shard(_model(), mp_policy=torch_mp, offload_policy=TorchCPUOffload(pin_memory=False))
     assert fully_shard.state(a).mp_policy == ours_mp
