@@ -5,12 +5,15 @@ returns the same module: `fully_shard` (FSDP), `replicate` (DDP) and `checkpoint
 (activation checkpointing) compose freely on one module tree.
 """
 
+from ._engine.placement_result import ShardPlacementResult
 from ._engine.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._engine.spmd import DataParallelMeshDims
 from .accumulate import no_sync, set_requires_gradient_sync
 from .checkpoint import checkpoint
 from .clip_grad import clip_grad_norm_
 from .forward_method import register_forward_method
 from .fsdp import ShardingStrategy, fully_shard
+from .fsdp.comm_ctx import share_comm_ctx
 from .grad_scaler import ShardedGradScaler
 from .graphed_step import GraphedStep, graphed_step
 from .replicate import replicate
@@ -23,6 +26,9 @@ __all__ = [
     "OffloadPolicy",
     "CPUOffloadPolicy",
     "ShardingStrategy",
+    "DataParallelMeshDims",
+    "ShardPlacementResult",
+    "share_comm_ctx",
     "no_sync",
     "set_requires_gradient_sync",
     "clip_grad_norm_",

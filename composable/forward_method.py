@@ -50,3 +50,41 @@ def register_forward_method(module: nn.Module, method_name: str) -> None:
     setattr(with_hooks, _WRAPPED_ATTR, True)
     # An instance attribute shadows the class's method for this module only.
     module.__dict__[method_name] = with_hooks
+
+
+def _managed(module: object) -> bool:
+    return isinstance(module, nn.Module) and any(get_state(module, name) is not None for name in PARAM_OWNING_APIS)
+
+
+def _install_torch_entry_point() -> None:
+    """torch's public `torch.distributed.fsdp.register_fsdp_forward_method(module, name)` does
+    nothing for a module that is not an `FSDPModule` (composable's core never swaps classes) and
+    reaches FSDP2's private state on one that is (the FSDP2 adapter). Code written for FSDP2
+    (HuggingFace Trainer calls it for `generate`) then runs the method on sharded parameters.
+    For a module that `fully_shard` or `replicate` manages, torch's function registers the
+    method here instead (a repeated registration does nothing, as FSDP2's wraps again); any
+    other module goes to torch's own. Installed on torch's modules when composable is
+    imported; a name imported from torch before that still refers to torch's function."""
+    import torch.distributed.fsdp as fsdp
+    import torch.distributed.fsdp._fully_shard as fully_shard_pkg
+    import torch.distributed.fsdp._fully_shard._fully_shard as impl
+
+    original = getattr(impl, "register_fsdp_forward_method", None)
+    if original is None or getattr(original, _WRAPPED_ATTR, False):
+        return
+
+    @functools.wraps(original)
+    def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+        if not _managed(module):
+            return original(module, method_name)
+        if getattr(getattr(module, method_name, None), _WRAPPED_ATTR, False):
+            return None  # already registered: the hooks run once
+        return register_forward_method(module, method_name)
+
+    setattr(register_fsdp_forward_method, _WRAPPED_ATTR, True)
+    for namespace in (impl, fully_shard_pkg, fsdp):
+        if getattr(namespace, "register_fsdp_forward_method", None) is original:
+            namespace.register_fsdp_forward_method = register_fsdp_forward_method
+
+
+_install_torch_entry_point()

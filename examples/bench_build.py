@@ -4,9 +4,12 @@ Every contender is built the same way, in the order the APIs need:
 1. the model on the meta device (no memory, no init cost);
 2. with `float8`, its linears swapped for torchao's `Float8Linear` (bench_float8.py);
 3. with `compile_backend`, every block (`TransformerBlock` / `LlamaDecoderLayer`) `.compile()`d,
-   before any API is applied, as torchtitan does;
+   before any API is applied, as torchtitan does; with `ac` "full" or "selective" every block
+   checkpointed (composable's `checkpoint` for our contenders, torch's `checkpoint_wrapper`
+   for FSDP2 and DDP; "selective" keeps the matmuls: `composable.checkpoint.save_matmuls`);
 4. the API: nothing (floor), `fully_shard` on every sharding unit bottom-up (ours or FSDP2),
-   or `replicate` on the root;
+   or `replicate` on the root; on `--mesh hsdp` / `tp` (bench_mesh.py) the FSDP-style ones
+   shard over its data-parallel mesh, under `tp` after the blocks' tensor-parallel plan;
 5. materialised on the device and initialised *after* sharding (each rank fills its shards);
 6. DDP last: it broadcasts rank 0's initialised parameters when it is constructed.
 The floor and DDP compute in fp32 under bf16 autocast; fully_shard, FSDP2 and replicate keep
@@ -21,7 +24,9 @@ from typing import NamedTuple
 
 import bench_float8
 import torch
+from bench_mesh import MESH_RUNS, BenchMesh, tensor_parallel
 from model import ModelConfig, Transformer
+from parallel import expert_mesh, shard_experts
 from torch import nn
 
 import composable
@@ -31,6 +36,7 @@ RUNS = ("floor", "fully_shard", "fsdp2", "replicate", "ddp")
 GRAPHED_RUNS = ("floor_graphed", "fully_shard_graphed", "replicate_graphed")
 ALL_RUNS = RUNS + GRAPHED_RUNS
 MODELS = ("own", "hf-llama")
+AC_MODES = ("none", "full", "selective")  # activation checkpointing of every block
 WRAPS = ("separate-ends", "blocks")  # how fully_shard/FSDP2 group the model: see `sharding_units`
 HF_MISSING = "--model hf-llama needs HuggingFace transformers, which is not installed: pip install transformers"
 
@@ -123,15 +129,24 @@ def build(
     model: str = "own",
     compile_backend: str | None = None,
     float8: bool = False,
+    ac: str = "none",
+    mesh: BenchMesh | None = None,
 ) -> Contender:
     """Contender `run` (one of ALL_RUNS) on `device` for model `model` (one of MODELS), with
     torchao float8 training if `float8`; see the module doc. A graphed run builds the same
-    contender as its eager one: the benchmark graphs its step."""
+    contender as its eager one: the benchmark graphs its step. `mesh` (bench_mesh.py; None:
+    `--mesh dp`): fully_shard and FSDP2 shard over its data-parallel mesh, after tensor
+    parallelism under `--mesh tp`; the floors ignore it."""
     if run not in ALL_RUNS:
         raise ValueError(f"build: run must be one of {ALL_RUNS}, got {run!r}")
+    allowed = MESH_RUNS[mesh.kind] if mesh is not None else None
+    if allowed is not None and run not in allowed:
+        raise ValueError(f"build: run {run!r} does not run on --mesh {mesh.kind}; runs there: {allowed}")
     run = run.removesuffix("_graphed")
     if model not in MODELS:
         raise ValueError(f"build: model must be one of {MODELS}, got {model!r}")
+    if ac not in AC_MODES:
+        raise ValueError(f"build: ac must be one of {AC_MODES}, got {ac!r}")
     with torch.device("meta"):
         net = Transformer(cfg) if model == "own" else hf_llama(cfg)
     if float8:
@@ -139,6 +154,8 @@ def build(
     if compile_backend is not None:
         for block in blocks(net):
             block.compile(backend=compile_backend)
+    if ac != "none":
+        _checkpoint_blocks(net, run, ac)
     bf16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
     if run in ("fully_shard", "fsdp2"):
         if run == "fully_shard":
@@ -147,8 +164,13 @@ def build(
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
             shard, mpp = fully_shard, MixedPrecisionPolicy(**bf16)
+        if mesh is not None:
+            tensor_parallel(blocks(net), mesh)  # --mesh tp: the blocks' TP plan first, as train.py
+        dp_mesh = None if mesh is None else mesh.dp_mesh  # None: the API's default world mesh
+        if cfg.n_experts:  # --moe: expert parallelism, the experts sharded over the rest first
+            shard_experts(net, expert_mesh(device.type, cfg.n_experts), shard, mp_policy=mpp)  # type: ignore[arg-type]
         for module in sharding_units(net, wrap):
-            shard(module, mp_policy=mpp)
+            shard(module, mesh=dp_mesh, mp_policy=mpp)
     elif run == "replicate":
         composable.replicate(net, mp_policy=composable.MixedPrecisionPolicy(**bf16))
     net.to_empty(device=device)
@@ -166,6 +188,23 @@ def build(
         after = bench_float8.after_step_in_place if run == "fully_shard" else bench_float8.after_step
         return Contender(net, autocast, logits, after)
     return Contender(net, autocast, logits)
+
+
+def _checkpoint_blocks(net: nn.Module, run: str, ac: str) -> None:
+    """Every block checkpointed: ours by `composable.checkpoint`; FSDP2's and DDP's as
+    torchtitan does, each block replaced by torch's `checkpoint_wrapper` (torch's composable
+    checkpoint with a `context_fn` trips over FSDP2's backward prefetch on torch 2.15: the
+    recompute meets ops the forward did not record)."""
+    options = {"context_fn": composable.checkpoint.save_matmuls()} if ac == "selective" else {}
+    if run not in ("fsdp2", "ddp"):
+        for block in blocks(net):
+            composable.checkpoint(block, **options)
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    layers = net.layers if isinstance(net, Transformer) else net.model.layers
+    for name, block in list(layers.named_children()):
+        layers.register_module(name, checkpoint_wrapper(block, **options))
 
 
 def _own_logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The benchmark's report: one table of per-run medians over rounds, the ours/theirs ratios
-(throughput as the median of per-round ratios, with their range; memory from the largest
-peaks), the JSON file; and the Chrome trace of a profiled run. No collectives here."""
+(throughput, in tokens per GPU-second, as the median of per-round ratios, with their range;
+memory from the largest peaks), the JSON file, both naming the mesh; and the Chrome trace of
+a profiled run. No collectives here."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import statistics
 import tempfile
 
 import torch
+from bench_mesh import describe_mesh
 
 RATIOS = (
     ("fully_shard", "fsdp2"),
@@ -34,8 +36,9 @@ def describe(args: argparse.Namespace) -> str:
     changed = [f"{k}={getattr(args, k)}" for k in ("dim", "n_layers", "n_heads", "ffn_dim") if getattr(args, k, None)]
     shape = f" ({' '.join(changed)})" if changed else ""
     float8 = ", float8 (torchao)" if getattr(args, "float8", False) else ""
+    ac = f", {args.ac} activation checkpointing" if getattr(args, "ac", "none") != "none" else ""
     return (
-        f"model {args.model}, preset {args.preset}{shape}{float8}, local batch {args.batch_size}, seq {args.seq_len}, "
+        f"model {args.model}, preset {args.preset}{shape}{float8}{ac}, local batch {args.batch_size}, seq {args.seq_len}, "
         f"wrap {args.wrap}, {compiled}, {args.rounds} rounds x {args.steps} steps, torch {torch.__version__}"
     )
 
@@ -47,17 +50,20 @@ def report(rounds: list[dict[str, dict]], args: argparse.Namespace, world: int, 
     med = {run: statistics.median(rd[run]["step_s"] for rd in rounds) for run in runs}
     peak = {run: max(rd[run]["peak_alloc_gib"] for rd in rounds) for run in runs}
     reserved = {run: max(rd[run]["peak_reserved_gib"] for rd in rounds) for run in runs}
-    print(f"\n{device_name} x{world}, {describe(args)}")
+    print(f"\n{device_name} x{world}, mesh {describe_mesh(args, world)}, {describe(args)}")
     w = max(12, *map(len, runs))  # fully_shard_graphed is 19 wide
     print(f"{'run':<{w}} {'s/step':>8} {'tok/s/GPU':>10} {'MFU':>6} {'alloc GiB':>10} {'reserved GiB':>13}")
+    tokens = {run: _tokens(rounds[0][run], args) for run in runs}
     for run in runs:
-        tok = args.batch_size * args.seq_len / med[run]
+        tok = tokens[run] / med[run]
         mfu = tok * rounds[0][run]["mfu_per_tok_s"]
         print(f"{run:<{w}} {med[run]:>8.4f} {tok:>10.0f} {mfu:>6.1%} {peak[run]:>10.2f} {reserved[run]:>13.2f}")
     ratios = {}
     for ours, theirs in RATIOS:
         if ours in med and theirs in med:
-            per_round = sorted(rd[theirs]["step_s"] / rd[ours]["step_s"] for rd in rounds)
+            # Tokens per GPU-second: under --mesh tp a floor's GPU trains tp times the tokens of a TP one.
+            scale = tokens[ours] / tokens[theirs]
+            per_round = sorted(scale * rd[theirs]["step_s"] / rd[ours]["step_s"] for rd in rounds)
             r = ratios[f"{ours}/{theirs}"] = {
                 "throughput": statistics.median(per_round),
                 "throughput_range": [per_round[0], per_round[-1]],
@@ -71,11 +77,23 @@ def report(rounds: list[dict[str, dict]], args: argparse.Namespace, world: int, 
     if args.out:
         with open(args.out, "w") as f:
             json.dump(
-                {"world": world, "device": device_name, "args": vars(args), "rounds": rounds, "ratios": ratios},
+                {
+                    "world": world,
+                    "device": device_name,
+                    "mesh": describe_mesh(args, world),
+                    "args": vars(args),
+                    "rounds": rounds,
+                    "ratios": ratios,
+                },
                 f,
                 indent=2,
             )
     return ratios
+
+
+def _tokens(result: dict, args: argparse.Namespace) -> float:
+    """A GPU's tokens per step of a run (results written before meshes: local batch x seq)."""
+    return result.get("tokens_gpu", args.batch_size * args.seq_len)
 
 
 def _ratio(a: float, b: float) -> float:

@@ -6,6 +6,8 @@
     torchrun --nproc_per_node 2 examples/benchmark.py --preset 1b --dim 4096 --n-layers 16 --compile --float8
     torchrun --nproc_per_node 2 examples/benchmark.py --batch-size 1 --compile \
         --runs floor,floor_graphed,fully_shard,fully_shard_graphed,fsdp2,replicate,replicate_graphed,ddp
+    torchrun --nproc_per_node 4 examples/benchmark.py --preset 1b --batch-size 4 --mesh hsdp --dp-replicate 2
+    torchrun --nproc_per_node 4 examples/benchmark.py --preset 1b --batch-size 4 --mesh tp --tp-size 2
     python examples/benchmark.py --cpu-overhead        # CPU cost of the hooks, no GPU needed
 
 Runs, one after the other in one process group, once per round: a no-communication floor
@@ -24,6 +26,8 @@ against the graphed floor as well (`fully_shard_graphed/floor_graphed`), not onl
 Their peaks count the graph's private memory pool (it is allocated memory).
 `--dim` widens the preset (heads and ffn follow, Llama's rules: `width_overrides`). Prints one table (median step time,
 tokens/s per GPU, MFU, peak memory allocated and reserved) and the ratios ours/theirs.
+`--mesh hsdp` / `--mesh tp` put fully_shard and FSDP2 on a 2D mesh (HSDP, or TP x FSDP with
+train.py's TP plan; bench_mesh.py), beside the floors.
 Without a GPU it runs on the CPU with gloo (timings only; a smoke test of the wiring).
 MFU is always against the bf16 peak. How contenders are built: bench_build.py; the report: bench_report.py; `--cpu-overhead`:
 bench_overhead.py.
@@ -44,10 +48,31 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # 
 
 import torch
 import torch.distributed as dist
-from bench_build import ALL_RUNS, GRAPHED_RUNS, HF_MISSING, MODELS, RUNS, WRAPS, Contender, build, hf_available
+from bench_build import (
+    AC_MODES,
+    ALL_RUNS,
+    GRAPHED_RUNS,
+    HF_MISSING,
+    MODELS,
+    RUNS,
+    WRAPS,
+    Contender,
+    build,
+    hf_available,
+)
 from bench_float8 import FLOAT8_MISSING, float8_available
+from bench_mesh import (
+    MESH_DEFAULT_RUNS,
+    BenchMesh,
+    add_mesh_args,
+    build_mesh,
+    mesh_errors,
+    tokens_generator,
+    tokens_per_gpu,
+)
 from bench_report import report, write_trace
 from model import PRESETS, ModelConfig, get_config, lm_loss, model_flops_per_token
+from parallel import MOE_EXPERTS
 from torch import nn
 
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0}
@@ -77,8 +102,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--runs",
-        default=",".join(RUNS),
-        help=f"comma list of {', '.join(ALL_RUNS)} (the *_graphed ones: the whole step in a CUDA graph)",
+        default=None,
+        help=f"comma list of {', '.join(ALL_RUNS)} (the *_graphed ones: the whole step in a CUDA graph); "
+        f"default {','.join(RUNS)}, on a 2D --mesh {','.join(MESH_DEFAULT_RUNS)}",
     )
     p.add_argument(
         "--wrap",
@@ -93,7 +119,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="every contender trains with torchao float8 linears (the head and dims not divisible by 16 excepted)",
     )
+    p.add_argument(
+        "--moe",
+        action="store_true",
+        help="mixture-of-experts feed-forwards (examples/moe.py, --model own): fully_shard and FSDP2 split the experts "
+        "over an expert-parallel dim and shard them over the rest (examples/parallel.py's shard_experts)",
+    )
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend for --compile")
+    p.add_argument(
+        "--ac",
+        choices=AC_MODES,
+        default="none",
+        help="activation checkpointing of every block of every contender: full, or selective (keeps the matmuls)",
+    )
     p.add_argument("--out", default=None, help="write results JSON here")
     p.add_argument("--profile", default="", help="comma list of runs to profile (2 extra steps each, first round)")
     p.add_argument(
@@ -102,12 +140,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --profile: write every rank's Chrome trace of each profiled run here (gzipped)",
     )
     p.add_argument("--cpu-overhead", action="store_true", help="measure hook CPU overhead on 64 tiny blocks (no GPU)")
+    add_mesh_args(p)
     args = p.parse_args(argv)
     for flag in ("batch_size", "seq_len", "steps", "rounds"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.warmup < 0:
         p.error(f"--warmup must be >= 0, got {args.warmup}")
+    if args.runs is None:
+        args.runs = ",".join(RUNS if args.mesh == "dp" else MESH_DEFAULT_RUNS)
     unknown = [run for run in args.runs.split(",") if run not in ALL_RUNS]
     if unknown or not args.runs:
         p.error(f"--runs: unknown run(s) {unknown or [args.runs]}; choose from {', '.join(ALL_RUNS)}")
@@ -124,6 +165,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"--warmup must be >= 2 with --runs {graphed[0]} (graphed_step's eager warm-up, then the capture, "
             f"so that every timed step is a replay), got {args.warmup}"
         )
+    if args.moe and (graphed or args.float8 or args.model != "own" or args.mesh != "dp"):
+        p.error(
+            "--moe runs with --model own and --mesh dp (its own expert mesh), eagerly (no graphed runs: routing "
+            f"syncs with the host) and without --float8; got --mesh {args.mesh}"
+        )
     if args.model == "hf-llama" and not args.cpu_overhead and not hf_available():
         p.error(HF_MISSING)
     if args.float8 and not args.cpu_overhead and not float8_available():
@@ -134,9 +180,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # Record the shape the width flags derive, so the table and the JSON name it.
     args.__dict__.update(width_overrides(args.preset, args.dim, args.n_heads, args.ffn_dim))
     try:
-        model_config(args)
+        cfg = model_config(args)
     except ValueError as e:
         p.error(f"--dim/--n-heads: {e}")
+    world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None  # torchrun's
+    error = None if args.cpu_overhead else mesh_errors(args, cfg.n_heads, cfg.ffn_dim, world)
+    if error:
+        p.error(error)
     return args
 
 
@@ -156,7 +206,8 @@ def width_overrides(preset: str, dim: int | None, n_heads: int | None, ffn_dim: 
 def model_config(args: argparse.Namespace) -> ModelConfig:
     """The preset, at `--seq-len`, with the width/depth flags applied."""
     width = width_overrides(args.preset, args.dim, args.n_heads, args.ffn_dim)
-    return get_config(args.preset, max_seq_len=args.seq_len, n_layers=args.n_layers, **width)
+    moe = {"n_experts": MOE_EXPERTS} if getattr(args, "moe", False) else {}
+    return get_config(args.preset, max_seq_len=args.seq_len, n_layers=args.n_layers, **width, **moe)
 
 
 def train_step(c: Contender, opt: torch.optim.Optimizer, tokens: torch.Tensor) -> torch.Tensor:
@@ -232,7 +283,10 @@ def forget_dtensor_caches() -> None:
             clear()
 
 
-def time_run(run: str, args: argparse.Namespace, device: torch.device, profile: bool = False) -> dict:
+def time_run(
+    run: str, args: argparse.Namespace, device: torch.device, profile: bool = False, mesh: BenchMesh | None = None
+) -> dict:
+    """One contender's warm-up and timed steps on this rank (`mesh`: `--mesh`'s, None for dp)."""
     cfg = model_config(args)
     # Peaks are counted above what was allocated before this run's model existed, so that
     # anything an earlier run left behind is not charged to this one.
@@ -248,11 +302,21 @@ def time_run(run: str, args: argparse.Namespace, device: torch.device, profile: 
         torch._dynamo.reset()
     forget_dtensor_caches()
     torch.manual_seed(0)
-    c = build(run, cfg, device, args.wrap, args.model, args.compile_backend if args.compile else None, args.float8)
+    c = build(
+        run,
+        cfg,
+        device,
+        args.wrap,
+        args.model,
+        args.compile_backend if args.compile else None,
+        args.float8,
+        args.ac,
+        mesh=mesh,
+    )
     graphed = run in GRAPHED_RUNS
     opt = torch.optim.AdamW(c.model.parameters(), lr=1e-4, fused=True, capturable=graphed)
     step_fn = make_step(c, opt, graphed, args.warmup)
-    g = torch.Generator(device=device).manual_seed(dist.get_rank())
+    g = tokens_generator(mesh, device)  # the tp ranks of a group train on the same tokens
     tokens = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), device=device, generator=g)
     times = []
     _sync(device)
@@ -274,11 +338,13 @@ def time_run(run: str, args: argparse.Namespace, device: torch.device, profile: 
         if device.type == "cuda"
         else (0.0, 0.0)
     )
+    tokens_gpu = tokens_per_gpu(mesh, run, args.batch_size, args.seq_len)
     result = {
         "run": run,
         "step_s": step_s,
         "step_range_s": (min(times), max(times)),  # this rank's: a host-bound step jitters
-        "tok_s_gpu": args.batch_size * args.seq_len / step_s,
+        "tokens_gpu": tokens_gpu,  # a GPU's share of a step's tokens (a tp group shares its batch)
+        "tok_s_gpu": tokens_gpu / step_s,
         "mfu_per_tok_s": model_flops_per_token(cfg, args.seq_len) / (peak * 1e12),
         "peak_alloc_gib": (max_alloc - before_alloc) / 2**30,
         "peak_reserved_gib": (max_reserved - before_reserved) / 2**30,
@@ -323,7 +389,8 @@ def profile_steps(
         print(f"[profile {run}] device time {total / 2e3:.1f} ms/step, of which NCCL {comm / 2e3:.1f} ms/step")
         print(events.table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=60))
     if args.trace_dir:
-        name = f"{run}_b{args.batch_size}_rank{dist.get_rank()}.json.gz"
+        mesh = "" if getattr(args, "mesh", "dp") == "dp" else f"_{args.mesh}"
+        name = f"{run}{mesh}_b{args.batch_size}_rank{dist.get_rank()}.json.gz"
         write_trace(prof, os.path.join(args.trace_dir, name))
 
 
@@ -347,14 +414,15 @@ def run_rounds(args: argparse.Namespace, device: torch.device) -> list[dict[str,
     ratio is the median of its per-round ratios. Reports on rank 0; returns the rounds."""
     rounds: list[dict[str, dict]] = []
     runs = args.runs.split(",")
+    mesh = build_mesh(args, device.type)  # its process groups once, for every contender and round
     for r in range(args.rounds):
         rounds.append(dict.fromkeys(runs))  # results in the given order whatever the running order
         for run in round_order(runs, r):
-            res = time_run(run, args, device, profile=r == 0)
+            res = time_run(run, args, device, profile=r == 0, mesh=mesh)
             agg = torch.tensor([res["step_s"], res["peak_alloc_gib"], res["peak_reserved_gib"]], device=device)
             dist.all_reduce(agg, op=dist.ReduceOp.MAX)  # the slowest rank and the largest peak count
             res["step_s"], res["peak_alloc_gib"], res["peak_reserved_gib"] = agg.tolist()
-            res["tok_s_gpu"] = args.batch_size * args.seq_len / res["step_s"]
+            res["tok_s_gpu"] = res["tokens_gpu"] / res["step_s"]
             rounds[-1][run] = res
             if dist.get_rank() == 0:
                 print(

@@ -5,6 +5,7 @@ world size, on one CPU process, in seconds.
         --world-size 64 --parallel hsdp --hsdp-shard-size 8 --batch-size 2 --seq-len 8192
     python examples/estimate.py --preset 1b --world-size 2 --batch-size 4 --json
     python examples/estimate.py --preset 1b --world-size 1024 --plot scale.png --plot-layouts fsdp,hsdp,replicate
+    python examples/estimate.py --benchmark b4.json     # benchmark.py --out b4.json's setup, beside its measurement
 
 Communication comes from the real engine: the model is built on the meta device, laid out
 with `fully_shard` / `replicate` / `checkpoint` / tensor parallelism exactly as train.py does,
@@ -65,6 +66,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--pp", type=int, default=1, help="pipeline stages (train.py --pp): per-stage estimate")
     t.add_argument("--pp-schedule", default="1F1B", help="--pp: torch's Schedule<NAME>")
     t.add_argument("--microbatches", type=int, default=None, help="--pp: microbatches per step (default --batch-size)")
+    t.add_argument(
+        "--benchmark",
+        default=None,
+        help="a benchmark.py --out results file: estimate its setup (model, batch, --mesh, world) and print "
+        "the estimate beside the measurement (estimate_bench.py); the model and setup flags are not read",
+    )
     h = p.add_argument_group("hardware (assumptions: see examples/estimate_time.py)")
     h.add_argument(
         "--bandwidth",
@@ -210,7 +217,15 @@ def print_report(
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     try:
-        s = setup_from_args(a)
+        bench = None
+        if a.benchmark:
+            import estimate_bench
+
+            bench = estimate_bench.load(a.benchmark)
+            s = estimate_bench.setup_from_benchmark(bench)
+            a.tflops = estimate_bench.floor_tflops(bench, s) or a.tflops
+        else:
+            s = setup_from_args(a)
         links = parse_bandwidth(a.bandwidth, a.gpus_per_node)
         if a.tflops <= 0:
             raise UsageError(f"--tflops must be > 0, got {a.tflops}")
@@ -235,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     data = to_json(s, mem, comm, tim, links, a.tflops)
     if pipe is not None:
         data["pipeline"] = pipe
+    if bench is not None:
+        data["benchmark"] = estimate_bench.compare(bench, s, links, a.tflops)
     if a.json in (None,) or a.json != "-":
         print_report(s, mem, comm, tim, links, a.tflops, a.gpu_gib, elapsed)
         if pipe is not None:
@@ -242,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
 
             print()
             print_pipeline(pipe)
+        if bench is not None:
+            estimate_bench.print_comparison(data["benchmark"], bench, estimate_bench.floor_tflops(bench, s) is not None)
     if a.json == "-":
         print(json.dumps(data, indent=2))
     elif a.json:

@@ -8,8 +8,9 @@ Assumptions (none of these was measured by the project; override them with flags
   (`--gpus-per-node`, consecutive ranks per node) runs at the inter-node rate.
 - `--tflops 334`: achieved dense bf16 TFLOP/s per GPU, derived from BENCHMARKS.md's measured
   no-communication floor (1b preset, batch 4: 58,313 tok/s/GPU x 5.73 GFLOP/token on H200).
-  Compute time = model FLOPs (examples/model.py's `model_flops_per_token`, / TP size, +1/3
-  for checkpointing's recomputed forward) / achieved FLOP/s; 1/3 of it forward.
+  Compute time = model FLOPs (examples/model.py's `model_flops_per_token`, the blocks' / TP
+  size, the replicated head's whole, +1/3 for checkpointing's recomputed forward) / achieved
+  FLOP/s; 1/3 of it forward.
 
 Overlap model (what examples/trace_overlap.py measures on real traces): the step's first
 collective (the root's all-gather: nothing to compute before it) and its last (the root's
@@ -81,7 +82,11 @@ class TimeEstimate:
 
 
 def compute_seconds(s: Setup, tflops: float) -> float:
-    flops = model_flops_per_token(s.cfg, s.seq_len) * s.batch_size * s.seq_len / s.tp
+    """One rank's step at `tflops`: the blocks' FLOPs split over the TP ranks, the head's not
+    (train.py's TP plan leaves it replicated: every TP rank computes all the logits)."""
+    head = 6 * s.cfg.vocab_size * s.cfg.dim
+    per_token = (model_flops_per_token(s.cfg, s.seq_len) - head) / s.tp + head
+    flops = per_token * s.batch_size * s.seq_len
     if s.activation_checkpointing:
         flops *= 4 / 3  # the forward runs twice
     return flops / (tflops * 1e12)

@@ -11,31 +11,51 @@ On every rank (`run_rank`, under torchrun as well): the process group is made wi
 exit status 2 for a refused request (UsageError), 1 for a failure; a failed collective is
 reported with the diagnosis of which rank is at fault, and the rank exits at once, since a
 broken gloo group can abort the process when it is torn down.
+
+Otherwise the rank tears down in order, under a bound (`ExitGuard`, watchdog.py): it meets the
+other ranks on the store (nobody destroys the process group while a peer still uses it; a peer
+that does not come within half the bound is left behind, with a note), collects what the
+training left (CUDA graphs that captured collectives, composable's states) and waits for the
+GPU's pending work while the process group is still alive, destroys the process group, runs
+the exit handlers and joins the remaining threads, then leaves with `os._exit` (`exit_process`):
+the interpreter's own finalisation (CUDA and NCCL teardown in static destructors) is skipped.
+A rank whose teardown exceeds the bound prints the phase and every thread's stack and exits
+with status 3 (`EXIT_TEARDOWN_HUNG`), so a finished job always ends.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import multiprocessing
 import os
 import re
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import wait
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 from checkpointing import CheckpointError
+from options import FAULT
 from parallel import UsageError
-from watchdog import Watchdog, is_comm_failure, process_state
+from watchdog import ExitGuard, Watchdog, is_comm_failure, process_state
 
 STARTUP_TIMEOUT_S = 600.0  # spawning and importing torch on a loaded machine; the store's own timeout
 GRACE_S = 3.0  # after one rank fails, how long the others get to say why before they are stopped
+_GUARD: ExitGuard | None = None  # armed by a rank's teardown, until `exit_process`
+
+
+def teardown_bound(args: argparse.Namespace) -> float:
+    """Seconds a rank's teardown may take, from the end of its work to its exit."""
+    return min(60.0, max(10.0, args.timeout))
 
 
 # ----------------------------------------------------------------------------- parent side
@@ -171,15 +191,15 @@ def run_rank(
     except UsageError as e:  # every rank raises it alike; one says it
         if int(os.environ["RANK"]) == 0:
             print(f"train.py: error: {e}", file=sys.stderr, flush=True)
-        return _end(2, watchdog, clean=True)
+        return _end(2, watchdog, clean=True, args=args)
     except NotImplementedError as e:  # a combination the library does not support yet
         if int(os.environ["RANK"]) == 0:
             print(f"train.py: NotImplementedError: {e}", file=sys.stderr, flush=True)
-        return _end(2, watchdog, clean=True)
+        return _end(2, watchdog, clean=True, args=args)
     except CheckpointError as e:
         if int(os.environ["RANK"]) == 0:
             print(f"train.py: {e}", file=sys.stderr, flush=True)
-        return _end(1, watchdog, clean=True)
+        return _end(1, watchdog, clean=True, args=args)
     except KeyboardInterrupt:
         return _end(130, watchdog, clean=False)
     except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException
@@ -203,7 +223,7 @@ def run_rank(
             watchdog.report_failure(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
         print(f"train.py: rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         return _end(1, watchdog, clean=False)
-    return _end(0, watchdog, clean=True)
+    return _end(0, watchdog, clean=True, args=args)
 
 
 def _gist(exc: BaseException) -> str:
@@ -213,14 +233,75 @@ def _gist(exc: BaseException) -> str:
     return text.split(". ")[0][:200]
 
 
-def _end(code: int, watchdog: Watchdog | None, clean: bool) -> int:
+def _end(code: int, watchdog: Watchdog | None, clean: bool, args: argparse.Namespace | None = None) -> int:
     """Tear down; after a failed collective skip it and leave at once (see module docstring)."""
-    if watchdog is not None:
-        watchdog.close()
     if not clean:
+        if watchdog is not None:
+            watchdog.close()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+    assert args is not None, "a clean end tears down under the bound of its arguments"
+    global _GUARD
+    rank = int(os.environ["RANK"])
+    fault = FAULT.fullmatch(args.fault) if args.fault else None
+    hang = fault is not None and fault[2] == "EXITHANG" and int(fault[1]) == rank
+    _GUARD = teardown(rank, watchdog, teardown_bound(args), hang)
+    return code
+
+
+def teardown(rank: int, watchdog: Watchdog | None, bound: float, hang: bool = False) -> ExitGuard:
+    """The ordered end of a rank (module docstring), under an `ExitGuard` of `bound` seconds,
+    which it returns armed: `exit_process` ends the process. `hang` (tests) blocks where a
+    hung NCCL teardown would."""
+    guard = ExitGuard(rank, bound).start()
+    if watchdog is not None:
+        guard.phase("waiting for the other ranks")
+        watchdog.close()
+        _meet(rank, watchdog, bound / 2)
+    guard.phase("releasing CUDA graphs and pending GPU work")
+    gc.collect()  # graphs that captured collectives, states holding the process group: gone before it
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    guard.phase("destroy_process_group")
+    if hang:
+        threading.Event().wait()
     if dist.is_initialized():
         dist.destroy_process_group()
-    return code
+    guard.phase("exit")
+    return guard
+
+
+def _meet(rank: int, watchdog: Watchdog, wait_s: float) -> None:
+    """Wait on the store until every rank has ended its work, at most `wait_s` seconds."""
+    store, world = watchdog.store, watchdog.world
+    if store is None or world == 1:
+        return
+    try:
+        if store.add("teardown/arrived", 1) == world:
+            store.set("teardown/all", "1")
+        store.wait(["teardown/all"], timedelta(seconds=wait_s))
+    except Exception as e:  # noqa: BLE001 - a peer gone or late: tear down without it
+        print(
+            f"train.py: rank {rank}: not every rank ended its work within {wait_s:g} s ({_gist(e)}); tearing down without them",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def exit_process(code: int) -> NoReturn:
+    """End the process with `code`. After a rank's teardown: its exit handlers and remaining
+    threads still under the teardown's bound, then `os._exit` (no interpreter finalisation,
+    whose CUDA/NCCL destructors can block). Elsewhere (the launching parent) `sys.exit`."""
+    guard = _GUARD
+    if guard is None:
+        sys.exit(code)
+    guard.phase("exit handlers")
+    atexit._run_exitfuncs()
+    guard.phase("joining threads")
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from moe import MoEFeedForward
 
 
 @dataclass(frozen=True)
@@ -31,12 +32,16 @@ class ModelConfig:
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
     init_std: float = 0.02
+    n_experts: int = 0  # > 0: every block's feed-forward is a mixture of experts (moe.py)
+    top_k: int = 2  # experts per token
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
             raise ValueError(f"ModelConfig: dim {self.dim} must be divisible by n_heads {self.n_heads}")
         if (self.dim // self.n_heads) % 2:
             raise ValueError(f"ModelConfig: head dim {self.dim // self.n_heads} must be even (rotary pairs)")
+        if self.n_experts and not 0 < self.top_k <= self.n_experts:
+            raise ValueError(f"ModelConfig: top_k {self.top_k} must be in 1..n_experts ({self.n_experts})")
 
     @property
     def head_dim(self) -> int:
@@ -140,7 +145,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward = FeedForward(cfg) if not cfg.n_experts else MoEFeedForward(cfg)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), rope)
@@ -179,16 +184,12 @@ class Transformer(nn.Module):
         # stream's variance does not grow with the number of layers.
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
         for block in self.layers:
-            for lin in (
-                block.attention.wq,
-                block.attention.wk,
-                block.attention.wv,
-                block.feed_forward.w1,
-                block.feed_forward.w3,
-            ):
-                nn.init.trunc_normal_(lin.weight, std=cfg.init_std, a=-3 * cfg.init_std, b=3 * cfg.init_std)
-            for lin in (block.attention.wo, block.feed_forward.w2):
-                nn.init.trunc_normal_(lin.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
+            ff = block.feed_forward
+            ins = (ff.experts.w1, ff.experts.w3, ff.router.weight) if cfg.n_experts else (ff.w1.weight, ff.w3.weight)
+            for weight in (block.attention.wq.weight, block.attention.wk.weight, block.attention.wv.weight, *ins):
+                nn.init.trunc_normal_(weight, std=cfg.init_std, a=-3 * cfg.init_std, b=3 * cfg.init_std)
+            for weight in (block.attention.wo.weight, ff.experts.w2 if cfg.n_experts else ff.w2.weight):
+                nn.init.trunc_normal_(weight, std=out_std, a=-3 * out_std, b=3 * out_std)
             block.attention_norm.reset_parameters()
             block.ffn_norm.reset_parameters()
         self.norm.reset_parameters()
@@ -219,6 +220,7 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token (6N for the matmuls + attention scores), for MFU."""
-    n_matmul = cfg.n_layers * (4 * cfg.dim * cfg.dim + 3 * cfg.dim * cfg.ffn_dim) + cfg.vocab_size * cfg.dim
+    ffn = 3 * cfg.dim * cfg.ffn_dim * (cfg.top_k if cfg.n_experts else 1) + cfg.dim * cfg.n_experts  # active
+    n_matmul = cfg.n_layers * (4 * cfg.dim * cfg.dim + ffn) + cfg.vocab_size * cfg.dim
     attn = cfg.n_layers * 12 * cfg.dim * seq_len / 2  # causal: half the score matrix
     return 6 * n_matmul + attn

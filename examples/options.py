@@ -21,11 +21,11 @@ from typing import NoReturn
 import torch
 from data import VOCAB_SIZE, ByteCorpus
 from model import PRESET_LR, PRESETS, ModelConfig, get_config
-from parallel import UsageError
+from parallel import MOE_EXPERTS, UsageError
 from pipeline import SCHEDULES, validate_pp
 
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
-FAULT = re.compile(r"(\d+):(KILL|STOP|TERM|SEGV):(\d+)")
+FAULT = re.compile(r"(\d+):(KILL|STOP|TERM|SEGV|EXITHANG):(\d+)")  # EXITHANG: the teardown blocks
 CUDA_GRAPH_PARALLEL = ("fsdp", "hsdp", "replicate")  # what --cuda-graph supports
 
 
@@ -50,7 +50,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="compute dtype: bf16 = bf16 params / fp32 reduce; fp16 adds ShardedGradScaler (default: bf16 on GPU, fp32 on CPU)",
     )
-    p.add_argument("--activation-checkpointing", action="store_true", help="checkpoint() every transformer block")
+    p.add_argument(
+        "--ac",
+        choices=["none", "full", "selective"],
+        default="none",
+        help="activation checkpointing of every transformer block: full (checkpoint()), or selective "
+        "(checkpoint(context_fn=save_matmuls()): keeps the matmul outputs, recomputes the rest)",
+    )
+    p.add_argument(
+        "--activation-checkpointing", dest="ac", action="store_const", const="full", help="the same as --ac full"
+    )
     p.add_argument(
         "--cpu-offload",
         action="store_true",
@@ -147,6 +156,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     m.add_argument("--n-layers", type=int)
     m.add_argument("--n-heads", type=int)
     m.add_argument("--ffn-dim", type=int)
+    m.add_argument(
+        "--moe",
+        action="store_true",
+        help=f"mixture-of-experts feed-forwards ({MOE_EXPERTS} experts, top 2): experts split over an expert-parallel "
+        "dim and sharded over the rest (--parallel fsdp)",
+    )
     m.add_argument("--vocab-size", type=int, help=f"at least {VOCAB_SIZE} (bytes)")
     m.add_argument("--tie-embeddings", action="store_true", default=None)
     p.add_argument(
@@ -157,13 +172,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # tests: stop as if killed after step N
     p.add_argument(
         "--fault", default=None, help=argparse.SUPPRESS
-    )  # tests: RANK:KILL|STOP|TERM|SEGV:STEP, a rank signals itself
+    )  # tests: RANK:KILL|STOP|TERM|SEGV:STEP, a rank signals itself; RANK:EXITHANG:0, its teardown blocks
     args = p.parse_args(argv)
     problem = validate(args)
     if problem:
         p.error(problem)
     if args.lr is None:
         args.lr = PRESET_LR[args.preset]
+    args.activation_checkpointing = args.ac != "none"  # what the memory estimate and the stages read
     return args
 
 
@@ -226,7 +242,7 @@ def validate(args: argparse.Namespace) -> str | None:
     if args.run_id is not None and not RUN_ID.fullmatch(args.run_id):
         return f"--run-id must be letters, digits, '.', '_' or '-' (at most 100, not starting with '.'), got {args.run_id!r}"
     if args.fault is not None and not FAULT.fullmatch(args.fault):
-        return f"--fault must be RANK:KILL|STOP|TERM|SEGV:STEP, got {args.fault!r}"
+        return f"--fault must be RANK:KILL|STOP|TERM|SEGV|EXITHANG:STEP, got {args.fault!r}"
     try:
         cfg = model_config(args)
     except ValueError as e:
@@ -301,6 +317,7 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
         ffn_dim=args.ffn_dim,
         vocab_size=args.vocab_size,
         tie_embeddings=args.tie_embeddings,
+        n_experts=MOE_EXPERTS if getattr(args, "moe", False) else None,
     )
     if args.seq_len is not None and args.seq_len > cfg.max_seq_len:
         cfg = dataclasses.replace(cfg, max_seq_len=args.seq_len)
@@ -336,7 +353,7 @@ def check_memory(
         raise UsageError(
             f"--seq-len {seq_len} with --batch-size {args.batch_size} needs at least {need / 2**30:.1f} GiB per rank, "
             f"more than the {available / 2**30:.1f} GiB {where}; lower --seq-len or --batch-size"
-            + ("" if args.activation_checkpointing else ", or add --activation-checkpointing")
+            + ("" if args.activation_checkpointing else ", or add --ac full")
         )
 
 

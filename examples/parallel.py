@@ -5,6 +5,9 @@ in order."""
 from __future__ import annotations
 
 import argparse
+import math
+from collections.abc import Iterable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -16,6 +19,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from composable import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, checkpoint, fully_shard, replicate
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+MOE_EXPERTS = 4  # --moe: experts per block
 
 
 class UsageError(ValueError):
@@ -72,6 +76,16 @@ def tp_plan() -> dict[str, ParallelStyle]:
     return plan
 
 
+def checkpoint_blocks(blocks: Iterable[nn.Module], ac: str) -> None:
+    """`--ac`: "full" checkpoints every block; "selective" keeps the outputs of its matmuls
+    (torchtitan's op-level policy) and recomputes the rest; "none" does nothing."""
+    if ac == "none":
+        return
+    options = {"context_fn": checkpoint.save_matmuls()} if ac == "selective" else {}
+    for block in blocks:
+        checkpoint(block, **options)
+
+
 def parallelize(model: Transformer, args: argparse.Namespace, mesh: DeviceMesh, dp_mesh: DeviceMesh) -> None:
     """Apply torch.compile / checkpoint / tensor parallelism / fully_shard or replicate, in
     that order: per block first, then the root (see `sharding_units`)."""
@@ -82,9 +96,7 @@ def parallelize(model: Transformer, args: argparse.Namespace, mesh: DeviceMesh, 
         # so the APIs applied below change nothing the compiled code depends on.
         for block in model.layers:
             block.compile(backend=args.compile_backend)
-    if args.activation_checkpointing:
-        for block in model.layers:
-            checkpoint(block)
+    checkpoint_blocks(model.layers, args.ac)
     if args.parallel == "tp":
         if model.cfg.n_heads % args.tp_size:
             raise UsageError(f"--tp-size {args.tp_size} must divide n_heads {model.cfg.n_heads}")
@@ -94,5 +106,34 @@ def parallelize(model: Transformer, args: argparse.Namespace, mesh: DeviceMesh, 
         replicate(model, mesh=dp_mesh, mp_policy=mp_policy)
         return
     offload = CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()
+    if model.cfg.n_experts:
+        if args.parallel != "fsdp":
+            raise UsageError(f"--moe runs with --parallel fsdp, got --parallel {args.parallel}")
+        mesh_ep = expert_mesh(dp_mesh.device_type, model.cfg.n_experts)
+        shard_experts(model, mesh_ep, fully_shard, mp_policy=mp_policy, offload_policy=offload)
     for module in sharding_units(model):
         fully_shard(module, mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload)
+
+
+def expert_mesh(device_type: str, n_experts: int, ep: int | None = None) -> DeviceMesh:
+    """The world as (edp, ep): experts split over `ep` ranks (default: as many as divide both
+    the world and the experts), each rank's experts sharded over `edp`."""
+    world = dist.get_world_size()
+    ep = math.gcd(world, n_experts) if ep is None else ep
+    if world % ep or n_experts % ep:
+        raise UsageError(
+            f"expert parallelism over {ep} ranks must divide the world {world} and the {n_experts} experts"
+        )
+    return init_device_mesh(device_type, (world // ep, ep), mesh_dim_names=("edp", "ep"))
+
+
+def shard_experts(model: Transformer, mesh: DeviceMesh, shard: Callable[..., Any], **options: Any) -> None:
+    """Expert parallelism over `mesh["ep"]` (each rank keeps its experts, DTensors `Shard(0)` on
+    it; tokens travel), then
+    `shard` (composable's or FSDP2's `fully_shard`) of every block's experts over `mesh["edp"]`,
+    before the blocks (bottom-up). Experts scale their gradients for the tokens they see from
+    the whole ep group (moe.py), so the edp average is the mean over every rank's batch."""
+    for block in model.layers:
+        experts = block.feed_forward.experts
+        experts.split(mesh["ep"])
+        shard(experts, mesh=mesh["edp"], **options)

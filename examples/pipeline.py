@@ -21,12 +21,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from model import Transformer, lm_loss
-from parallel import UsageError, mp_policy_for, parallelize, tp_plan
+from parallel import UsageError, checkpoint_blocks, mp_policy_for, parallelize, tp_plan
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.tensor.parallel import parallelize_module
 
-from composable import CPUOffloadPolicy, OffloadPolicy, checkpoint, fully_shard, replicate
+from composable import CPUOffloadPolicy, OffloadPolicy, fully_shard, replicate
 from composable.integrations.pipelining import clip_grad_norm_, pipeline_stage
 
 # torch's schedules (those this torch ships) and how many stages each puts on a pipeline rank.
@@ -142,9 +142,7 @@ def parallelize_stage(stage: TransformerStage, args: argparse.Namespace, mesh: D
     if args.compile:
         for block in blocks:
             block.compile(backend=args.compile_backend)
-    if args.activation_checkpointing:
-        for block in blocks:
-            checkpoint(block)
+    checkpoint_blocks(blocks, args.ac)
     if args.parallel == "tp":
         for block in blocks:
             parallelize_module(block, mesh["tp"], tp_plan())
@@ -205,7 +203,9 @@ class Pipeline:
         def step(xs: torch.Tensor, ys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
             losses: list[torch.Tensor] = []
             kwargs: dict[str, Any] = dict(target=ys, losses=losses) if last else {}
-            schedule.step(xs, **kwargs) if first else schedule.step(**kwargs)
+            # Contiguous: torch 2.11's stages check the first stage's input strides against the
+            # microbatch they traced with, and `tokens[:, :-1]` is a strided view.
+            schedule.step(xs.contiguous(), **kwargs) if first else schedule.step(**kwargs)
             loss = torch.zeros((), device=device)
             if last:  # equal microbatches: their mean is the batch's mean loss
                 loss = torch.stack([v.detach().float() for v in losses]).mean()

@@ -59,7 +59,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from checkpointing import checkpoint_dirs, load_newest_intact, rank0_then_broadcast, save_checkpoint  # noqa: E402
 from data import ByteCorpus, get_batch  # noqa: E402
-from launch import run_rank, spawn_local  # noqa: E402
+from launch import exit_process, run_rank, spawn_local  # noqa: E402
 from model import ModelConfig, Transformer, count_parameters  # noqa: E402
 from options import FAULT, check_memory, cuda_graph_mode, host_memory_bytes, model_config, parse_args  # noqa: E402
 from parallel import UsageError, build_mesh  # noqa: E402
@@ -100,7 +100,7 @@ def _spawned_rank(local_rank: int, store_port: int, args: argparse.Namespace) ->
     )
     # Share the cores between the ranks: oversubscribed threads make every rank slower.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.nproc))
-    sys.exit(run_rank(args, train, external_store_port=store_port))
+    exit_process(run_rank(args, train, external_store_port=store_port))
 
 
 # ----------------------------------------------------------------------------- optimizer
@@ -274,7 +274,9 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
     model.train()
     for step in range(start_step + 1, args.steps + 1):
         watchdog.progress(step, "forward/backward")
-        if fault and int(fault[1]) == rank and int(fault[3]) == step:  # tests: die or stall here, for real
+        if (
+            fault and fault[2] != "EXITHANG" and int(fault[1]) == rank and int(fault[3]) == step
+        ):  # tests: die or stall here
             time.sleep(0.2)  # let the heartbeat of this step land first, as it would in a real stall
             os.kill(os.getpid(), getattr(signal, "SIG" + fault[2]))
         t0 = time.perf_counter()
@@ -392,4 +394,4 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())  # a rank: after its bounded teardown (launch.py); the launching parent: sys.exit

@@ -11,11 +11,17 @@ stops too; a rank stuck in Python or I/O keeps beating but its step does not mov
 The thread is also the backstop for waits that no process-group timeout covers (NCCL work
 that a `.item()` blocks on, a hung file system): when its own main thread has reported no
 progress for `--timeout` plus a margin, it prints the diagnosis and ends the process.
+
+`ExitGuard` bounds the end of a rank (launch.py's teardown: meeting the other ranks, releasing
+CUDA graphs and pending work, destroying the process group, exit handlers): past its bound it
+prints which phase hung and the Python stacks of every thread, and ends the process with
+`EXIT_TEARDOWN_HUNG`, so that a job never outlives its summary by more than the bound.
 """
 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import os
 import socket
@@ -27,6 +33,7 @@ from typing import Any
 import torch.distributed as dist
 
 INTERVAL_S = 1.0
+EXIT_TEARDOWN_HUNG = 3  # exit status of a rank whose teardown did not finish within its bound
 COMM_ERRORS = (
     "Connection closed by peer",
     "Connection reset by peer",
@@ -186,3 +193,41 @@ class Watchdog:
         if behind:
             return "; ".join(behind) + f", while this rank is at step {self.step} ({self.phase})"
         return "every other rank still responds"
+
+
+class ExitGuard:
+    """A daemon thread that ends this process if the teardown it watches does not finish
+    within `bound` seconds: one line naming the rank and the phase it hung in, the stacks of
+    all threads (faulthandler), exit status `EXIT_TEARDOWN_HUNG`. `phase(name)` says where the
+    teardown is; the guard stays armed until the process exits (it is meant to end with
+    `os._exit`), or `disarm()`."""
+
+    def __init__(self, rank: int, bound: float) -> None:
+        self.rank, self.bound, self.current = rank, bound, "start"
+        self._disarmed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="train-exit-guard", daemon=True)
+
+    def start(self) -> ExitGuard:
+        self._thread.start()
+        return self
+
+    def phase(self, name: str) -> None:
+        self.current = name
+
+    def disarm(self) -> None:
+        self._disarmed.set()
+
+    def _run(self) -> None:
+        if self._disarmed.wait(self.bound):
+            return
+        print(
+            f"train.py: rank {self.rank}: teardown did not finish within {self.bound:g} s ({self.current}); "
+            f"the stacks of its threads follow; exiting with status {EXIT_TEARDOWN_HUNG}",
+            file=sys.stderr,
+            flush=True,
+        )
+        with contextlib.suppress(Exception):  # stderr without a file descriptor: no stacks, still the exit
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        os._exit(EXIT_TEARDOWN_HUNG)

@@ -57,6 +57,7 @@ __all__ = [
     "CollectiveTracer",
     "Collective",
     "requires_gpus",
+    "on_gpus",
     "assert_close_tensors",
 ]
 
@@ -488,6 +489,12 @@ def gpu_worlds(*sizes: int) -> list[Any]:
     with `requires_gpus`' marks for its size, so that one GPU runs the world-1 form and two GPUs
     run both."""
     return [pytest.param(n, id=f"world{n}", marks=_gpu_marks(n)) for n in sizes]
+
+
+def on_gpus(value: Any, n: int, id: str | None = None) -> Any:
+    """A test parameter ``value`` with `requires_gpus`' marks for ``n`` GPUs, beside CPU forms
+    of the same test: ``parametrize("device", ["cpu", on_gpus("cuda", 4, id="nccl")])``."""
+    return pytest.param(value, id=id, marks=_gpu_marks(n))
 
 
 def assert_close_tensors(

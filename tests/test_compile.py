@@ -154,6 +154,56 @@ def test_inductor_compiled_blocks_train_like_eager() -> None:
     run_on_ranks(_compiled_matches_eager, 2, "full_shard", "after", "inductor", timeout=300)
 
 
+def _stock_blocks(variant: str, how: str | None, mesh: DeviceMesh) -> nn.Sequential:
+    """Blocks whose forward is torch.nn's own (`nn.Sequential`): dynamo traces their
+    `_call_impl`, hooks included, unless the API keeps the graph at `forward`. `how`: None
+    (eager), "before"/"after" (`block.compile(fullgraph=True)` before/after the APIs) or
+    "torch.compile" (`torch.compile(block, fullgraph=True)` after them)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(3)))
+    for i, block in enumerate(model):
+        if how == "before":
+            block.compile(backend="aot_eager", fullgraph=True)
+        if variant == "checkpoint":
+            checkpoint(block)
+        if variant != "replicate":
+            fully_shard(block, mesh=mesh)
+        else:
+            replicate(block, mesh=mesh)
+        if how == "after":
+            block.compile(backend="aot_eager", fullgraph=True)
+        if how == "torch.compile":
+            model[i] = torch.compile(block, backend="aot_eager", fullgraph=True)
+    if variant != "replicate":
+        fully_shard(model, mesh=mesh)
+    return model
+
+
+def _stock_blocks_compiled_match_eager(rank: int, world: int, variant: str, how: str) -> None:
+    torch._dynamo.reset()
+    mesh = init_device_mesh("cpu", (world,))
+    eager, compiled = _stock_blocks(variant, None, mesh), _stock_blocks(variant, how, mesh)
+    data = lambda step: torch.randn(4, 16, generator=torch.Generator().manual_seed(step * world + rank))  # noqa: E731
+    originals = nn.Sequential(*(getattr(block, "_orig_mod", block) for block in compiled))  # FQNs as eager's
+    loss_of = lambda m, step: m(data(step)).square().mean()  # noqa: E731
+    _side_by_side(eager, compiled, loss_of, TOL["aot_eager"], f"{variant}/{how}", params=(eager, originals))
+    counters = torch._dynamo.utils.counters
+    assert counters["stats"]["unique_graphs"] >= 1, "nothing was compiled"
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+# checkpoint's recompute calls the module itself, so under torch.compile(module) (a wrapper
+# the module does not know of) it would recompute eagerly what the graph computed: checkpoint
+# takes module.compile() (or is applied to the compiled wrapper).
+@pytest.mark.parametrize(
+    "variant,how",
+    [("checkpoint", "before"), ("checkpoint", "after")]
+    + [(v, h) for v in ("full_shard", "replicate") for h in ("before", "after", "torch.compile")],
+)
+def test_compiled_stock_modules_train_like_eager(variant: str, how: str) -> None:
+    run_on_ranks(_stock_blocks_compiled_match_eager, 2, variant, how)
+
+
 def _whole_model_compiled(rank: int, world: int) -> None:
     torch._dynamo.reset()
     mesh = init_device_mesh("cpu", (world,))

@@ -25,6 +25,7 @@ Any other comment directly above a fence is refused, so that no block is silentl
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import importlib
 import importlib.util
@@ -165,10 +166,25 @@ def test_block_markers(tmp_path: Path) -> None:
         blocks_of(page)
 
 
+def _imported_modules(code: str) -> list[str]:
+    """The top-level modules a block's `import` / `from ... import` statements name, in order."""
+    found: list[str] = []
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Import):
+            found += [alias.name.split(".")[0] for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append(node.module.split(".")[0])
+    return list(dict.fromkeys(found))
+
+
 @pytest.mark.parametrize("page", _pages_with(lambda b: b.marker is None))
 def test_page_runs_on_cpu(page: Path) -> None:
-    """The page's unmarked blocks run, in order, on a gloo world of one rank."""
-    program = _program([b for b in blocks_of(page) if b.marker is None])
+    """The page's unmarked blocks run, in order, on a gloo world of one rank; skipped, naming the
+    module, where a block imports an optional package (transformers, torchao, ...) that is not
+    installed, as the tests of that package skip."""
+    blocks = [b for b in blocks_of(page) if b.marker is None]
+    _skip_unless_installed(tuple(m for b in blocks for m in _imported_modules(b.code)))
+    program = _program(blocks)
     assert run_on_ranks(_run_page, 1, program, str(ROOT), timeout=120.0) == [len(program)]
 
 
@@ -340,6 +356,14 @@ def test_missing_module_skips() -> None:
     """A block that needs a module that does not import is skipped, naming it."""
     with pytest.raises(pytest.skip.Exception, match="needs composable_no_such_module"):
         _skip_unless_installed(("torch", "composable_no_such_module"))
+
+
+def test_unmarked_blocks_name_their_imports() -> None:
+    """An unmarked block's imports are found (so a page needing a missing package skips, naming it)."""
+    code = "import os, torch.distributed as dist\nfrom transformers import X\nfrom . import y\nif 1:\n    import peft.tuners\n"
+    assert _imported_modules(code) == ["os", "torch", "transformers", "peft"]
+    with pytest.raises(pytest.skip.Exception, match="needs composable_no_such_module"):
+        _skip_unless_installed(tuple(_imported_modules("import composable_no_such_module")))
 
 
 def _accelerate_is_pytorch_fsdp2(rank: int, world_size: int) -> bool:

@@ -169,3 +169,111 @@ def test_bad_flags_exit_2_with_one_line(argv: list[str], message: str, capsys: p
     assert estimate.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
+
+
+# ----------------------------------------------------------------------------- 4 GPUs: dp 4, hsdp 2 x 2, tp 2 x dp 2
+
+FOUR_RANK_SETUPS = {
+    "dp4": {"parallel": "fsdp", "wrap": "separate-ends"},
+    "hsdp2x2": {"parallel": "hsdp", "hsdp_shard_size": 2, "wrap": "separate-ends"},
+    "tp2xdp2": {"parallel": "tp", "tp_size": 2, "wrap": "separate-ends"},
+}
+
+
+@pytest.mark.parametrize("name", list(FOUR_RANK_SETUPS))
+def test_four_rank_estimates_equal_a_real_4_rank_gloo_run(name: str) -> None:
+    """The layouts benchmark.py measures on 4 GPUs (`--mesh dp|hsdp|tp`), estimated on the fake
+    process group, issue what 4 real ranks issue: the same collectives per kind, count and bytes."""
+    setup = Setup(SMALL, 4, batch_size=2, seq_len=8, **FOUR_RANK_SETUPS[name])
+    est = estimate_comm(setup)
+    real = run_on_ranks(_measure_on_gloo, 4, setup)[0]
+    assert est.debug_mode_counts == real["counts"]
+    assert {k: [int(v["count"]), int(v["payload_bytes"])] for k, v in est.by_kind().items()} == real["per_kind"]
+    groups = {(c.kind, c.group_size) for c in est.collectives}
+    if name == "hsdp2x2":  # reduce-scatter over a shard pair, all-reduce over a replica pair
+        assert ("all_reduce", 2) in groups and ("reduce_scatter", 2) in groups
+    if name == "tp2xdp2":  # TP's activation all-reduces over the tp pair, FSDP over the dp pair
+        assert ("all_reduce", 2) in groups and ("all_gather", 2) in groups
+
+
+def test_tp_compute_splits_the_blocks_not_the_replicated_head() -> None:
+    from estimate_time import compute_seconds
+    from model import model_flops_per_token
+
+    cfg = get_config("1b")
+    tp = Setup(cfg, 4, "tp", tp_size=2, batch_size=1, seq_len=2048)
+    head = 6 * cfg.vocab_size * cfg.dim
+    total = model_flops_per_token(cfg, 2048)
+    assert compute_seconds(tp, 100.0) == pytest.approx(((total - head) / 2 + head) * 2048 / 100e12)
+
+
+def _benchmark_file(tmp_path, monkeypatch, argv: list[str]) -> str:  # type: ignore[no-untyped-def]
+    """A benchmark.py results file (its own report) for made-up step times on 4 GPUs."""
+    import benchmark
+    from test_benchmark_tools import _result
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    out = str(tmp_path / "bench.json")
+    args = benchmark.parse_args(["--preset", "tiny", "--seq-len", "16", "--batch-size", "2", "--out", out, *argv])
+    steps = {"floor": 0.010, "fully_shard": 0.012, "fsdp2": 0.013}
+    rounds = [{run: _result(run, s * (1 + r / 10), 0.5) for run, s in steps.items()} for r in range(3)]
+    benchmark.report(rounds, args, 4, "GPU")
+    return out
+
+
+def test_benchmark_results_are_estimated_beside_the_measurement(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from model import model_flops_per_token
+
+    path = _benchmark_file(tmp_path, monkeypatch, ["--mesh", "tp"])
+    capsys.readouterr()
+    assert estimate.main(["--benchmark", path, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    setup = data["setup"]
+    assert (setup["world_size"], setup["parallel"], setup["tp_size"], setup["wrap"]) == (4, "tp", 2, "separate-ends")
+    assert (setup["batch_size"], setup["seq_len"], data["model"]["dim"]) == (2, 16, get_config("tiny").dim)
+    floor_tflops = model_flops_per_token(get_config("tiny"), 16) * 2 * 16 / 0.011 / 1e12  # the median floor step
+    assert data["time"]["assumptions"]["achieved_tflops"] == pytest.approx(floor_tflops)
+    rows = {r["run"]: r for r in data["benchmark"]}
+    assert list(rows) == ["fully_shard", "fsdp2"]  # the floor is the calibration, not a row
+    assert rows["fully_shard"]["measured_step_s"] == pytest.approx(0.0132)
+    assert rows["fully_shard"]["measured_peak_bytes"] == pytest.approx(0.5 * 2**30)
+    assert rows["fully_shard"]["estimated_step_s"] == pytest.approx(
+        data["time"]["compute_s"] + data["time"]["exposed_s"]
+    )
+    assert rows["fully_shard"]["estimated_peak_bytes"] == pytest.approx(data["memory_bytes"]["peak"])
+    assert estimate.main(["--benchmark", path]) == 0
+    printed = capsys.readouterr().out
+    assert "setup   tp 2 x fsdp 2," in printed and "measured (GPU x4, mesh dp 2 x tp 2) vs estimated" in printed
+
+
+@pytest.mark.parametrize(
+    "mesh, parallel", [(["--mesh", "hsdp"], ("hsdp", 2)), ([], ("fsdp", None))], ids=["hsdp", "dp"]
+)
+def test_benchmark_meshes_map_to_layouts(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, mesh: list, parallel: tuple
+) -> None:  # type: ignore[no-untyped-def]
+    import estimate_bench
+
+    path = _benchmark_file(tmp_path, monkeypatch, [*mesh, "--runs", "floor,fully_shard,fsdp2"])
+    s = estimate_bench.setup_from_benchmark(estimate_bench.load(path))
+    assert (s.parallel, s.hsdp_shard_size) == parallel and s.world_size == 4
+
+
+def test_bad_benchmark_files_exit_2_with_one_line(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    junk = tmp_path / "junk.json"
+    junk.write_text("{}")
+    assert estimate.main(["--benchmark", str(junk)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"--benchmark {junk}: not a benchmark.py results file (KeyError" in err and "\n" not in err
+    path = _benchmark_file(tmp_path, monkeypatch, [])
+    data = json.loads(open(path).read())
+    data["args"]["float8"] = True
+    with open(path, "w") as f:
+        json.dump(data, f)
+    capsys.readouterr()
+    assert estimate.main(["--benchmark", path]) == 2
+    assert "--benchmark: a --float8 run is not modelled" in capsys.readouterr().err

@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import composable
+from composable._engine.optim_state import DTENSOR_HAS_FOREACH_ADD_TENSOR
 
 OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
     "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
@@ -92,17 +93,21 @@ def _counters_match_reference(rank: int, world: int, api: str, optimizer: str, d
     _train(ref, ref_opt, range(3), world, None)
 
     steps = [opt.state[p]["step"] for p in model.parameters()]
-    assert all(isinstance(s, DTensor) and s.placements == (Replicate(),) for s in steps), [type(s) for s in steps]
-    specs_per_mesh: dict[int, set[int]] = {}
-    for p, s in zip(model.parameters(), steps):
-        specs_per_mesh.setdefault(id(p.device_mesh), set()).add(id(s._spec))
-    assert all(len(specs) == 1 for specs in specs_per_mesh.values()), "one spec object per mesh"
+    on_mesh = not (optimizer == "adam_foreach" and device == "cpu" and not DTENSOR_HAS_FOREACH_ADD_TENSOR)
+    if on_mesh:
+        assert all(isinstance(s, DTensor) and s.placements == (Replicate(),) for s in steps), [type(s) for s in steps]
+        specs_per_mesh: dict[int, set[int]] = {}
+        for p, s in zip(model.parameters(), steps):
+            specs_per_mesh.setdefault(id(p.device_mesh), set()).add(id(s._spec))
+        assert all(len(specs) == 1 for specs in specs_per_mesh.values()), "one spec object per mesh"
+    else:  # torch 2.11-2.12: DTensor cannot count CPU steps of a multi-tensor optimizer (no rule)
+        assert all(type(s) is torch.Tensor for s in steps), [type(s) for s in steps]
     assert [s.item() for s in steps] == [3.0] * len(steps)
 
     saved = opt.state_dict()
     plain = [entry["step"] for entry in saved["state"].values()]
     assert all(type(s) is torch.Tensor for s in plain), [type(s) for s in plain]
-    assert all(isinstance(opt.state[p]["step"], DTensor) for p in model.parameters()), "state_dict() changed the state"
+    assert all(isinstance(opt.state[p]["step"], DTensor) == on_mesh for p in model.parameters()), "state_dict() changed"
 
     # A deep copy loaded from the plain state dicts trains on exactly as the original (on NCCL
     # too: the copy's meshes resolve their process groups by name).

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from _harness import count_collectives, run_on_ranks
 from _pipeline_models import BATCH, DIM, SCHEDULES, full_model, make_schedule, run_step, stage_ids, stage_module
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from composable import MixedPrecisionPolicy, checkpoint, fully_shard, replicate
@@ -70,8 +71,21 @@ def _apply(stage: nn.Module, how: str, mesh: Any) -> None:
             checkpoint(block)
         fully_shard(block, **options)
     fully_shard(stage, **options)
-    if how == "adapter":  # FSDP2's module interface: the schedule's UNSHARD/RESHARD actions run
+    if how in ("adapter", "torch_adapter"):  # FSDP2's module interface: the schedule's UNSHARD/RESHARD actions run
         as_fsdp_modules(stage)
+
+
+# torch 2.15's stages finalize an FSDPModule stage's backward through `finalize_backward`.
+TORCH_FINALIZES = hasattr(FSDPModule, "finalize_backward")
+
+
+def _torch_schedule(name: str, stages: list[nn.Module], ids: list[int], n_stages: int, pp_group: Any) -> Any:
+    """`name` over torch's own `PipelineStage`s (not composable's `pipeline_stage`)."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import schedules as S
+
+    built = [PipelineStage(m, i, n_stages, "cpu", group=pp_group) for m, i in zip(stages, ids)]
+    return getattr(S, name)(built[0] if len(built) == 1 else built, n_microbatches=4, loss_fn=F.mse_loss)
 
 
 def _train(rank: int, world: int, schedules: list[str], how: str, clip: float | None = None) -> dict:
@@ -97,7 +111,10 @@ def _train(rank: int, world: int, schedules: list[str], how: str, clip: float | 
         stages = [stage_module(full_model(), i, n_stages) for i in ids]
         for stage in stages:
             _apply(stage, how, mesh)
-        schedule = make_schedule(name, stages, n_stages, pp_group)
+        if how == "torch_adapter":
+            schedule = _torch_schedule(name, stages, ids, n_stages, pp_group)
+        else:
+            schedule = make_schedule(name, stages, n_stages, pp_group)
         params = [p for s in stages for p in s.parameters()]
         opt = torch.optim.SGD(params, lr=LR)
         for s in range(STEPS):
@@ -156,24 +173,41 @@ def test_fsdp2_module_adapter_stages() -> None:
     run_on_ranks(_train, 4, ["Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble"], "adapter")
 
 
-def _torch_stage_on_adapter(rank: int, world: int) -> None:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-
+def _torch_stage_fails(rank: int, world: int, how: str) -> None:
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "dp"))  # every rank fails alike
     pp_group = mesh["pp"].get_group()
     _, _, x_local, y_local = _data(mesh["dp"].get_local_rank(), 2)
     stage = stage_module(full_model(), 0, 1)
-    _apply(stage, "adapter", mesh)
-    schedule = Schedule1F1B(PipelineStage(stage, 0, 1, "cpu", group=pp_group), 4, loss_fn=F.mse_loss)
+    _apply(stage, how, mesh)
+    schedule = _torch_schedule("Schedule1F1B", [stage], [0], 1, pp_group)
     with pytest.raises(
-        RuntimeError, match=r"^torch.distributed.pipelining: PipelineStage cannot drive .*pipeline_stage"
+        RuntimeError,
+        match=r"^fully_shard: torch.distributed.pipelining's PipelineStage runs .*once per microbatch.*pipeline_stage",
     ):
         run_step(schedule, "Schedule1F1B", [0], 1, x_local[0], y_local[0])
-    assert all(p.grad is None for p in stage.parameters())  # it failed before any gradient
+    assert all(p.grad is None for p in stage.parameters())  # it failed at the first forward
+    schedule = make_schedule("Schedule1F1B", [stage], 1, pp_group)  # composable's stage runs the same module
+    run_step(schedule, "Schedule1F1B", [0], 1, x_local[0], y_local[0])
+    assert all(p.grad is not None for p in stage.parameters())
 
 
+def test_torch_stage_over_a_plain_composable_module_fails_at_once() -> None:
+    """torch's own `PipelineStage` would reduce a composable stage's gradients once per
+    microbatch (it sees a plain module): the first forward fails, naming `pipeline_stage`."""
+    run_on_ranks(_torch_stage_fails, 2, "fsdp")
+
+
+@pytest.mark.skipif(TORCH_FINALIZES, reason="torch's stage finalizes FSDPModule stages through finalize_backward")
 def test_torch_stage_over_the_fsdp2_module_adapter_fails_at_once() -> None:
-    run_on_ranks(_torch_stage_on_adapter, 2)
+    run_on_ranks(_torch_stage_fails, 2, "adapter")
+
+
+@pytest.mark.skipif(not TORCH_FINALIZES, reason="this torch's stages do not finalize through finalize_backward")
+def test_torch_stage_drives_the_fsdp2_module_adapter() -> None:
+    """torch 2.15's own `PipelineStage` over stage modules with composable's FSDP2 interface:
+    it calls `set_manual_backward_finalization` / `finalize_backward` as on FSDP2, and the
+    results equal the single-process model (the counts: `test_one_reduce_scatter_...`)."""
+    run_on_ranks(_train, 4, ["Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble"], "torch_adapter")
 
 
 # -------------------------------------------------------------------------- checkpoints
@@ -226,9 +260,6 @@ def _fsdp2_apply(stage: nn.Module, mesh: Any) -> None:
 
 
 def _count(rank: int, world: int, schedules: list[str]) -> dict:
-    from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining import schedules as S
-
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     pp_group = mesh["pp"].get_group()
     pp_rank, dp_rank = pp_group.rank(), mesh["dp"].get_local_rank()
@@ -238,21 +269,18 @@ def _count(rank: int, world: int, schedules: list[str]) -> dict:
         n_stages = 2 * SCHEDULES[name]
         ids = stage_ids(name, pp_rank, 2)
         counts = {}
-        impls = ("composable", "adapter", "fsdp2") + (("plain",) if name == "Schedule1F1B" else ())
+        impls = ("composable", "adapter", "fsdp2") + (("torch_adapter",) if TORCH_FINALIZES else ())
         for impl in impls:
             stages = [stage_module(full_model(), i, n_stages) for i in ids]
             for stage in stages:
                 if impl == "fsdp2":
                     _fsdp2_apply(stage, mesh)
                 else:
-                    _apply(stage, "adapter" if impl == "adapter" else "fsdp", mesh)
+                    _apply(stage, "fsdp" if impl == "composable" else "adapter", mesh)
             if impl in ("composable", "adapter"):
                 schedule = make_schedule(name, stages, n_stages, pp_group)
-            else:  # FSDP2, or composable stages in torch's own stage: one reduction per microbatch
-                built = [PipelineStage(m, i, n_stages, "cpu", group=pp_group) for m, i in zip(stages, ids)]
-                cls = getattr(S, name)
-                arg = built[0] if len(built) == 1 else built
-                schedule = cls(arg, n_microbatches=4, loss_fn=F.mse_loss)
+            else:  # torch's own stages: FSDP2, or (torch 2.15) composable's FSDP2 interface
+                schedule = _torch_schedule(name, stages, ids, n_stages, pp_group)
             run_step(schedule, name, ids, n_stages, x_local[0], y_local[0])  # warm-up (shape inference)
             with count_collectives() as c:
                 run_step(schedule, name, ids, n_stages, x_local[1], y_local[1])
@@ -265,8 +293,9 @@ def _count(rank: int, world: int, schedules: list[str]) -> dict:
         # With FSDP2's interface the schedule's own UNSHARD/RESHARD actions run: as FSDP2 there.
         assert counts["adapter"]["reduce_scatter"] == groups, (name, counts)
         assert counts["adapter"]["all_gather"] <= counts["fsdp2"]["all_gather"], (name, counts)
-        if "plain" in counts:
-            assert counts["plain"]["reduce_scatter"] == groups * 4, (name, counts)
+        if "torch_adapter" in counts:  # torch's stage reaches composable through finalize_backward: once per step
+            assert counts["torch_adapter"]["reduce_scatter"] == groups, (name, counts)
+            assert counts["torch_adapter"]["all_gather"] == counts["fsdp2"]["all_gather"], (name, counts)
         out[name] = counts
     return out
 

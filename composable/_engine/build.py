@@ -23,7 +23,9 @@ from .mesh import compute_device
 from .mixed_dtypes import check_mixed_group, resolve_param_dtypes
 from .optim_state import install_step_hook
 from .param import DTensorSpecLite, ManagedParam, ParamLayout
+from .placement_result import placement_of
 from .replicas import check_same_model, sync_replicas
+from .spmd import SpmdDims, check_spmd_param, make_spmd_param
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class GroupOptions:
     accepts_dtensors: bool = True  # tensor-parallel parameters (fully_shard only)
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None  # fully_shard: Shard(d) per parameter
     sync_replicas: bool = False  # broadcast rank 0's values at the call (replicate); every API checks shapes
+    spmd: SpmdDims | None = None  # dp_mesh_dims: `mesh` is the whole mesh, parameters DTensors on it (spmd.py)
     # MixedPrecisionPolicy.param_dtype_for: (fqn, original param) -> its compute dtype (None: own)
     param_dtype_for: Callable[[str, nn.Parameter], torch.dtype | None] | None = None
 
@@ -63,21 +66,25 @@ def build_group(
     claimed = claim_parameters(module, ignored, api)
     originals = [p for _, _, p in claimed]
     check_same_device(api, originals)
-    if not options.accepts_dtensors and any(isinstance(p, DTensor) for p in originals):
+    if options.spmd is not None:
+        for fqn, _, p in claimed:
+            check_spmd_param(api, fqn, p, options.spmd)
+    elif not options.accepts_dtensors and any(isinstance(p, DTensor) for p in originals):
         raise NotImplementedError(f"{api}: parameters that are already DTensors are not supported")
     device = compute_device(mesh)
     move_buffers(module, device)
     sources = [_local_on_device(p, device) for p in originals]
     described = [(fqn, src, p.requires_grad) for (fqn, _, p), src in zip(claimed, sources)]
     if options.sync_replicas:
-        sync_replicas(api, module, described, mesh.get_group(0), device)
+        sync_group = mesh.get_group(0) if options.spmd is None else options.spmd.layout().replicate_groups[0]
+        sync_replicas(api, module, described, sync_group, device)
     elif claimed and dist.is_initialized():
         # Ranks that built different models would run collectives of different sizes.
         check_same_model(api, module, described, [mesh.get_group(d) for d in range(mesh.ndim)], device)
     watch_subtree(module, api)
     if not claimed:
         return None
-    layout = DataParallelLayout.make(mesh, options.sharded)
+    layout = DataParallelLayout.make(mesh, options.sharded) if options.spmd is None else options.spmd.layout()
     param_dtype, param_dtypes = resolve_param_dtypes(claimed, options.param_dtype, options.param_dtype_for)
     config = GroupConfig(
         layout=layout,
@@ -91,7 +98,10 @@ def build_group(
         api=api,
     )
     params = [
-        make_managed_param(fqn, slots, p, layout, _shard_dim(api, fqn, p, layout, options)) for fqn, slots, p in claimed
+        make_managed_param(fqn, slots, p, layout, _shard_dim(api, fqn, p, layout, options))
+        if options.spmd is None
+        else make_spmd_param(fqn, slots, p, layout, options.spmd, _shard_dim(api, fqn, p, layout, options))
+        for fqn, slots, p in claimed
     ]
     for mp, (_, _, p) in zip(params, claimed):
         mp.extension = has_extension(p)
@@ -136,7 +146,7 @@ def _shard_dim(api: str, fqn: str, param: torch.Tensor, layout: DataParallelLayo
     fn = options.shard_placement_fn
     if fn is None or not layout.sharded or param.dim() == 0:
         return 0
-    placement = fn(param)  # type: ignore[arg-type]
+    placement = placement_of(api, fqn, fn(param), layout)  # type: ignore[arg-type]
     if placement is None:
         return 0
     if not isinstance(placement, Shard) or type(placement) is not Shard:
@@ -146,7 +156,7 @@ def _shard_dim(api: str, fqn: str, param: torch.Tensor, layout: DataParallelLayo
         raise ValueError(
             f"{api}: 'shard_placement_fn' returned {placement!r} for '{fqn}' of shape {tuple(param.shape)}: no such dim"
         )
-    if dim != 0 and isinstance(param, DTensor):
+    if dim != 0 and isinstance(param, DTensor) and options.spmd is None:
         raise NotImplementedError(
             f"{api}: 'shard_placement_fn' with a dim other than 0 for the tensor-parallel parameter '{fqn}'"
         )

@@ -41,10 +41,11 @@ def claim_parameters(
     for fqn, _, param in found.values():
         tied_with = getattr(param, REPLACED_BY_ATTR, None)
         if tied_with is not None:
+            group = "put the modules that share it in one group (fully_shard([module_a, module_b])) or "
             raise RuntimeError(
                 f"Cannot apply {api} to {type(module).__name__}: its parameter '{fqn}' is shared (tied) with a module that "
-                f"{tied_with} already manages, which replaced it there only; apply one API to a common ancestor of every "
-                f"module that shares the parameter"
+                f"{tied_with} already manages, which replaced it there only; {group if api == 'fully_shard' else ''}"
+                f"apply {api} to a common ancestor of them"
             )
         other = getattr(param, MANAGED_BY_ATTR, None)
         if other is not None:

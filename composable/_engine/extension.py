@@ -35,8 +35,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from . import alone, float8_cast
 from . import collectives as comm
-from . import float8_cast
 from .layout import DataParallelLayout
 from .optim_state import track_for_optimizers
 from .param import ManagedParam, _contiguous_stride
@@ -169,7 +169,7 @@ def start_gathers(
         outputs = mp.extension_outputs
         versions = tuple(o._version for o in outputs)
         works = [
-            comm.all_gather(_as_bytes(out), _as_bytes(t.view(-1)), group, async_op=True)
+            alone.all_gather(_as_bytes(out), _as_bytes(t.view(-1)), group, async_op=True)
             for out, t in zip(outputs, inputs)
         ]
         pending.append(PendingGather(works, [t.shape for t in inputs], metadata, fresh, versions))
@@ -242,10 +242,10 @@ def _start_batched(
     with stream_context(gather_stream):
         batch.cast()
         if coalesced:
-            comm.all_gather_coalesced(batch.outputs, batch.inputs, group)  # waited on the gather stream
+            alone.all_gather_coalesced(batch.outputs, batch.inputs, group)  # waited on the gather stream
         else:
             for gather, out, slot in zip(batch.pending, batch.outputs, batch.inputs):
-                gather.works.append(comm.all_gather(out, slot, group, async_op=True))
+                gather.works.append(alone.all_gather(out, slot, group, async_op=True))
         if gather_stream is not None:
             batch.pending[0].works.append(gather_stream.record_event())  # `finish_gathers` waits on the current stream
     return batch.pending

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.distributed as dist
 
+from . import alone
 from . import collectives as comm
 from .param import copy_out_params
 from .streams import CommStreams, current_stream, stream_context
@@ -116,7 +117,7 @@ def start_gather(
                 if riders is not None:
                     riders.cast()
                     outputs, inputs = outputs + riders.outputs, inputs + riders.inputs
-                work = comm.all_gather_coalesced(outputs, inputs, group) if travels else None
+                work = alone.all_gather_coalesced(outputs, inputs, group) if travels else None
             gather_in, gather_out = source, None
         else:
             # In place: the input is this rank's slot of the output.
@@ -127,7 +128,7 @@ def start_gather(
             gather_in = gather_out.narrow(0, rank * n, n)
             gather_in.copy_(source, non_blocking=True)
             # n == 0: only extension parameters, nothing in the flat buffer
-            work = comm.all_gather(gather_out, gather_in, group, async_op, custom) if n else None
+            work = alone.all_gather(gather_out, gather_in, group, async_op, custom) if n else None
         if streams is not None and travels:
             work = streams.all_gather.record_event()
     return PendingGather(work, direct, gather_out, gather_in, source)

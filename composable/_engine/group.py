@@ -57,6 +57,8 @@ class GroupConfig:
 class ParamGroup:
     """Sharded storage and communication for a list of parameters of one module subtree."""
 
+    shows_unsharded_between_passes = False  # see `register_sharded`
+
     def __init__(self, params: list[ManagedParam], originals: list[torch.Tensor], config: GroupConfig) -> None:
         self.params = params
         # Parameters whose local shard implements FSDP2's all-gather extension keep storage of
@@ -74,6 +76,7 @@ class ParamGroup:
         # end of forward to backward's all-gather within its N ranks (1D, unsharded dtype).
         self._post_forward_shard: tuple[torch.Tensor, int] | None = None
         self._kept_versions: tuple[int, ...] | None = None  # see `keep_unsharded`
+        self.keep_unsharded_storage = False  # set_keep_unsharded_storage: reshard keeps it (stable data pointers)
         self._coalesced_gather_ok: bool | None = None  # see `gather.gathers_directly`
         # Replicated groups that cast (or copy back from the CPU): one persistent flat buffer
         # in the unsharded dtype, refilled in place, the unsharded parameters views of it.
@@ -220,12 +223,13 @@ class ParamGroup:
 
     def register_sharded(self) -> None:
         """Register the sharded DTensors but keep the unsharded storage (no reshard): outside
-        forward/backward the module shows its sharded parameters (state dicts, DCP, the
-        optimizer's view), while backward, which holds its own references to the unsharded
-        parameters, needs no new all-gather; `unshard` registers them again for a re-run
-        forward (activation checkpointing)."""
+        forward/backward the module shows its sharded parameters (state dicts, DCP, the optimizer's
+        view; not under FSDP2's adapter, as FSDP2), while backward, which holds its own references
+        to the unsharded parameters, needs no new all-gather; `unshard` registers them again."""
         if self.state is GroupState.UNSHARDING:
             self.wait_for_unshard()
+        if self.shows_unsharded_between_passes:
+            return
         for mp in self.params:
             mp.register(mp.sharded_param)
         self._unsharded_registered = False
@@ -369,13 +373,12 @@ class ParamGroup:
             self.wait_for_unshard()
         if self.state is GroupState.SHARDED:
             return
-        for mp in self.flat_params:
+        for mp in self.params:
             mp.register(mp.sharded_param)
-        if not self._unsharded_aliases_shard:
-            free_storages(self.flat_params, self.streams)
-        for mp in self.extension_params:
-            mp.register(mp.sharded_param)
-        extension.free(self.extension_params)
+        if not self.keep_unsharded_storage:
+            if not self._unsharded_aliases_shard:
+                free_storages(self.flat_params, self.streams)
+            extension.free(self.extension_params)
         self.state = GroupState.SHARDED
         self._unsharded_registered = False
 

@@ -47,6 +47,16 @@ _specs: dict[tuple[int, torch.dtype], DTensorSpec] = {}
 _checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, ...]]" = weakref.WeakKeyDictionary()
 
 
+def _dtensor_has_rule(op: torch._ops.OpOverload) -> bool:
+    """Whether DTensor's sharding propagator knows `op` (its registries differ across torch versions)."""
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    registries = ("op_strategy_funcs", "op_to_rules", "op_single_dim_strategy_funcs")
+    return any(op in getattr(propagator, name, {}) for name in registries)
+
+
+DTENSOR_HAS_FOREACH_ADD_TENSOR = _dtensor_has_rule(torch.ops.aten._foreach_add_.Tensor)
+
+
 def install_step_hook() -> None:
     """Install the global optimizer step pre-hook (once): it refuses replaced parameters and
     puts step counters on the mesh."""
@@ -115,6 +125,12 @@ def _counters_on_mesh(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) 
     # `aten._foreach_pow.ScalarAndTensor`, which DTensor has no rule for (torch 2.11-2.13):
     # their counters stay plain tensors, as under FSDP2 (the fused kernels take either).
     plain = {id(p) for g in optimizer.param_groups if g.get("capturable") and not g.get("fused") for p in g["params"]}
+    if not DTENSOR_HAS_FOREACH_ADD_TENSOR:
+        # torch 2.11-2.12's DTensor has no rule for `aten._foreach_add_.Tensor`, with which the
+        # multi-tensor optimizers count steps held on the CPU: those counters stay plain too.
+        plain |= {
+            id(p) for g in optimizer.param_groups if g.get("foreach") for p in g["params"] if p.device.type == "cpu"
+        }
     for param, entry in state.items():
         step = entry.get(STEP_KEY) if isinstance(entry, dict) else None
         if (

@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor, Placement
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from . import collectives as comm
+from .shard_dims import full_to_regions, regions_to_full
 from .wrappers import new_dtensor, offset_free
 
 
@@ -51,8 +52,8 @@ class ParamLayout:
     local_rows: int  # rows this rank really owns
     replicated: bool  # True: every rank holds all rows (0-d params, NO_SHARD)
     offset: int = 0  # start of this parameter in a rank region
-    # The sharded dim (`shard_placement_fn`). Rows are taken along it: the flat buffers hold
-    # the parameter with that dim moved first ("moved layout"), so chunking stays by rows.
+    # The sharded dim (`shard_placement_fn`). Rows are taken along it; a rank region holds the
+    # rank's local shard contiguous (its natural layout, as FSDP2 hands it out), padding after it.
     dim: int = 0
 
     @property
@@ -78,20 +79,12 @@ class ParamLayout:
             return self.shape
         return torch.Size((*self.shape[: self.dim], self.local_rows, *self.shape[self.dim + 1 :]))
 
-    def moved(self, rows: int) -> torch.Size:
-        """Shape in the moved layout with `rows` rows: (rows, the other dims in order)."""
-        rest = [s for i, s in enumerate(self.shape) if i != self.dim]
-        return torch.Size((rows, *rest))
-
     def local_at(self, flat: torch.Tensor, offset: int) -> torch.Tensor:
-        """The local shard stored in the 1D `flat` from `offset` on, as a view (for dim > 0 a
-        permuted view of the moved layout). Runs per parameter per step (gradients): one
-        `as_strided` with sizes computed once, instead of a slice, a shape and a view."""
-        if self.dim == 0:
-            sizes, strides = self._local_geometry
-            return flat.as_strided(sizes, strides, flat.storage_offset() + offset)
-        local = flat[offset : offset + self.local_rows * self.row_numel]
-        return local.view(self.moved(self.local_rows)).movedim(0, self.dim)
+        """The local shard stored in the 1D `flat` from `offset` on, as a contiguous view (on
+        any sharded dim). Runs per parameter per step (gradients): one `as_strided` with sizes
+        computed once, instead of a slice, a shape and a view."""
+        sizes, strides = self._local_geometry
+        return flat.as_strided(sizes, strides, flat.storage_offset() + offset)
 
     @functools.cached_property
     def _local_geometry(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -114,6 +107,7 @@ class ManagedParam:
     requires_grad: bool  # at the call; `wants_grad` is the live value (users may freeze later)
     spec: "DTensorSpecLite | None" = None  # how the sharded parameter presents itself
     tp: "DTensorSpecLite | None" = None  # tensor-parallel spec of the unsharded parameter, if any
+    dp_dims: frozenset = frozenset()  # dp_mesh_dims: dims of `tp`'s mesh the group reduces over (spmd.py)
     sharded_param: nn.Parameter | None = None  # DTensor parameter the optimizer sees
     unsharded_param: nn.Parameter | None = None  # plain parameter the module computes with
     unsharded_padded: torch.Tensor | None = None  # 1D padded storage behind unsharded_param
@@ -254,22 +248,19 @@ class ManagedParam:
 
     def fill_from_rank_major(self, staging: torch.Tensor, world: int) -> None:
         """dim > 0: fill the (natural, contiguous) unsharded parameter from its rank-major
-        all-gather slices (`staging`, `world` regions of the moved layout), keeping autograd's
+        all-gather slices (`staging`, `world` regions of local shards), keeping autograd's
         version counter: refilling freed storage is not a mutation autograd should see."""
-        lay, target = self.layout, self.unsharded_padded
+        target = self.unsharded_padded
         with comm.refilling(target):  # type: ignore[arg-type]
-            moved = target.view(lay.shape).movedim(lay.dim, 0)  # type: ignore[union-attr]
-            moved.copy_(staging.view(lay.moved(world * lay.chunk_rows))[: lay.rows])
+            regions_to_full(self.layout, staging, target)  # type: ignore[arg-type]
 
     def rank_major(self, world: int) -> torch.Tensor:
-        """The unsharded parameter as `world` padded regions of the moved layout, rank-major
-        (the all-gather output's layout): the storage itself for dim 0, a copy otherwise."""
+        """The unsharded parameter as `world` padded regions, rank-major (the all-gather
+        output's layout): the storage itself for dim 0, a copy otherwise."""
         lay = self.layout
         if lay.dim == 0:
             return self.unsharded_padded  # type: ignore[return-value]
-        out = self.unsharded_padded.new_zeros(lay.moved(world * lay.chunk_rows))  # type: ignore[union-attr]
-        out[: lay.rows].copy_(self.unsharded_padded.view(lay.shape).movedim(lay.dim, 0))  # type: ignore[union-attr]
-        return out.view(-1)
+        return full_to_regions(lay, self.unsharded_padded, world).view(-1)  # type: ignore[arg-type]
 
     def alias_unsharded(self, flat: torch.Tensor) -> None:
         """Replicated groups: make the unsharded parameter a view of `flat` (the shard itself,

@@ -19,11 +19,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from . import alone
 from . import collectives as comm
 from .grad_dtype import default_reduce_dtype
 from .layout import DataParallelLayout
 from .no_sync import NoSyncSums
 from .reduce_options import ReduceOptions
+from .shard_dims import full_to_regions
+from .spmd import grad_to_local
 from .streams import CommStreams, current_stream, stream_context
 
 if TYPE_CHECKING:
@@ -144,7 +147,7 @@ class GradReducer(NoSyncSums, ReduceOptions):
                     local = visible._local_tensor.to(self.spec.device)
                     g = local if g is None else local.add_(g)
             if isinstance(g, DTensor):  # tensor parallel: complete pending TP reductions, go local
-                g = g.redistribute(mp.tp.mesh, mp.tp.placements).to_local()
+                g = grad_to_local(g, mp.tp, mp.dp_dims)
             present.append(g is not None)
             if g is None:
                 g = torch.zeros(mp.layout.shape, dtype=self.spec.dtypes.unsharded, device=self.spec.device)
@@ -205,9 +208,9 @@ class GradReducer(NoSyncSums, ReduceOptions):
         # the presence flags (one per parameter, at the end of every region): after the sum,
         # a rank knows which gradients any rank produced, even for its own missing ones.
         flags = self._presence_flags(present, grads[0].dtype)
-        # dim > 0 parameters are chunked in the moved layout (a permuted view: _chunk_cat copies).
+        # dim > 0 parameters go in as their rank-major regions (each rank's contiguous shard).
         pieces = [
-            gr.expand(world) if gr.dim() == 0 else gr.movedim(mp.layout.dim, 0) if mp.layout.dim else gr
+            gr.expand(world) if gr.dim() == 0 else full_to_regions(mp.layout, gr, world) if mp.layout.dim else gr
             for mp, gr in zip(params, grads)
         ] + [flags.expand(world, len(present)).contiguous()]
         custom = self.reduce_scatter_comm
@@ -240,7 +243,7 @@ class GradReducer(NoSyncSums, ReduceOptions):
             red.flags = (out, out.numel() - len(present))
             async_op = streams is None
             group = self.reduce_scatter_group or lay.shard_group
-            red.works.append(comm.reduce_scatter(out, flat_in, group, average, async_op, custom))
+            red.works.append(alone.reduce_scatter(out, flat_in, group, average, async_op, custom))
             if lay.replicate_groups:
                 if self.requires_all_reduce:
                     if async_op:

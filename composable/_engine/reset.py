@@ -3,6 +3,7 @@ backward (FSDP2's `reset_iter_state`), and finishing a backward that autograd di
 
 from __future__ import annotations
 
+from .finalize import discard_finalization
 from .state import ModuleState, TrainingState
 
 
@@ -28,6 +29,7 @@ def reset_iteration(root: ModuleState, api: str) -> None:
     if context is not None:
         context.forward_order.clear()
         context.final_callback_queued = False
+        discard_finalization(context)  # a pending finalize_backward handle is invalidated
     for streams in root._tree_streams():
         streams.end_of_backward()
 

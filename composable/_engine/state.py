@@ -26,11 +26,14 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 
+from . import finalize
 from .autograd import any_requires_grad, attach_post_backward, attach_pre_backward, cast_floating, run_eagerly
+from .compile_boundary import keep_hooks_outside_graphs
 from .contract import check_bool, keep_post_hook_last, param_states, register_api_pre_hook
 from .grad_dtype import set_unsharded_grad_dtypes
 from .group import ParamGroup
 from .late_params import check_no_late_params
+from .pipeline_guard import check_pipeline_stage
 from .policies import MixedPrecisionPolicy
 from .profiling import labelled
 from .streams import CommStreams
@@ -55,9 +58,12 @@ class RootContext:
     states: list["ModuleState"]
     forward_order: list["ModuleState"] = field(default_factory=list)
     final_callback_queued: bool = False
+    manual_active: bool | None = None  # manual finalization, as chosen when this backward started (finalize.py)
+    pending_reduction: finalize.GradientReductionHandle | None = None  # finalize_backward's, until finished
+    finalizing: bool = False  # inside finalize_backward
 
 
-class ModuleState:
+class ModuleState(finalize.BackwardFinalization):
     """State one parameter-owning API installs on one module."""
 
     api_name = "composable"
@@ -78,6 +84,8 @@ class ModuleState:
         self._reshard_is_default = reshard_is_default
         self.reshard_after_backward = True  # False: keep the unsharded parameters until the next forward
         self.is_last_backward = True  # root: False lets the end of backward leave reductions in flight
+        self.manual_finalization = False  # root: set_manual_backward_finalization
+        self.finalize_pending = False  # manual finalization: finalize_backward reduces this group
         self.unshard_in_backward = True  # False: backward computes without gathering (set_unshard_in_backward)
         self.training_state = TrainingState.IDLE
         self.requires_gradient_sync = True
@@ -98,6 +106,7 @@ class ModuleState:
         self._hook_handles = []
         self._post_hook_ids: list[int] = []  # per listed module: its post-forward hook, kept last
         for m in self.modules:
+            keep_hooks_outside_graphs(m, self.api_name)
             post_hook = m.register_forward_hook(self._post_forward, always_call=False)
             self._post_hook_ids.append(post_hook.id)
             self._hook_handles += [
@@ -148,8 +157,10 @@ class ModuleState:
                 f"as with FSDP2, a group of several modules cannot be the root: apply {self.api_name} to a module "
                 f"containing them too (e.g. {self.api_name}(model)) and run that"
             )
-        self.is_root = True
+        check_pipeline_stage(self.api_name, self.module)  # a torch stage that reduces per microbatch: fail now
         context = RootContext(self, param_states(self.module))
+        finalize.check_manual_on_root(self, context.states)
+        self.is_root = True
         for state in context.states:
             state.root_context = context
             if state is not self:
@@ -209,6 +220,7 @@ class ModuleState:
         check_no_late_params(self.module)
         context = self.root_context
         assert context is not None
+        finalize.check_no_pending_reduction(self, context)
         context.forward_order.clear()
         for state in context.states:
             group = state.group
@@ -270,7 +282,8 @@ class ModuleState:
             if reshard is True or not backward_follows or not module.training:
                 self.group.reshard()
             elif reshard is False:  # keep the storage for backward, but show the sharded parameters meanwhile
-                self.group.register_sharded()
+                if not finalize.shows_unsharded(self):
+                    self.group.register_sharded()
             else:  # an int: keep 1/N, so backward gathers within N ranks
                 self.group.reshard_to(reshard)
         if backward_follows:
@@ -307,6 +320,8 @@ class ModuleState:
         context = self.root_context
         if context is not None and not context.final_callback_queued:
             context.final_callback_queued = True
+            if context.manual_active is None:  # the mode of this backward (set_manual_backward_finalization)
+                context.manual_active = context.root.manual_finalization
             torch.autograd.Variable._execution_engine.queue_callback(context.root._final_callback)
         self.training_state = TrainingState.PRE_BACKWARD
         if self.group is not None:
@@ -356,7 +371,7 @@ class ModuleState:
         the modules show the sharded parameters."""
         if self.reshard_after_backward:
             self.group.reshard()  # type: ignore[union-attr]
-        else:
+        elif not finalize.shows_unsharded(self):
             self.group.keep_unsharded()  # type: ignore[union-attr]
 
     def _after_unshard(self) -> None:
@@ -371,22 +386,18 @@ class ModuleState:
 
     @labelled("composable::final_callback")
     def _final_callback(self) -> None:
-        """End of backward (root only): finish every group in the tree."""
+        """End of backward (root only): finish every group in the tree (finalize.py)."""
         context = self.root_context
         assert context is not None
+        manual = finalize.finish_groups_at_end_of_backward(context)
         for state in context.states:
-            if state.group is not None:
-                reduce = state.requires_gradient_sync and state._final_reduction_needed()
-                state._finish_backward_of_group(reduce, last=True)
             state.training_state = TrainingState.IDLE
             state._forward_index, state._ran_forward_with_grad = None, False
             state._backward_pending, state._backward_untracked = 0, False
             state._forward_pending.clear()
         context.final_callback_queued = False
-        if not self.is_last_backward:
-            return  # reductions finish at the next forward (set_is_last_backward(False): micro-batches)
-        for state in context.states:
-            if state.group is not None:
-                state.group.finish_reduce()
-        for streams in self._tree_streams():
-            streams.end_of_backward()
+        if manual:
+            return  # finalize_backward finishes
+        context.manual_active = None
+        if self.is_last_backward:  # else the next forward finishes (set_is_last_backward(False): micro-batches)
+            finalize.end_backward_iteration(self)

@@ -1,5 +1,10 @@
-"""checkpoint: activation checkpointing installed by hooks."""
+"""checkpoint: activation checkpointing installed by hooks (selective with `context_fn`)."""
 
 from .api import checkpoint
+from .selective import save_matmuls
 
-__all__ = ["checkpoint"]
+# `composable.checkpoint` is the function (the package re-exports it under the package's name),
+# so the policy is reachable from it as well as from this package.
+checkpoint.save_matmuls = save_matmuls  # type: ignore[attr-defined]
+
+__all__ = ["checkpoint", "save_matmuls"]

@@ -6,20 +6,27 @@ casts) then run inside the checkpointed region, which the recompute re-runs iden
 enters PyTorch's non-reentrant checkpoint context; the forward hook leaves it. Inside, autograd saves only the inputs; backward re-runs the module call with the
 captured inputs — hooks included, so `fully_shard`'s input casts and parameter gathering
 happen again exactly as in the original forward — under the same RNG state.
+
+Selective activation checkpointing: `context_fn` (torch's meaning) returns the pair of
+contexts the forward and the recompute run under; with
+`torch.utils.checkpoint.create_selective_checkpoint_contexts(policy)` the forward keeps the
+outputs of the ops the policy saves and the recompute takes them instead of running those ops
+again (`selective.save_matmuls` is the usual policy: keep the matmuls).
 """
 
 from __future__ import annotations
 
 import inspect
 import weakref
-from contextlib import contextmanager
-from typing import Any, Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import _checkpoint_without_reentrant_generator, noop_context_fn
 
 from .._engine.autograd import run_eagerly
+from .._engine.compile_boundary import keep_hooks_outside_graphs
 from .._engine.contract import (
     check_bool,
     check_module,
@@ -29,15 +36,30 @@ from .._engine.contract import (
     state_of,
 )
 
-# torch 2.11-2.13 share this private generator; its keyword-only tail grew over time.
+# torch 2.11-2.15 share this private generator (2.15 keeps it as a shim over `_impl`); its
+# parameters after `debug` grew over time.
 _GENERATOR_PARAMS = list(inspect.signature(_checkpoint_without_reentrant_generator).parameters)
+# The values torch's checkpoint accepts for `determinism_check`.
+_DETERMINISM_CHECKS = tuple(getattr(torch.utils.checkpoint, "_allowed_determinism_checks_to_fns", ("default", "none")))
 
 
 class CheckpointState:
-    """What `checkpoint.state(module)` returns: `preserve_rng_state`, `enabled`."""
+    """What `checkpoint.state(module)` returns: `preserve_rng_state`, `context_fn`,
+    `determinism_check`, `debug`, `early_stop` (as given) and `enabled`."""
 
-    def __init__(self, preserve_rng_state: bool) -> None:
+    def __init__(
+        self,
+        preserve_rng_state: bool,
+        context_fn: Callable[[], tuple[Any, Any]] | None,
+        determinism_check: str,
+        debug: bool,
+        early_stop: bool,
+    ) -> None:
         self.preserve_rng_state = preserve_rng_state
+        self.context_fn = context_fn
+        self.determinism_check = determinism_check
+        self.debug = debug
+        self.early_stop = early_stop
         self.enabled = True
         self._generator: Iterator[None] | None = None
 
@@ -50,19 +72,47 @@ class CheckpointState:
             self.enabled = previous
 
 
-def checkpoint(module: nn.Module, *, preserve_rng_state: bool = True) -> nn.Module:
+def checkpoint(
+    module: nn.Module,
+    *,
+    preserve_rng_state: bool = True,
+    context_fn: Callable[[], tuple[Any, Any]] | None = None,
+    determinism_check: str = "default",
+    debug: bool = False,
+    early_stop: bool = True,
+) -> nn.Module:
     """Activation checkpointing on `module`; returns `module` itself.
 
     Activations inside `module` are not kept; backward recomputes its forward from the saved
     inputs with the same RNG state (when `preserve_rng_state`), the same parameters and
     inputs of the same dtype. Composes with `fully_shard` and `replicate` on the same module
-    (either order), on ancestors and on descendants.
+    (either order), on ancestors and on descendants, and with `module.compile()`.
+
+    The keywords of `torch.distributed._composable.checkpoint` (`torch.utils.checkpoint`'s
+    meaning): `context_fn` returns the (forward, recompute) pair of context managers, e.g.
+    `functools.partial(create_selective_checkpoint_contexts, policy)` for selective activation
+    checkpointing (`composable.checkpoint.save_matmuls()` keeps every matmul's output);
+    `determinism_check` "default" compares the recomputed tensors' shapes, dtypes and devices
+    with the forward's, "none" does not; `debug` records the ops run for the error message of
+    a failed check; `early_stop` stops the recompute once it produced every tensor backward
+    needs.
+
+    Raises `TypeError` for a non-module, a non-callable `context_fn` or a flag that is not a
+    bool, `ValueError` for an unknown `determinism_check` or `debug=True` with a `context_fn`
+    (torch refuses the pair), `RuntimeError` when applied twice.
     """
     api = "checkpoint"
     check_module(api, module)
-    check_bool(api, "preserve_rng_state", preserve_rng_state)
+    for name, flag in (("preserve_rng_state", preserve_rng_state), ("debug", debug), ("early_stop", early_stop)):
+        check_bool(api, name, flag)
+    if context_fn is not None and not callable(context_fn):
+        raise TypeError(f"{api}: 'context_fn' must be a callable returning two context managers, got {context_fn!r}")
+    if determinism_check not in _DETERMINISM_CHECKS:
+        raise ValueError(f"{api}: 'determinism_check' must be one of {_DETERMINISM_CHECKS}, got {determinism_check!r}")
+    if debug and context_fn is not None:  # torch's checkpoint refuses the pair only at the forward
+        raise ValueError(f"{api}: debug=True does not combine with a context_fn (torch's checkpoint refuses it)")
     check_not_applied(api, module)
-    state = CheckpointState(preserve_rng_state)
+    state = CheckpointState(preserve_rng_state, context_fn, determinism_check, debug, early_stop)
     # The recompute function is kept by the autograd graph (in C++, invisible to the garbage
     # collector) until backward; a strong reference to the module from there would keep a
     # dropped model alive whenever a forward was not followed by a backward.
@@ -78,11 +128,16 @@ def checkpoint(module: nn.Module, *, preserve_rng_state: bool = True) -> nn.Modu
     def pre_hook(mod: nn.Module, args: tuple, kwargs: dict) -> None:
         if not state.enabled or not torch.is_grad_enabled():
             return
-        positional = [recompute, state.preserve_rng_state, noop_context_fn, "default", False]
+        context_fn = state.context_fn or noop_context_fn
+        positional = [recompute, state.preserve_rng_state, context_fn, state.determinism_check, state.debug]
         if "early_stop" in _GENERATOR_PARAMS:
-            positional.append(True)
+            positional.append(state.early_stop)
+            early_stop: Any = nullcontext()
+        else:  # where the generator has no such parameter, torch's global switch says it
+            early_stop = torch.utils.checkpoint.set_checkpoint_early_stop(state.early_stop)
         generator = _checkpoint_without_reentrant_generator(*positional, *args, **kwargs)
-        next(generator)
+        with early_stop:
+            next(generator)
         state._generator = generator
 
     def post_hook(mod: nn.Module, args: tuple, output: Any) -> None:
@@ -96,6 +151,7 @@ def checkpoint(module: nn.Module, *, preserve_rng_state: bool = True) -> nn.Modu
         raise RuntimeError("checkpoint: the checkpoint context was entered twice")
 
     # Eager even when the module is compiled: the checkpoint context wraps the compiled forward.
+    keep_hooks_outside_graphs(module, api)
     register_outermost_pre_hook(module, run_eagerly(pre_hook))
     module.register_forward_hook(run_eagerly(post_hook), prepend=True, always_call=True)
     install_state(module, api, state)

@@ -1,5 +1,6 @@
 """FSDP2's expert methods on `fully_shard.state(module)`: the same names, arguments and meaning
-as `torch.distributed.fsdp.FSDPModule`'s (torch 2.11-2.13), over composable's engine.
+as `torch.distributed.fsdp.FSDPModule`'s (torch 2.11-2.15), over composable's engine.
+(torch 2.15's manual backward finalization is the engine's own: `_engine/finalize.py`.)
 
 Each sets a field of the group's reducer or gatherer that the engine reads once per collective;
 left at its default, a knob costs one attribute read per reduction or gather.
@@ -39,6 +40,19 @@ class FSDP2Methods:
         re-run by activation checkpointing still gathers (it needs the values)."""
         check_bool("set_unshard_in_backward", "unshard_in_backward", unshard_in_backward)
         self.unshard_in_backward = unshard_in_backward
+
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """True: `reshard` registers the sharded parameters again but keeps the unsharded
+        parameters' storage (more memory: a full copy of the parameters stays), so the unsharded
+        parameters keep their data pointers across reshard and unshard (CUDA graph capture).
+        With `recurse`, also on every fully_shard module below this one. As torch 2.15's
+        `FSDPModule.set_keep_unsharded_storage`."""
+        api = "set_keep_unsharded_storage"
+        check_bool(api, "keep", keep)
+        check_bool(api, "recurse", recurse)
+        for state in self._fsdp_states(recurse):
+            if state.group is not None:
+                state.group.keep_unsharded_storage = keep
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """The next forward's all-gathers (CUDA: the all-gather and reduce streams) wait on

@@ -19,8 +19,9 @@ from .._engine.policies import (
     check_policies,
     param_dtype_resolver,
 )
+from .._engine.spmd import DataParallelMeshDims
 from ._state import FSDPState
-from .strategy import ShardingStrategy, normalize_reshard, resolve_strategy
+from .strategy import ShardingStrategy, normalize_reshard, resolve_strategy, spmd_strategy
 
 Policy = set[type[nn.Module]] | Callable[[nn.Module], bool]
 
@@ -36,6 +37,7 @@ def fully_shard(
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
 ) -> nn.Module | list[nn.Module]:
     """Shard `module`'s parameters across `mesh` (FSDP) and return `module` itself.
 
@@ -64,6 +66,14 @@ def fully_shard(
     FQNs as in an `nn.ModuleList` of the modules (`"0.weight"`, `"1.weight"`); `policy`
     applies within each module's subtree. Such a group cannot be the root: a module
     containing them must have `fully_shard` (or `replicate`) too. Returns the list.
+
+    `dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...)` (as PyTorch FSDP2): `mesh`
+    is the whole SPMD mesh (e.g. dp x cp x tp) and every parameter already is a DTensor on it,
+    `Replicate()` on the named dims. Parameters are sharded over the `shard` dim(s) (several
+    are flattened into one) and replicated over the `replicate` dim(s) (HSDP; DDP-style with
+    no shard dim); they stay DTensors on that mesh, the shard placement composed with the
+    others (`_StridedShard` where needed). `strategy` must be left out and an int
+    `reshard_after_forward` is `NotImplementedError` there, as in FSDP2.
     """
     api = "fully_shard"
     modules = _check_modules(module)
@@ -72,9 +82,15 @@ def fully_shard(
         check_composable(api, m)
     if mesh is None:
         mesh = default_mesh(api, modules[0] if len(modules) == 1 else ListedModules(modules))
-    check_mesh(api, mesh, (1, 2))
-    strategy, reshard, reshard_is_default = resolve_strategy(mesh.ndim, strategy, reshard_after_forward)
-    if strategy is not ShardingStrategy.NO_SHARD:
+    spmd = None
+    if dp_mesh_dims is not None:
+        spmd, strategy, reshard, reshard_is_default = spmd_strategy(
+            api, mesh, dp_mesh_dims, strategy, reshard_after_forward
+        )
+    else:
+        check_mesh(api, mesh, (1, 2))
+        strategy, reshard, reshard_is_default = resolve_strategy(mesh.ndim, strategy, reshard_after_forward)
+    if strategy is not ShardingStrategy.NO_SHARD and spmd is None:
         reshard = normalize_reshard(api, reshard, mesh.size(mesh.ndim - 1))
     ignored = _check_ignored(ignored_params)
     if shard_placement_fn is not None and not callable(shard_placement_fn):
@@ -89,11 +105,12 @@ def fully_shard(
                 matches,
                 mesh=mesh,
                 reshard_after_forward=reshard_after_forward,
-                strategy=strategy,
+                strategy=None if spmd is not None else strategy,
                 mp_policy=mp_policy,
                 offload_policy=offload_policy,
                 ignored_params=ignored,
                 shard_placement_fn=shard_placement_fn,
+                dp_mesh_dims=dp_mesh_dims,
             )
 
     options = GroupOptions(
@@ -103,6 +120,7 @@ def fully_shard(
         offload=isinstance(offload_policy, CPUOffloadPolicy),
         pin_memory=getattr(offload_policy, "pin_memory", False),
         shard_placement_fn=shard_placement_fn,
+        spmd=spmd,
         param_dtype_for=param_dtype_resolver(api, mp_policy),
     )
     group = build_group(api, module if isinstance(module, nn.Module) else modules, mesh, ignored, options)

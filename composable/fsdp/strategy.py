@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import enum
 
+from torch.distributed.device_mesh import DeviceMesh
+
+from .._engine.mesh import check_mesh
+from .._engine.spmd import SpmdDims, resolve_dp_mesh_dims
+
 
 class ShardingStrategy(enum.Enum):
     """FULL_SHARD: shard, reshard after forward. SHARD_GRAD_OP: shard, keep parameters
@@ -81,3 +86,33 @@ def normalize_reshard(api: str, value: bool | int, shard_world: int) -> bool | i
             f"{api}: 'reshard_after_forward' must be a bool or an int that divides the shard world size {shard_world}, got {value}"
         )
     return False if value == 1 else True if value == shard_world else value
+
+
+def spmd_strategy(
+    api: str, mesh: object, dims: object, strategy: object, reshard_after_forward: object
+) -> tuple[SpmdDims, ShardingStrategy, bool, bool]:
+    """`resolve_strategy` for `dp_mesh_dims`: the named dims decide the strategy (shard dims:
+    FULL_SHARD / SHARD_GRAD_OP, HYBRID_SHARD with replicate dims too, NO_SHARD with replicate
+    dims only). `ValueError` for a `strategy`, `NotImplementedError` for an int
+    `reshard_after_forward` (as PyTorch FSDP2)."""
+    check_mesh(api, mesh, tuple(range(1, 1 + getattr(mesh, "ndim", 1))))
+    assert isinstance(mesh, DeviceMesh)
+    if strategy is not None:
+        raise ValueError(
+            f"{api}: 'strategy' must be left out with 'dp_mesh_dims' (the named dims decide it), got {strategy!r}"
+        )
+    if reshard_after_forward is not None:
+        check_reshard_type(api, reshard_after_forward)
+        if not isinstance(reshard_after_forward, bool):
+            raise NotImplementedError(
+                f"{api}: an int 'reshard_after_forward' ({reshard_after_forward}) with 'dp_mesh_dims' is not supported"
+            )
+    spmd = resolve_dp_mesh_dims(api, mesh, dims)
+    reshard = True if reshard_after_forward is None else bool(reshard_after_forward)
+    if not spmd.shard_names:
+        return spmd, ShardingStrategy.NO_SHARD, False, reshard_after_forward is None
+    if spmd.replicate_names:
+        chosen = ShardingStrategy.HYBRID_SHARD
+    else:
+        chosen = ShardingStrategy.FULL_SHARD if reshard else ShardingStrategy.SHARD_GRAD_OP
+    return spmd, chosen, reshard, reshard_after_forward is None

@@ -7,7 +7,7 @@ its state, `fully_shard.state(m)`, has those methods. This opt-in adapter does w
 and the core does not: `as_fsdp_module(m)` swaps `m.__class__` for a subclass of
 `(ComposableFSDPModule, type(m))`, where `ComposableFSDPModule` derives from FSDP2's
 `FSDPModule` and forwards each method to `fully_shard.state(m)`: every public method of
-torch 2.11-2.13's `FSDPModule` has its counterpart there (docs/fsdp2_methods.md). A method a
+torch 2.11-2.15's `FSDPModule` has its counterpart there (docs/fsdp2_methods.md). A method a
 later torch adds, and FSDP2's private ones, raise `NotImplementedError` naming the method
 (`UNSUPPORTED_METHODS` lists them). Parameter names, `state_dict()`
 and `copy.deepcopy` are unchanged; `restore_class(m)` undoes the swap.
@@ -72,6 +72,15 @@ class ComposableFSDPModule(FSDPModule):
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         _reject_torch_pipeline_stage(sys._getframe(1), self)
         self._composable_state("set_is_last_backward").set_is_last_backward(is_last_backward)
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        self._composable_state("set_manual_backward_finalization").set_manual_backward_finalization(enabled)
+
+    def finalize_backward(self, *, async_op: bool = False) -> Any:
+        return self._composable_state("finalize_backward").finalize_backward(async_op=async_op)
+
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        self._composable_state("set_keep_unsharded_storage").set_keep_unsharded_storage(keep, recurse=recurse)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         self._composable_state("set_requires_gradient_sync").set_requires_gradient_sync(
@@ -218,7 +227,17 @@ def as_fsdp_module(module: nn.Module) -> nn.Module:
         adapted.__module__ = cls.__module__
         _classes[cls] = adapted
     module.__class__ = adapted
+    _show_unsharded_between_passes(module, True)
     return module
+
+
+def _show_unsharded_between_passes(module: nn.Module, show: bool) -> None:
+    """FSDP2 keeps the unsharded parameters registered after a forward that does not reshard
+    (`reshard_after_forward=False`) until backward reshards; composable's core shows the
+    sharded ones meanwhile (docs/migrating.md). The adapter does as FSDP2."""
+    state = fully_shard.state(module)
+    if state is not None and state.group is not None:
+        state.group.shows_unsharded_between_passes = show
 
 
 def as_fsdp_modules(root: nn.Module) -> nn.Module:
@@ -233,6 +252,7 @@ def restore_class(module: nn.Module) -> nn.Module:
     """Undo `as_fsdp_module`: `module` gets its own class back; returns `module`."""
     if isinstance(module, ComposableFSDPModule):
         module.__class__ = type(module)._composable_orig_cls
+        _show_unsharded_between_passes(module, False)
     return module
 
 
@@ -258,11 +278,9 @@ def fsdp2_fully_shard(
     Takes FSDP2's policy objects (`torch.distributed.fsdp.MixedPrecisionPolicy`,
     `OffloadPolicy`, `CPUOffloadPolicy`) as well as composable's, and gives the sharded
     module(s) FSDP2's module interface (`as_fsdp_module`), so a framework that calls FSDP2's
-    `fully_shard` and then FSDP2's methods can be handed this function instead. torch 2.13's
-    `dp_mesh_dims` (full-DTensor storage meshes) is not supported: `NotImplementedError`.
+    `fully_shard` and then FSDP2's methods can be handed this function instead; `dp_mesh_dims`
+    (full-DTensor meshes) is passed on.
     """
-    if dp_mesh_dims is not None:
-        raise NotImplementedError(f"fully_shard: 'dp_mesh_dims' is not supported by composable, got {dp_mesh_dims!r}")
     mp, offload = _policies(
         mp_policy if mp_policy is not None else composable.MixedPrecisionPolicy(),
         offload_policy if offload_policy is not None else composable.OffloadPolicy(),
@@ -275,6 +293,7 @@ def fsdp2_fully_shard(
         mp_policy=mp,
         offload_policy=offload,
         ignored_params=ignored_params,
+        dp_mesh_dims=dp_mesh_dims,
     )
     for m in result if isinstance(result, (list, tuple)) else [result]:
         as_fsdp_module(m)

@@ -39,6 +39,7 @@ from typing import Any, Iterable, Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 
 from .._engine.contract import param_states
@@ -55,6 +56,9 @@ class ComposablePipelineStage(PipelineStage):
     not once per microbatch. Takes `PipelineStage`'s arguments; the stage module is not
     wrapped, swapped or copied."""
 
+    # The engine lets a stage with this marker run composable modules (`_engine/pipeline_guard.py`).
+    _composable_reduces_once_per_step = True
+
     def __init__(self, submodule: nn.Module, *args: Any, **kwargs: Any) -> None:
         if not isinstance(submodule, nn.Module):
             raise TypeError(f"ComposablePipelineStage: submodule must be an nn.Module, got {type(submodule).__name__}")
@@ -70,10 +74,13 @@ class ComposablePipelineStage(PipelineStage):
         return [s for s in self._states() if s.is_root]
 
     def _accumulate_locally(self) -> None:
+        # As torch 2.15's stage drives FSDP2: each microbatch's backward with sync and
+        # reshard-after-backward off, under manual finalization (`reduce_grads` finalizes).
         for state in self._states():
             state.requires_gradient_sync = False
             state.reshard_after_backward = False
-            state.is_last_backward = False
+        for root in self._roots():
+            root.set_manual_backward_finalization(True)
 
     @contextlib.contextmanager
     def _unsharded_registered(self, backward_type: str) -> Iterator[None]:
@@ -100,7 +107,7 @@ class ComposablePipelineStage(PipelineStage):
             # Never `last_backward=True` to torch: for an `FSDPModule` stage module (composable's
             # adapter) older torch would then reach into FSDP2's private state; we reduce below.
             result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=False)
-        if last_backward:
+        if last_backward and not _torch_finalizes(self.submod):
             self.reduce_grads()
         return result
 
@@ -110,9 +117,15 @@ class ComposablePipelineStage(PipelineStage):
         for state in self._states():
             state.requires_gradient_sync = True
             state.reshard_after_backward = True
-            state.is_last_backward = True
         for root in self._roots():
-            finish_backward(root)
+            context = root.root_context
+            if context is not None and context.pending_reduction is not None:
+                context.pending_reduction.wait()  # an asynchronous finalization the schedule started
+            if context is not None and context.manual_active:  # a backward ran since the last finalization
+                root.finalize_backward()
+            elif not root.manual_finalization:  # backwards outside this stage's schedule (automatic)
+                finish_backward(root)
+            root.set_manual_backward_finalization(False)
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         # The schedule's REDUCE_GRAD action: after the last backward of this stage in the step.
@@ -129,6 +142,13 @@ class ComposablePipelineStage(PipelineStage):
         self.reduce_grads()
         for param in self.submod.parameters():
             param.grad = None
+
+
+def _torch_finalizes(module: nn.Module) -> bool:
+    """Whether torch's schedule finalizes this stage's backward itself (torch 2.15+ drives an
+    `FSDPModule` stage through `finalize_backward` at its REDUCE_GRAD action, as FSDP2's):
+    then the reduction happens there, through composable's FSDP2 interface."""
+    return isinstance(module, FSDPModule) and hasattr(FSDPModule, "finalize_backward")
 
 
 def pipeline_stage(

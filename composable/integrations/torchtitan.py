@@ -47,6 +47,31 @@ from .pipelining import ComposablePipelineStage
 
 __all__ = ["apply_fsdp", "parallelize_llama", "pipeline_llama", "register_llama3"]
 
+SUPPORTED = ((0, 2), (0, 3))  # torchtitan versions this adapter targets: >= 0.2, < 0.3
+
+
+def check_torchtitan_version(version: str | None = None) -> None:
+    """`NotImplementedError` naming the supported range unless torchtitan (the installed one, or
+    `version`) is 0.2.x: 0.3 reorganised the model and parallelism modules this adapter hooks."""
+    if version is None:
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as installed
+
+        try:
+            version = installed("torchtitan")
+        except PackageNotFoundError:  # a source checkout without metadata: its own attribute
+            import torchtitan
+
+            version = getattr(torchtitan, "__version__", None)
+            if version is None:
+                return  # nothing to compare: the imports below fail, naming what is missing
+    parts = tuple(int(p) for p in version.split("+")[0].split(".")[:2] if p.isdigit())
+    if not SUPPORTED[0] <= parts < SUPPORTED[1]:
+        raise NotImplementedError(
+            f"composable.integrations.torchtitan supports torchtitan >= 0.2, < 0.3 (its llama3 TrainSpec), "
+            f"found torchtitan {version}"
+        )
+
 
 def _reshard_after_forward(policy: str, pp_enabled: bool) -> bool:
     if policy == "always":
@@ -115,6 +140,7 @@ class _WithoutDataParallel:
 
 def parallelize_llama(model: nn.Module, parallel_dims: Any, job_config: Any) -> nn.Module:
     """torchtitan's llama3 `parallelize_fn` with composable's data parallelism (same arguments)."""
+    check_torchtitan_version()
     from torchtitan.config import TORCH_DTYPE_MAP
     from torchtitan.models.llama3 import parallelize_llama as torchtitan_parallelize_llama
 
@@ -171,6 +197,7 @@ def pipeline_llama(
     results) with each stage a `ComposablePipelineStage`: the stage modules that
     `parallelize_fn` (composable's, e.g. `parallelize_llama`) shards with composable reduce
     their gradients once per group per step, not once per microbatch."""
+    check_torchtitan_version()
     from torch.distributed.fsdp import FSDPModule
     from torchtitan.distributed import pipeline_parallel
 
@@ -199,7 +226,8 @@ def pipeline_llama(
 def register_llama3(name: str = "llama3_composable") -> str:
     """Register torchtitan's llama3 `TrainSpec` with `parallelize_llama` and `pipeline_llama`
     above under `name` (select it with `--model.name <name>`; the model flavors are llama3's).
-    Idempotent."""
+    Idempotent. `NotImplementedError` for a torchtitan outside 0.2.x."""
+    check_torchtitan_version()
     from torchtitan.protocols import train_spec as specs
 
     spec = dataclasses.replace(

@@ -10,6 +10,7 @@ from .._engine.build import GroupOptions, build_group
 from .._engine.contract import check_composable, check_module, install_state, state_of
 from .._engine.mesh import check_mesh, default_mesh, infer_device_type, mesh_from_process_group
 from .._engine.policies import MixedPrecisionPolicy, check_policies, param_dtype_resolver
+from .._engine.spmd import DataParallelMeshDims, resolve_dp_mesh_dims
 from ._state import ReplicateState
 
 
@@ -20,6 +21,7 @@ def replicate(
     process_group: dist.ProcessGroup | None = None,
     bucket_cap_mb: float = 25.0,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    dp_mesh_dims: DataParallelMeshDims | None = None,
 ) -> nn.Module:
     """Replicate `module` over a 1D mesh (DDP semantics) and return `module` itself.
 
@@ -34,6 +36,11 @@ def replicate(
     the mesh's first rank's values to the others, so the replicas start equal. Collective:
     every rank of the mesh must call it. Meta-device tensors are skipped: materialise and
     initialise them identically on every rank (same seed) afterwards.
+
+    `dp_mesh_dims=DataParallelMeshDims(replicate=...)` (as torch's FSDP2-based replicate):
+    `mesh` is the whole SPMD mesh (e.g. dp x tp), every parameter already is a DTensor on it
+    with `Replicate()` on the named dim(s), and gradients are averaged over those dims only
+    (several are flattened into one); the values are broadcast over them.
     """
     api = "replicate"
     check_module(api, module)
@@ -45,11 +52,18 @@ def replicate(
         raise TypeError(f"replicate: 'bucket_cap_mb' must be a number, got {bucket_cap_mb!r}")
     if not bucket_cap_mb > 0:
         raise ValueError(f"replicate: 'bucket_cap_mb' must be > 0, got {bucket_cap_mb!r}")
-    if process_group is not None:
+    spmd = None
+    if dp_mesh_dims is not None:
+        if mesh is None:
+            raise ValueError("replicate: pass 'mesh' with 'dp_mesh_dims' (the whole mesh), got mesh=None")
+        check_mesh(api, mesh, tuple(range(1, 1 + getattr(mesh, "ndim", 1))))
+        spmd = resolve_dp_mesh_dims(api, mesh, dp_mesh_dims, allow_shard=False)
+    elif process_group is not None:
         mesh = mesh_from_process_group(api, process_group, infer_device_type(module))
     elif mesh is None:
         mesh = default_mesh(api, module)
-    check_mesh(api, mesh, (1,))
+    if spmd is None:
+        check_mesh(api, mesh, (1,))
 
     options = GroupOptions(
         sharded=False,
@@ -58,6 +72,7 @@ def replicate(
         bucket_cap_bytes=int(bucket_cap_mb * 1024 * 1024),
         accepts_dtensors=False,
         sync_replicas=True,
+        spmd=spmd,
         param_dtype_for=param_dtype_resolver(api, mp_policy),
     )
     group = build_group(api, module, mesh, set(), options)

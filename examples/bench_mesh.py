@@ -1,0 +1,159 @@
+"""The benchmark's `--mesh`: the device mesh the sharded contenders run on.
+
+- `dp` (default): every rank data-parallel, the 1D world mesh fully_shard/FSDP2 default to;
+  every contender runs.
+- `hsdp`: a 2D (replicate, shard) mesh of `--dp-replicate` x world/`--dp-replicate` ranks;
+  fully_shard and FSDP2 shard over "shard" and replicate over "replicate" (HSDP placements
+  `(Replicate(), Shard(0))`).
+- `tp`: a 2D (dp, tp) mesh of world/`--tp-size` x `--tp-size` ranks; every block is
+  tensor-parallel on "tp" with train.py's plan (examples/parallel.py's `tp_plan`), then
+  fully_shard / FSDP2 shard over "dp". The ranks of one tp group train on the same tokens, so
+  a GPU's share of a step is local batch x seq / tp tokens.
+
+The floors stay one GPU's own full copy without communication on every mesh (the same number
+as with `dp`). `replicate` and `ddp` replicate over the whole world whatever the mesh, so they
+are measured with `--mesh dp` only; the graphed fully_shard runs likewise (composable's CUDA
+graph of an HSDP or TP step is not measured). `--model hf-llama` and `--float8` stay with
+`dp` and `hsdp` (the TP plan is our model's; torchao's float8 needs its own TP styles).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESHES = ("dp", "hsdp", "tp")
+DEFAULT_SECOND_DIM = 2  # --dp-replicate / --tp-size when the mesh needs them and they are not given
+# The runs each mesh measures: the floors (no mesh at all) and the FSDP-style contenders.
+MESH_RUNS = {
+    "dp": None,  # every run
+    "hsdp": ("floor", "fully_shard", "fsdp2", "floor_graphed"),
+    "tp": ("floor", "fully_shard", "fsdp2", "floor_graphed"),
+}
+MESH_DEFAULT_RUNS = ("floor", "fully_shard", "fsdp2")  # `--runs`' default on a 2D mesh
+
+
+class BenchMesh(NamedTuple):
+    """The mesh of a run: `kind` one of MESHES; `mesh` the 2D DeviceMesh (None for dp: the APIs'
+    default world mesh, as before meshes were an option); `dp_mesh` what fully_shard/FSDP2 get."""
+
+    kind: str
+    mesh: DeviceMesh | None
+    dp_mesh: DeviceMesh | None
+
+    @property
+    def tp(self) -> int:
+        return self.mesh["tp"].size() if self.kind == "tp" else 1
+
+    def data_rank(self) -> int:
+        """The rank whose tokens this rank trains on: the tp ranks of a group share theirs."""
+        return self.mesh["dp"].get_local_rank() if self.kind == "tp" else dist.get_rank()
+
+
+def tokens_per_gpu(mesh: BenchMesh | None, run: str, batch: int, seq: int) -> float:
+    """Tokens one GPU's step of `run` accounts for: a tp group's batch is shared by its tp
+    ranks; a floor holds the whole model and its batch on every mesh."""
+    tp = 1 if mesh is None or run.startswith("floor") else mesh.tp
+    return batch * seq / tp
+
+
+def add_mesh_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--mesh",
+        choices=MESHES,
+        default="dp",
+        help="'dp': 1D data parallel; 'hsdp': 2D (replicate, shard); 'tp': 2D (dp, tp), blocks tensor-parallel",
+    )
+    p.add_argument(
+        "--dp-replicate",
+        type=int,
+        default=None,
+        help=f"--mesh hsdp: replicas (the outer dim; default {DEFAULT_SECOND_DIM}), each sharded over world/replicas",
+    )
+    p.add_argument(
+        "--tp-size", type=int, default=None, help=f"--mesh tp: tensor-parallel ranks (default {DEFAULT_SECOND_DIM})"
+    )
+
+
+def mesh_errors(args: argparse.Namespace, n_heads: int, ffn_dim: int, world: int | None) -> str | None:
+    """The one-line error for `args`' mesh flags (None when they fit); fills in the default
+    second dim. `world`: the world size where known (torchrun's WORLD_SIZE), else checked at
+    `build_mesh`."""
+    for flag, kind in (("dp_replicate", "hsdp"), ("tp_size", "tp")):
+        value = getattr(args, flag)
+        name = "--" + flag.replace("_", "-")
+        if value is not None and args.mesh != kind:
+            return f"{name} {value} needs --mesh {kind}, got --mesh {args.mesh}"
+        if args.mesh == kind:
+            value = DEFAULT_SECOND_DIM if value is None else value
+            setattr(args, flag, value)
+            if value < 1:
+                return f"{name} must be >= 1, got {value}"
+            if world is not None and world % value:
+                return f"{name} {value} must divide the world size {world} (--mesh {kind})"
+    allowed = MESH_RUNS[args.mesh]
+    if allowed is not None:
+        refused = [run for run in args.runs.split(",") if run not in allowed]
+        if refused:
+            return (
+                f"--runs {refused[0]} with --mesh {args.mesh}: only {', '.join(allowed)} run on a 2D mesh "
+                f"(replicate and ddp replicate over the whole world, graphed fully_shard is measured on dp); "
+                f"measure {refused[0]} with --mesh dp"
+            )
+    if args.mesh == "tp":
+        if args.model != "own":
+            return f"--model {args.model} with --mesh tp: the TP plan (examples/parallel.py) is for --model own"
+        if getattr(args, "float8", False):
+            return "--float8 with --mesh tp: torchao's float8 needs its own TP styles; use --mesh dp or hsdp"
+        if n_heads % args.tp_size or ffn_dim % args.tp_size:
+            return f"--tp-size {args.tp_size} must divide n_heads {n_heads} and ffn_dim {ffn_dim} (--mesh tp)"
+    return None
+
+
+def build_mesh(args: argparse.Namespace, device_type: str) -> BenchMesh:
+    """The mesh `args` asks for over the initialised world (one process group per dim, made
+    once for all contenders and rounds). ValueError when a size does not divide the world."""
+    if args.mesh == "dp":
+        return BenchMesh("dp", None, None)
+    world = dist.get_world_size()
+    inner = args.dp_replicate if args.mesh == "hsdp" else args.tp_size
+    flag = "--dp-replicate" if args.mesh == "hsdp" else "--tp-size"
+    if world % inner:
+        raise ValueError(f"{flag} {inner} must divide the world size {world} (--mesh {args.mesh})")
+    if args.mesh == "hsdp":
+        mesh = init_device_mesh(device_type, (inner, world // inner), mesh_dim_names=("replicate", "shard"))
+        return BenchMesh("hsdp", mesh, mesh)
+    mesh = init_device_mesh(device_type, (world // inner, inner), mesh_dim_names=("dp", "tp"))
+    return BenchMesh("tp", mesh, mesh["dp"])
+
+
+def describe_mesh(args: argparse.Namespace, world: int) -> str:
+    """`dp 4`, `hsdp 2 replicas x 2 shards`, `dp 2 x tp 2`: the mesh a table was measured on."""
+    mesh = getattr(args, "mesh", "dp")
+    if mesh == "hsdp":
+        return f"hsdp {args.dp_replicate} replicas x {world // args.dp_replicate} shards"
+    if mesh == "tp":
+        return f"dp {world // args.tp_size} x tp {args.tp_size}"
+    return f"dp {world}"
+
+
+def tensor_parallel(blocks: list[nn.Module], bench_mesh: BenchMesh) -> None:
+    """Every block tensor-parallel on the tp dim with train.py's plan (no-op off `--mesh tp`)."""
+    if bench_mesh.kind != "tp":
+        return
+    from parallel import tp_plan
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    for block in blocks:
+        parallelize_module(block, bench_mesh.mesh["tp"], tp_plan())
+
+
+def tokens_generator(bench_mesh: BenchMesh | None, device: torch.device) -> torch.Generator:
+    """The generator of a rank's tokens: seeded by its data rank (tp ranks of a group alike)."""
+    rank = dist.get_rank() if bench_mesh is None else bench_mesh.data_rank()
+    return torch.Generator(device=device).manual_seed(rank)

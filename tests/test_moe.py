@@ -1,0 +1,115 @@
+"""The main job's mixture-of-experts model (`--moe`) under expert parallelism + fully_shard.
+
+On 4 gloo ranks the experts of every block are split over an expert-parallel dim of 2 and
+sharded over the other (edp, 2), then the blocks and the root are sharded over the world
+(examples/parallel.py's `shard_experts`, then `sharding_units`); trained with PyTorch FSDP2's
+`fully_shard` and with composable's, losses and parameters are equal bit for bit, and the
+mean loss over the ranks follows a single-process model trained on all ranks' batches (so the
+expert-parallel gradients are right too).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _harness import run_on_ranks
+from torch.distributed.device_mesh import init_device_mesh
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+if str(EXAMPLES) not in sys.path:
+    sys.path.insert(0, str(EXAMPLES))
+
+from model import Transformer, get_config, lm_loss  # noqa: E402
+from parallel import expert_mesh, shard_experts, sharding_units  # noqa: E402
+
+import composable  # noqa: E402
+
+try:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+except ImportError:  # pragma: no cover
+    torch_fully_shard = None
+
+
+CFG = get_config("tiny", dim=32, n_layers=2, n_heads=2, ffn_dim=48, n_experts=4)
+
+
+def _tokens(step: int, rank: int) -> torch.Tensor:
+    torch.manual_seed(1000 * step + rank)
+    return torch.randint(0, CFG.vocab_size, (2, 17))
+
+
+def _train(rank: int, world: int, library: str) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = Transformer(CFG)
+    if library != "single":
+        shard = composable.fully_shard if library == "composable" else torch_fully_shard
+        shard_experts(model, expert_mesh("cpu", CFG.n_experts, ep=2), shard)
+        mesh = init_device_mesh("cpu", (world,))
+        for unit in sharding_units(model):
+            shard(unit, mesh=mesh)
+        w1 = model.layers[0].feed_forward.experts.w1  # every expert in the global view (checkpoints)
+        assert w1.shape[0] == CFG.n_experts and w1.device_mesh.mesh_dim_names == ("edp", "ep"), w1
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(3):
+        ranks = range(world) if library == "single" else [rank]
+        tokens = torch.cat([_tokens(step, r) for r in ranks])
+        loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses, {n: getattr(p, "_local_tensor", p).clone() for n, p in model.named_parameters()}
+
+
+def _both(rank: int, world: int) -> None:
+    ref_losses, ref_params = _train(rank, world, "fsdp2")
+    losses, params = _train(rank, world, "composable")
+    assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses)), (ref_losses, losses)
+    single, _ = _train(rank, world, "single")
+    for step, loss in enumerate(losses):
+        mean = loss.clone()
+        torch.distributed.all_reduce(mean)
+        torch.testing.assert_close(mean / world, single[step], rtol=1e-5, atol=1e-5, msg=f"step {step}")
+    assert params.keys() == ref_params.keys()
+    for name, p in params.items():
+        assert torch.equal(p, ref_params[name]), name
+
+
+@pytest.mark.skipif(torch_fully_shard is None, reason="no FSDP2 in this torch")
+def test_moe_expert_parallel_equal_to_fsdp2() -> None:
+    run_on_ranks(_both, 4)
+
+
+def _bench(rank: int, world: int) -> None:
+    from bench_build import build
+
+    cfg = get_config("tiny", dim=32, n_layers=2, n_heads=2, ffn_dim=48, n_experts=4, max_seq_len=16)
+    losses = []
+    for run in ("fsdp2", "fully_shard"):
+        torch.manual_seed(0)
+        c = build(run, cfg, torch.device("cpu"))
+        assert c.model.layers[0].feed_forward.experts.w1.device_mesh.mesh_dim_names == ("edp", "ep")
+        tokens = _tokens(0, rank)[:, :16]
+        losses.append(lm_loss(c.logits(c.model, tokens[:, :-1]), tokens[:, 1:]))
+    torch.testing.assert_close(losses[0], losses[1])
+
+
+@pytest.mark.skipif(torch_fully_shard is None, reason="no FSDP2 in this torch")
+def test_benchmark_builds_moe() -> None:
+    """benchmark.py --moe: both contenders split and shard the experts and compute the same loss."""
+    run_on_ranks(_bench, 2)
+
+
+def test_benchmark_moe_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--moe` gives the model experts; with float8 or graphed runs it is refused, named."""
+    from benchmark import model_config, parse_args
+    from parallel import MOE_EXPERTS
+
+    assert model_config(parse_args(["--moe", "--preset", "tiny"])).n_experts == MOE_EXPERTS
+    with pytest.raises(SystemExit):
+        parse_args(["--moe", "--float8"])
+    assert "--moe runs with --model own, eagerly" in capsys.readouterr().err
