@@ -260,7 +260,13 @@ def test_mixed_dtypes_in_one_group_not_supported(world2: DeviceMesh) -> None:
 def test_mp_policy_wrong_type(world2: DeviceMesh, api: Any, bad: Any) -> None:
     m = _model()
     _raises(
-        TypeError, rf"{api.__name__}: 'mp_policy' must be a MixedPrecisionPolicy", m, api, m, mesh=world2, mp_policy=bad
+        TypeError,
+        rf"{api.__name__}: 'mp_policy' must be a composable.MixedPrecisionPolicy",
+        m,
+        api,
+        m,
+        mesh=world2,
+        mp_policy=bad,
     )
 
 
@@ -270,7 +276,7 @@ def test_offload_policy_wrong_type(world2: DeviceMesh, bad: Any) -> None:
     m = _model()
     _raises(
         TypeError,
-        r"fully_shard: 'offload_policy' must be an OffloadPolicy",
+        r"fully_shard: 'offload_policy' must be a composable.OffloadPolicy",
         m,
         fully_shard,
         m,

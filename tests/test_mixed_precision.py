@@ -291,8 +291,9 @@ def test_non_dtype_raises(value: object) -> None:
 def _wrong_policy_type(rank: int, world_size: int) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
 
-    for bad in (TorchMP(param_dtype=bf16), {"param_dtype": bf16}, bf16):
-        with pytest.raises(TypeError, match=r"fully_shard: 'mp_policy' must be a MixedPrecisionPolicy"):
+    fully_shard(nn.Linear(2, 2), mp_policy=TorchMP(param_dtype=bf16))  # FSDP2's policy is accepted
+    for bad in ({"param_dtype": bf16}, bf16):
+        with pytest.raises(TypeError, match=r"fully_shard: 'mp_policy' must be a composable.MixedPrecisionPolicy"):
             fully_shard(nn.Linear(2, 2), mp_policy=bad)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"'cast_forward_inputs' must be a bool"):
         MixedPrecisionPolicy(cast_forward_inputs=1)  # type: ignore[arg-type]

@@ -149,8 +149,9 @@ def test_offload_hsdp_cpu() -> None:
 def _bad_offload(rank: int, world_size: int) -> None:
     from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffloadPolicy
 
-    for bad in (TorchCPUOffloadPolicy(), "cpu", True, CPUOffloadPolicy):
-        with pytest.raises(TypeError, match=r"fully_shard: 'offload_policy' must be an OffloadPolicy"):
+    fully_shard(nn.Linear(2, 2), offload_policy=TorchCPUOffloadPolicy())  # FSDP2's policy is accepted
+    for bad in ("cpu", True, CPUOffloadPolicy):
+        with pytest.raises(TypeError, match=r"fully_shard: 'offload_policy' must be a composable.OffloadPolicy"):
             fully_shard(nn.Linear(2, 2), offload_policy=bad)  # type: ignore[arg-type]
     # The policies compare by value, so states can be inspected with ==.
     assert CPUOffloadPolicy() == CPUOffloadPolicy(pin_memory=True) != CPUOffloadPolicy(pin_memory=False)

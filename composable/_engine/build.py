@@ -20,6 +20,7 @@ from .group import GroupConfig, ParamGroup
 from .late_params import watch_subtree
 from .layout import DataParallelLayout
 from .mesh import compute_device
+from .mixed_dtypes import check_mixed_group, resolve_param_dtypes
 from .optim_state import install_step_hook
 from .param import DTensorSpecLite, ManagedParam, ParamLayout
 from .placement_result import placement_of
@@ -41,6 +42,8 @@ class GroupOptions:
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None  # fully_shard: Shard(d) per parameter
     sync_replicas: bool = False  # broadcast rank 0's values at the call (replicate); every API checks shapes
     spmd: SpmdDims | None = None  # dp_mesh_dims: `mesh` is the whole mesh, parameters DTensors on it (spmd.py)
+    # MixedPrecisionPolicy.param_dtype_for: (fqn, original param) -> its compute dtype (None: own)
+    param_dtype_for: Callable[[str, nn.Parameter], torch.dtype | None] | None = None
 
 
 def build_group(
@@ -82,10 +85,12 @@ def build_group(
     if not claimed:
         return None
     layout = DataParallelLayout.make(mesh, options.sharded) if options.spmd is None else options.spmd.layout()
+    param_dtype, param_dtypes = resolve_param_dtypes(claimed, options.param_dtype, options.param_dtype_for)
     config = GroupConfig(
         layout=layout,
         device=device,
-        param_dtype=options.param_dtype,
+        param_dtype=param_dtype,
+        param_dtypes=param_dtypes,
         reduce_dtype=options.reduce_dtype,
         offload=options.offload,
         pin_memory=options.pin_memory,
@@ -102,6 +107,7 @@ def build_group(
         mp.extension = has_extension(p)
         if mp.extension:
             _check_extension(api, mp, layout, options)
+    check_mixed_group(api, param_dtypes, layout.sharded, any(mp.extension for mp in params))
     group = ParamGroup(params, sources, config)
     for mp in params:
         mp.register(mp.sharded_param)

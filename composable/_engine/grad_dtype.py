@@ -15,7 +15,7 @@ no-sync accumulation. `FOLLOWS_GRAD_DTYPE` says which rule the installed torch f
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import Replicate
@@ -56,16 +56,21 @@ def _has_unreduced_grad(mp: "ManagedParam") -> bool:
     return (up is not None and up.grad is not None) or mp.stashed_grad is not None or mp.grad_is_unreduced
 
 
-def set_unsharded_grad_dtypes(
-    params: list["ManagedParam"], compute: torch.dtype, reduce: torch.dtype, reducing: bool
-) -> None:
-    """Before a group's backward: give each unsharded parameter the `grad_dtype` FSDP2 gives
-    it (None where the rule lifts it). `reducing`: this backward reduces the gradients. Nothing
-    to do where the reduce dtype is the compute dtype or under the older rule."""
-    if not FOLLOWS_GRAD_DTYPE or compute == reduce:
+def set_unsharded_grad_dtypes(group: Any, reducing: bool) -> None:
+    """Before `group`'s backward (a `ParamGroup`; not imported: group.py imports this file): give each unsharded parameter the `grad_dtype` FSDP2 gives it
+    (None where the rule lifts it). `reducing`: this backward reduces the gradients. Nothing to
+    do where the reduce dtype is the compute dtype or under the older rule."""
+    if not FOLLOWS_GRAD_DTYPE:
         return
-    wider = reduce.itemsize > compute.itemsize
-    for mp in params:
+    params, compute, reduce = group.params, group.config.param_dtypes, group.dtypes.reduce
+    if compute is None:  # one compute dtype (mixed_dtypes.py: one per parameter)
+        if group.dtypes.unsharded == reduce:
+            return
+        compute = (group.dtypes.unsharded,) * len(params)
+    for mp, dtype in zip(params, compute):
+        if dtype == reduce:
+            continue
+        wider = reduce.itemsize > dtype.itemsize
         up = mp.unsharded_param
         if up is None or not up.requires_grad:
             continue

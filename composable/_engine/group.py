@@ -22,8 +22,9 @@ from . import collectives as comm
 from . import extension
 from .buckets import BucketedReducer
 from .claim import mark_replaced
-from .gather import PendingGather, finish_gather, free_storages, gathers_directly, start_gather
+from .gather import PendingGather, free_storages, gathers_directly, start_gather
 from .layout import DataParallelLayout
+from .mixed_dtypes import finish_gather_mixed
 from .optim_state import track_for_optimizers
 from .param import ManagedParam, is_freed, raise_still_on_meta
 from .policies import MixedPrecisionPolicy
@@ -50,6 +51,7 @@ class GroupConfig:
     pin_memory: bool
     bucket_cap_bytes: int | None = None  # replicate: bucketed all-reduce as gradients become ready
     api: str = "fully_shard"  # the front end that made the group, for error messages
+    param_dtypes: tuple[torch.dtype, ...] | None = None  # per parameter where they differ (mixed_dtypes.py)
 
 
 class ParamGroup:
@@ -249,7 +251,8 @@ class ParamGroup:
         within `size` ranks instead of the whole shard group; free the rest."""
         if self.state is GroupState.UNSHARDING:
             self.wait_for_unshard()
-        if self.state is GroupState.SHARDED or self.extension_params or self._unsharded_aliases_shard:
+        full = self.extension_params or self._unsharded_aliases_shard or self.config.param_dtypes
+        if self.state is GroupState.SHARDED or full:
             self.reshard()  # (all-gather extensions decide what travels: they regather fully)
             return
         _, rank = self.layout.post_forward_group(size)
@@ -285,9 +288,8 @@ class ParamGroup:
                 lay.shard_group, self.flat_shard
             )
         custom = getattr(self, "all_gather_comm", None)  # set_custom_all_gather (an FSDP2 `AllGather`): flat way
-        direct = custom is None and gathers_directly(
-            self.flat_params, self._coalesced_gather_ok, full_group=source is self.flat_shard
-        )
+        ok = self._coalesced_gather_ok and not self.config.param_dtypes  # several dtypes: flat way (mixed_dtypes.py)
+        direct = custom is None and gathers_directly(self.flat_params, ok, full_group=source is self.flat_shard)
         riders = None  # the group's float8 weights ride in the flat parameters' collective where it is direct
         if direct and self.extension_params and streams is not None:
             riders = extension.prepare_batched(
@@ -300,7 +302,7 @@ class ParamGroup:
             rank,
             lay.shard_world,
             self.flat_shard.numel(),
-            self.unsharded_dtype,
+            self.unsharded_dtype if self.config.param_dtypes is None else self.orig_dtype,
             self.config.device,
             streams,
             direct,
@@ -354,8 +356,8 @@ class ParamGroup:
         elif not self.layout.sharded:
             self._point_unsharded_at(self._replica_flat)  # type: ignore[arg-type]
         else:
-            world = self.layout.shard_world
-            finish_gather(self._pending_gather, self.flat_params, world, self.config.device, self.streams)  # type: ignore[arg-type]
+            world, dtypes = self.layout.shard_world, self.config.param_dtypes
+            finish_gather_mixed(self._pending_gather, self.flat_params, dtypes, world, self.config.device, self.streams)  # type: ignore[arg-type]
             extension.finish_gathers(self.extension_params, self._extension_gathers, world, self.unsharded_dtype)
             self._extension_gathers = []
         self._pending_gather = None

@@ -6,9 +6,11 @@ as the public types. They import only torch, so anything in the package may impo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
+import torch.nn as nn
 
 
 @dataclass(frozen=True)
@@ -21,12 +23,18 @@ class MixedPrecisionPolicy:
         parameter's own dtype. Sharded gradients always end in the parameter's own dtype.
     output_dtype: cast floating-point forward outputs to this. None: leave them.
     cast_forward_inputs: cast floating-point forward inputs to `param_dtype`.
+    param_dtype_override_fn: (keyword only) `fn(param) -> torch.dtype | None`, called once per
+        managed parameter (the original, unsharded one) at the call: `param.dtype` keeps that
+        parameter in its own dtype (e.g. norms in fp32 among bf16 weights), None or
+        `param_dtype` uses `param_dtype`; anything else raises. Forward inputs are still cast
+        to `param_dtype`. Must answer alike on every rank. As PyTorch FSDP2's (torch 2.15).
     """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+    param_dtype_override_fn: Callable[[nn.Parameter], torch.dtype | None] | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype", "output_dtype"):
@@ -41,6 +49,30 @@ class MixedPrecisionPolicy:
             raise TypeError(
                 f"MixedPrecisionPolicy: 'cast_forward_inputs' must be a bool, got {self.cast_forward_inputs!r}"
             )
+        if self.param_dtype_override_fn is not None and not callable(self.param_dtype_override_fn):
+            raise TypeError(
+                "MixedPrecisionPolicy: 'param_dtype_override_fn' must be a callable(param) -> torch.dtype | None "
+                f"or None, got {self.param_dtype_override_fn!r:.80}"
+            )
+
+    def param_dtype_for(self, api: str, fqn: str, param: nn.Parameter) -> torch.dtype | None:
+        """The dtype `param` (managed as `fqn`) computes in: `param_dtype_override_fn`'s answer
+        where it gives one, else `param_dtype`; None means the parameter's own dtype."""
+        if self.param_dtype_override_fn is None:
+            return self.param_dtype
+        answer = self.param_dtype_override_fn(param)
+        if answer is None:
+            return self.param_dtype
+        if not isinstance(answer, torch.dtype):
+            raise TypeError(
+                f"{api}: 'param_dtype_override_fn' must return a torch.dtype or None, got {answer!r:.80} for '{fqn}'"
+            )
+        if answer not in (self.param_dtype, param.dtype):
+            raise ValueError(
+                f"{api}: 'param_dtype_override_fn' must return None, param_dtype ({self.param_dtype}) or the "
+                f"parameter's own dtype ({param.dtype}), got {answer} for '{fqn}'"
+            )
+        return None if answer == param.dtype else answer
 
 
 class OffloadPolicy:
@@ -67,13 +99,70 @@ class CPUOffloadPolicy(OffloadPolicy):
     pin_memory: bool = True
 
 
-def check_policies(api: str, mp_policy: object, offload_policy: object | None = None) -> None:
-    """Type-check the policy arguments of `api` at the call."""
+def _qualname(cls: type) -> str:
+    """`module.Class` as users import it (composable's policies live in `composable`)."""
+    module = cls.__module__
+    if module == "builtins":
+        return cls.__qualname__
+    if module.startswith("composable."):
+        module = "composable"
+    elif module.startswith("torch.distributed.fsdp."):
+        module = "torch.distributed.fsdp"
+    return f"{module}.{cls.__qualname__}"
+
+
+def _torch_policy_classes() -> tuple[type | None, type | None, type | None]:
+    """PyTorch FSDP2's (MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy), where it has them."""
+    try:
+        from torch.distributed import fsdp
+    except ImportError:  # pragma: no cover - torch without distributed
+        return None, None, None
+    return (
+        getattr(fsdp, "MixedPrecisionPolicy", None),
+        getattr(fsdp, "OffloadPolicy", None),
+        getattr(fsdp, "CPUOffloadPolicy", None),
+    )
+
+
+def check_policies(
+    api: str, mp_policy: object, offload_policy: object | None = None
+) -> tuple[MixedPrecisionPolicy, OffloadPolicy | None]:
+    """Type-check the policy arguments of `api` at the call and return them as composable's.
+
+    PyTorch FSDP2's `torch.distributed.fsdp.MixedPrecisionPolicy`, `OffloadPolicy` and
+    `CPUOffloadPolicy` are accepted too and converted field by field (same fields, same
+    meaning). Anything else raises `TypeError` naming `api`, the argument and the value's type."""
+    torch_mp, torch_offload, torch_cpu_offload = _torch_policy_classes()
     if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(
-            f"{api}: 'mp_policy' must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}: {mp_policy!r}"
+        if torch_mp is None or not isinstance(mp_policy, torch_mp):
+            raise TypeError(
+                f"{api}: 'mp_policy' must be a composable.MixedPrecisionPolicy or a "
+                f"torch.distributed.fsdp.MixedPrecisionPolicy, got {_qualname(type(mp_policy))}: {mp_policy!r:.120}"
+            )
+        mp_policy = MixedPrecisionPolicy(
+            param_dtype=mp_policy.param_dtype,
+            reduce_dtype=mp_policy.reduce_dtype,
+            output_dtype=mp_policy.output_dtype,
+            cast_forward_inputs=mp_policy.cast_forward_inputs,
+            param_dtype_override_fn=getattr(mp_policy, "param_dtype_override_fn", None),
         )
     if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
-        raise TypeError(
-            f"{api}: 'offload_policy' must be an OffloadPolicy (e.g. CPUOffloadPolicy()), got {type(offload_policy).__name__}: {offload_policy!r}"
-        )
+        if torch_cpu_offload is not None and isinstance(offload_policy, torch_cpu_offload):
+            offload_policy = CPUOffloadPolicy(pin_memory=offload_policy.pin_memory)
+        elif torch_offload is not None and type(offload_policy) is torch_offload:
+            offload_policy = OffloadPolicy()
+        else:
+            raise TypeError(
+                f"{api}: 'offload_policy' must be a composable.OffloadPolicy (e.g. composable.CPUOffloadPolicy()) "
+                f"or a torch.distributed.fsdp.OffloadPolicy, got {_qualname(type(offload_policy))}: {offload_policy!r:.120}"
+            )
+    return mp_policy, offload_policy
+
+
+def param_dtype_resolver(
+    api: str, mp_policy: MixedPrecisionPolicy
+) -> Callable[[str, nn.Parameter], torch.dtype | None] | None:
+    """`mp_policy.param_dtype_for` bound to `api` where the policy has an override, else None."""
+    if mp_policy.param_dtype_override_fn is None:
+        return None
+    return lambda fqn, param: mp_policy.param_dtype_for(api, fqn, param)

@@ -305,8 +305,7 @@ class ModuleState(finalize.BackwardFinalization):
             self.group.reducer.drop_discarded_sums()  # zero_grad since a no-sync backward
             if self.unshard_in_backward:
                 self.group.unshard()
-            g = self.group  # the dtype autograd writes its unsharded gradients in (grad_dtype.py)
-            set_unsharded_grad_dtypes(g.params, g.dtypes.unsharded, g.dtypes.reduce, self.requires_gradient_sync)
+            set_unsharded_grad_dtypes(self.group, reducing=self.requires_gradient_sync)
         for other in self.backward_prefetch or self._implicit_backward_prefetch():
             if other.group is not None and other.training_state is not TrainingState.PRE_BACKWARD:
                 if other.unshard_in_backward:

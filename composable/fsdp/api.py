@@ -12,7 +12,13 @@ from torch.distributed.tensor import Shard
 from .._engine.build import GroupOptions, ListedModules, build_group
 from .._engine.contract import check_composable, check_module, install_state, owning_api, state_of
 from .._engine.mesh import check_mesh, default_mesh
-from .._engine.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, check_policies
+from .._engine.policies import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    check_policies,
+    param_dtype_resolver,
+)
 from .._engine.spmd import DataParallelMeshDims
 from ._state import FSDPState
 from .strategy import ShardingStrategy, normalize_reshard, resolve_strategy, spmd_strategy
@@ -71,7 +77,7 @@ def fully_shard(
     """
     api = "fully_shard"
     modules = _check_modules(module)
-    check_policies(api, mp_policy, offload_policy)
+    mp_policy, offload_policy = check_policies(api, mp_policy, offload_policy)
     for m in modules:
         check_composable(api, m)
     if mesh is None:
@@ -115,6 +121,7 @@ def fully_shard(
         pin_memory=getattr(offload_policy, "pin_memory", False),
         shard_placement_fn=shard_placement_fn,
         spmd=spmd,
+        param_dtype_for=param_dtype_resolver(api, mp_policy),
     )
     group = build_group(api, module if isinstance(module, nn.Module) else modules, mesh, ignored, options)
     if group is not None and not isinstance(reshard, bool):

@@ -25,6 +25,7 @@ from torch.distributed.fsdp import FSDPModule
 
 import composable
 from composable import fully_shard
+from composable._engine.policies import check_policies
 
 __all__ = [
     "ComposableFSDPModule",
@@ -259,17 +260,8 @@ def restore_class(module: nn.Module) -> nn.Module:
 
 def _policies(mp_policy: Any, offload_policy: Any) -> tuple[composable.MixedPrecisionPolicy, composable.OffloadPolicy]:
     """FSDP2's (or composable's) policies as composable's: same fields, same meaning."""
-    mp = composable.MixedPrecisionPolicy(
-        param_dtype=mp_policy.param_dtype,
-        reduce_dtype=mp_policy.reduce_dtype,
-        output_dtype=mp_policy.output_dtype,
-        cast_forward_inputs=mp_policy.cast_forward_inputs,
-    )
-    if type(offload_policy).__name__ == "CPUOffloadPolicy":  # FSDP2's or ours
-        return mp, composable.CPUOffloadPolicy(pin_memory=offload_policy.pin_memory)
-    if type(offload_policy).__name__ == "OffloadPolicy":
-        return mp, composable.OffloadPolicy()
-    raise TypeError(f"fully_shard: 'offload_policy' must be an OffloadPolicy, got {offload_policy!r:.80}")
+    mp, offload = check_policies("fully_shard", mp_policy, offload_policy)
+    return mp, offload  # type: ignore[return-value]  # offload_policy is never None here
 
 
 def fsdp2_fully_shard(

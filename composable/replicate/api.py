@@ -10,7 +10,13 @@ from .._engine.build import GroupOptions, build_group
 from .._engine.claim import check_ignored
 from .._engine.contract import check_composable, check_module, install_state, state_of
 from .._engine.mesh import check_mesh, default_mesh, infer_device_type, mesh_from_process_group
-from .._engine.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, check_policies
+from .._engine.policies import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    check_policies,
+    param_dtype_resolver,
+)
 from .._engine.spmd import DataParallelMeshDims, resolve_dp_mesh_dims
 from ._state import ReplicateState
 
@@ -51,7 +57,7 @@ def replicate(
     """
     api = "replicate"
     check_module(api, module)
-    check_policies(api, mp_policy, offload_policy)
+    mp_policy, offload_policy = check_policies(api, mp_policy, offload_policy)
     ignored = check_ignored(api, ignored_params)
     check_composable(api, module)
     if mesh is not None and process_group is not None:
@@ -83,6 +89,7 @@ def replicate(
         spmd=spmd,
         offload=isinstance(offload_policy, CPUOffloadPolicy),
         pin_memory=getattr(offload_policy, "pin_memory", False),
+        param_dtype_for=param_dtype_resolver(api, mp_policy),
     )
     group = build_group(api, module, mesh, ignored, options)
     state = ReplicateState(module, group, mp_policy, reshard_after_forward=False, reshard_is_default=False)
