@@ -139,6 +139,19 @@ def test_debug_and_early_stop_run(options: dict[str, Any]) -> None:
     assert_close_tensors(_backward_matmuls(model, x)[1], _backward_matmuls(plain, x)[1], exact=True, msg=str(options))
 
 
+def test_early_stop_is_passed_through() -> None:
+    """Each block's second linear is not needed by backward's recompute (GELU saved its input,
+    the linear its own input): early_stop skips it, early_stop=False runs it too."""
+    x = torch.randn(4, 8)
+    counts = []
+    for early_stop in (True, False):
+        model = _mlp_blocks()
+        for block in model:
+            checkpoint(block, early_stop=early_stop)
+        counts.append(_backward_matmuls(model, x)[0])
+    assert counts[1] == counts[0] + len(model), counts
+
+
 def test_compiled_blocks_under_selective_checkpointing_train_like_eager() -> None:
     torch._dynamo.reset()
     x = torch.randn(4, 8)
