@@ -2,12 +2,10 @@
 
 It owns their sharded storage (one flat buffer per group, the local shards views of it), gathers
 them (`unshard`), frees them (`reshard`), reduces their gradients (`reduce_grads`, `finish_reduce`).
-
 Two communication modes share everything else. Sharded (`Shard(0)`, HSDP `(Replicate(), Shard(0))`): one
 all-gather per unshard, one reduce-scatter (+ HSDP: one all-reduce across replicas) per gradient reduction.
 Replicated (NO_SHARD, replicate): no all-gather; gradients all-reduced as one flat buffer or, for `replicate`,
-in buckets launched as soon as their gradients are ready.
-"""
+in buckets launched as soon as their gradients are ready."""
 
 from __future__ import annotations
 
