@@ -152,17 +152,20 @@ def test_early_stop_is_passed_through() -> None:
     assert counts[1] == counts[0] + len(model), counts
 
 
-def test_compiled_blocks_under_selective_checkpointing_train_like_eager() -> None:
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_blocks_under_selective_checkpointing_train_like_eager(backend: str) -> None:
+    """Inductor's matmuls write into buffers its code reuses (`out=`): save_matmuls must not keep
+    those, or backward finds them overwritten."""
     torch._dynamo.reset()
     x = torch.randn(4, 8)
     eager, compiled = _mlp_blocks(), _mlp_blocks()
     for i, (block_eager, block_compiled) in enumerate(zip(eager, compiled)):
         if i == 0:
-            block_compiled.compile(backend="aot_eager", fullgraph=True)  # before
+            block_compiled.compile(backend=backend, fullgraph=True)  # before
         checkpoint(block_eager, context_fn=save_matmuls())
         checkpoint(block_compiled, context_fn=save_matmuls())
         if i > 0:
-            block_compiled.compile(backend="aot_eager", fullgraph=True)  # after
+            block_compiled.compile(backend=backend, fullgraph=True)  # after
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, compiled)]
     for step in range(STEPS):
         for model, opt in zip((eager, compiled), opts):

@@ -21,11 +21,19 @@ MATMUL_OPS: frozenset[Any] = frozenset({torch.ops.aten.mm, torch.ops.aten.addmm,
 
 def _save_matmul_outputs(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     packet = getattr(op, "overloadpacket", op)
-    return CheckpointPolicy.MUST_SAVE if packet in MATMUL_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    # Not the `out=` forms: inductor's compiled code calls them with buffers it reuses for later
+    # ops, so a kept output would be overwritten before backward ("Tensor cached during selective
+    # activation checkpoint has been mutated"); those matmuls are recomputed instead.
+    if packet in MATMUL_OPS and "out" not in kwargs:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def save_matmuls() -> Callable[[], tuple[Any, Any]]:
     """A `context_fn` for `checkpoint`: the forward keeps the output of every aten mm, addmm
     and bmm inside the checkpointed module; backward recomputes every other op and takes the
-    kept matmul outputs instead of multiplying again."""
+    kept matmul outputs instead of multiplying again. Inside an inductor-compiled module the
+    matmuls write into the compiled code's own buffers (`out=`): those are recomputed, so SAC
+    there saves no matmuls (checkpoint the blocks before compiling them the torchtitan way to
+    keep them: torch.compile traces torch.utils.checkpoint with its policy)."""
     return functools.partial(create_selective_checkpoint_contexts, _save_matmul_outputs)
