@@ -105,11 +105,14 @@ def test_benchmark_builds_moe() -> None:
 
 
 def test_benchmark_moe_flag(capsys: pytest.CaptureFixture[str]) -> None:
-    """`--moe` gives the model experts; with float8 or graphed runs it is refused, named."""
+    """`--moe` gives the model experts; with float8, graphed runs or a 2D --mesh it is refused, named."""
     from benchmark import model_config, parse_args
     from parallel import MOE_EXPERTS
 
     assert model_config(parse_args(["--moe", "--preset", "tiny"])).n_experts == MOE_EXPERTS
     with pytest.raises(SystemExit):
         parse_args(["--moe", "--float8"])
-    assert "--moe runs with --model own, eagerly" in capsys.readouterr().err
+    assert "--moe runs with --model own and --mesh dp" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--moe", "--mesh", "hsdp"])
+    assert "got --mesh hsdp" in capsys.readouterr().err

@@ -48,7 +48,7 @@ def _ignored_and_offload(rank: int, world: int) -> None:
         assert torch.equal(p, q)
     with pytest.raises(TypeError, match="replicate: 'ignored_params' must be a set of nn.Parameter or None, got"):
         replicate(nn.Linear(2, 2), ignored_params=[1])
-    with pytest.raises(TypeError, match="replicate: 'offload_policy' must be an OffloadPolicy"):
+    with pytest.raises(TypeError, match="replicate: 'offload_policy' must be a composable.OffloadPolicy"):
         replicate(nn.Linear(2, 2), offload_policy="cpu")
 
 
