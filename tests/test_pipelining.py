@@ -14,7 +14,17 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from _harness import count_collectives, run_on_ranks
-from _pipeline_models import BATCH, DIM, SCHEDULES, full_model, make_schedule, run_step, stage_ids, stage_module
+from _pipeline_models import (
+    BATCH,
+    DIM,
+    SCHEDULES,
+    full_model,
+    make_schedule,
+    on_gloo,
+    run_step,
+    stage_ids,
+    stage_module,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -142,7 +152,7 @@ def _train(rank: int, world: int, schedules: list[str], how: str, clip: float | 
     return report
 
 
-ALL = list(SCHEDULES)
+ALL = on_gloo(list(SCHEDULES))
 
 
 @pytest.mark.parametrize("how", ["fsdp", "checkpoint", "replicate"])
@@ -159,7 +169,9 @@ def test_mixed_precision_hsdp_and_clipping() -> None:
 
 
 def test_tensor_parallel_inside_stages() -> None:
-    run_on_ranks(_train, 4, ["Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble"], "tp", timeout=120)
+    run_on_ranks(
+        _train, 4, on_gloo(["Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble"]), "tp", timeout=120
+    )
 
 
 @pytest.mark.skipif(os.environ.get("COMPOSABLE_SLOW_TESTS") != "1", reason="8 ranks: COMPOSABLE_SLOW_TESTS=1")
@@ -170,7 +182,7 @@ def test_pp_dp_tp_3d() -> None:
 def test_fsdp2_module_adapter_stages() -> None:
     """Stage modules with FSDP2's interface (`as_fsdp_modules`): `pipeline_stage` runs them, and
     the schedules that issue UNSHARD/RESHARD for `FSDPModule` stages call composable's."""
-    run_on_ranks(_train, 4, ["Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble"], "adapter")
+    run_on_ranks(_train, 4, on_gloo(["Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble"]), "adapter")
 
 
 def _torch_stage_fails(rank: int, world: int, how: str) -> None:
@@ -211,7 +223,9 @@ def test_torch_stage_drives_the_fsdp2_module_adapter() -> None:
     """torch 2.15's own `PipelineStage` over stage modules with composable's FSDP2 interface:
     it calls `set_manual_backward_finalization` / `finalize_backward` as on FSDP2, and the
     results equal the single-process model (the counts: `test_one_reduce_scatter_...`)."""
-    run_on_ranks(_train, 4, ["Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble"], "torch_adapter")
+    run_on_ranks(
+        _train, 4, on_gloo(["Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble"]), "torch_adapter"
+    )
 
 
 # -------------------------------------------------------------------------- checkpoints
