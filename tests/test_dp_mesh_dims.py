@@ -136,8 +136,22 @@ def _parity(rank: int, world: int, case: str) -> None:
         assert torch.equal(q._local_tensor, p._local_tensor), n
 
 
+# torch 2.12's FSDP2 (an earlier form of dp_mesh_dims) shows several shard dims as separate mesh
+# dims, (Shard(0), Shard(0)); torch 2.13 and later, and composable on every torch, show them as
+# one flattened dim, (Shard(0),).
+_SEPARATE_SHARD_DIMS = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13)
+_FSDP2_CASES = [
+    pytest.param(
+        c, marks=pytest.mark.skipif(_SEPARATE_SHARD_DIMS, reason="torch 2.12's FSDP2 keeps dp x cp unflattened")
+    )
+    if c == "dp_cp"
+    else c
+    for c in CASES
+]
+
+
 @needs_torch_spmd
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", _FSDP2_CASES)
 def test_equal_to_fsdp2(case: str) -> None:
     """Placements (`_StridedShard` under Colwise), local shards, losses and parameters of
     dp x tp, HSDP, dp x cp flattened and DDP-over-dp x tp equal torch's, bit for bit."""
