@@ -23,6 +23,7 @@ try:
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
     from torch.distributed.fsdp import share_comm_ctx as torch_share_comm_ctx
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult as _TorchResult  # noqa: F401
 
     HAS_TORCH = True
 except ImportError:  # pragma: no cover
