@@ -65,13 +65,13 @@ from options import FAULT, check_memory, cuda_graph_mode, host_memory_bytes, mod
 from parallel import UsageError, build_mesh  # noqa: E402
 from pipeline import build_parallel_model, build_pp_mesh  # noqa: E402
 from reporting import MetricsLog, memory_string, print_summary, steady_throughput, write_plot  # noqa: E402
+from runs import Run, identity, identity_differences, mismatch_message, open_run  # noqa: E402
 from schedule import build_optimizer, evaluate, lr_at, world_mean  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
 from train_step import TrainStep, build_graph_optimizer, checkpoint_ready, make_train_step, set_lr  # noqa: E402
 from watchdog import Watchdog  # noqa: E402
 
 from composable import ShardedGradScaler, graphed_step  # noqa: E402
-from runs import Run, identity, identity_differences, mismatch_message, open_run  # noqa: E402
 
 __all__ = ["checkpoint_dirs", "main", "parse_args", "train"]
 

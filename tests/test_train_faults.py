@@ -32,14 +32,13 @@ if str(EXAMPLES) not in sys.path:
 
 import checkpointing  # noqa: E402
 import options  # noqa: E402
+import runs  # noqa: E402
 import train as train_script  # noqa: E402
 from checkpointing import CheckpointError  # noqa: E402
 from model import PRESET_LR, Transformer, get_config  # noqa: E402
 from parallel import UsageError  # noqa: E402
 from test_train_example import SMALL, _losses, _reference, _run, command_line, register_command_line  # noqa: E402
 from watchdog import Watchdog  # noqa: E402
-
-import runs  # noqa: E402
 
 BASE = SMALL + ["--eval-every", "0"]
 
