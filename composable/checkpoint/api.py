@@ -35,6 +35,7 @@ from .._engine.contract import (
     register_outermost_pre_hook,
     state_of,
 )
+from .in_graph import is_compiled_in_place, route_forward_through_checkpoint
 
 # torch 2.11-2.15 share this private generator (2.15 keeps it as a shim over `_impl`); its
 # parameters after `debug` grew over time.
@@ -61,6 +62,8 @@ class CheckpointState:
         self.debug = debug
         self.early_stop = early_stop
         self.enabled = True
+        # Set by the pre-hook for each call: checkpoint inside the compiled graph (in_graph.py).
+        self.in_graph = False
         self._generator: Iterator[None] | None = None
 
     @contextmanager
@@ -126,7 +129,11 @@ def checkpoint(
             return live(*args, **kwargs)
 
     def pre_hook(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        state.in_graph = False
         if not state.enabled or not torch.is_grad_enabled():
+            return
+        if is_compiled_in_place(mod):  # the compiled forward checkpoints itself (in_graph.py)
+            state.in_graph = True
             return
         context_fn = state.context_fn or noop_context_fn
         positional = [recompute, state.preserve_rng_state, context_fn, state.determinism_check, state.debug]
@@ -152,6 +159,7 @@ def checkpoint(
 
     # Eager even when the module is compiled: the checkpoint context wraps the compiled forward.
     keep_hooks_outside_graphs(module, api)
+    route_forward_through_checkpoint(module, state)
     register_outermost_pre_hook(module, run_eagerly(pre_hook))
     module.register_forward_hook(run_eagerly(post_hook), prepend=True, always_call=True)
     install_state(module, api, state)

@@ -32,8 +32,8 @@ def _save_matmul_outputs(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkp
 def save_matmuls() -> Callable[[], tuple[Any, Any]]:
     """A `context_fn` for `checkpoint`: the forward keeps the output of every aten mm, addmm
     and bmm inside the checkpointed module; backward recomputes every other op and takes the
-    kept matmul outputs instead of multiplying again. Inside an inductor-compiled module the
-    matmuls write into the compiled code's own buffers (`out=`): those are recomputed, so SAC
-    there saves no matmuls (checkpoint the blocks before compiling them the torchtitan way to
-    keep them: torch.compile traces torch.utils.checkpoint with its policy)."""
+    kept matmul outputs instead of multiplying again. In a module compiled with
+    `module.compile()` the policy is applied by the compiler's partitioner (the checkpoint is
+    traced into the graph); `out=` matmuls, which only a checkpoint around compiled code sees
+    (inductor's code writes into buffers it reuses), are recomputed."""
     return functools.partial(create_selective_checkpoint_contexts, _save_matmul_outputs)
