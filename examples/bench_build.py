@@ -151,11 +151,12 @@ def build(
         net = Transformer(cfg) if model == "own" else hf_llama(cfg)
     if float8:
         bench_float8.to_float8(net, head(net), run)
-    if compile_backend is not None:
+    wrapped = ac != "none" and run in ("fsdp2", "ddp")  # their blocks become checkpoint wrappers
+    if compile_backend is not None and not wrapped:
         for block in blocks(net):
             block.compile(backend=compile_backend)
     if ac != "none":
-        _checkpoint_blocks(net, run, ac)
+        _checkpoint_blocks(net, run, ac, compile_backend)
     bf16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
     if run in ("fully_shard", "fsdp2"):
         if run == "fully_shard":
@@ -190,11 +191,12 @@ def build(
     return Contender(net, autocast, logits)
 
 
-def _checkpoint_blocks(net: nn.Module, run: str, ac: str) -> None:
-    """Every block checkpointed: ours by `composable.checkpoint`; FSDP2's and DDP's as
-    torchtitan does, each block replaced by torch's `checkpoint_wrapper` (torch's composable
-    checkpoint with a `context_fn` trips over FSDP2's backward prefetch on torch 2.15: the
-    recompute meets ops the forward did not record)."""
+def _checkpoint_blocks(net: nn.Module, run: str, ac: str, compile_backend: str | None) -> None:
+    """Every block checkpointed: ours by `composable.checkpoint` (after `.compile()`: the
+    checkpoint goes into the block's graph); FSDP2's and DDP's as torchtitan does, each block
+    replaced by torch's `checkpoint_wrapper`, then the wrapper compiled, so the checkpoint is in
+    the graph there too (torch's composable checkpoint with a `context_fn` trips over FSDP2's
+    backward prefetch on torch 2.15: the recompute meets ops the forward did not record)."""
     options = {"context_fn": composable.checkpoint.save_matmuls()} if ac == "selective" else {}
     if run not in ("fsdp2", "ddp"):
         for block in blocks(net):
@@ -204,7 +206,10 @@ def _checkpoint_blocks(net: nn.Module, run: str, ac: str) -> None:
 
     layers = net.layers if isinstance(net, Transformer) else net.model.layers
     for name, block in list(layers.named_children()):
-        layers.register_module(name, checkpoint_wrapper(block, **options))
+        wrapper = checkpoint_wrapper(block, **options)
+        if compile_backend is not None:
+            wrapper.compile(backend=compile_backend)
+        layers.register_module(name, wrapper)
 
 
 def _own_logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
