@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from contextlib import contextmanager, nullcontext
-from typing import Any, Callable, Iterator
+from contextlib import nullcontext
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -36,43 +36,13 @@ from .._engine.contract import (
     state_of,
 )
 from .in_graph import is_compiled_in_place, route_forward_through_checkpoint
+from .state import CheckpointState
 
 # torch 2.11-2.15 share this private generator (2.15 keeps it as a shim over `_impl`); its
 # parameters after `debug` grew over time.
 _GENERATOR_PARAMS = list(inspect.signature(_checkpoint_without_reentrant_generator).parameters)
 # The values torch's checkpoint accepts for `determinism_check`.
 _DETERMINISM_CHECKS = tuple(getattr(torch.utils.checkpoint, "_allowed_determinism_checks_to_fns", ("default", "none")))
-
-
-class CheckpointState:
-    """What `checkpoint.state(module)` returns: `preserve_rng_state`, `context_fn`,
-    `determinism_check`, `debug`, `early_stop` (as given) and `enabled`."""
-
-    def __init__(
-        self,
-        preserve_rng_state: bool,
-        context_fn: Callable[[], tuple[Any, Any]] | None,
-        determinism_check: str,
-        debug: bool,
-        early_stop: bool,
-    ) -> None:
-        self.preserve_rng_state = preserve_rng_state
-        self.context_fn = context_fn
-        self.determinism_check = determinism_check
-        self.debug = debug
-        self.early_stop = early_stop
-        self.enabled = True
-        # Set by the pre-hook for each call: checkpoint inside the compiled graph (in_graph.py).
-        self.in_graph = False
-        self._generator: Iterator[None] | None = None
-
-    @contextmanager
-    def _disabled(self) -> Iterator[None]:
-        previous, self.enabled = self.enabled, False
-        try:
-            yield
-        finally:
-            self.enabled = previous
 
 
 def checkpoint(

@@ -18,13 +18,12 @@ the same call is torch's eager checkpoint: activations are never silently kept.
 from __future__ import annotations
 
 import types
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn as nn
 
-if TYPE_CHECKING:
-    from .api import CheckpointState
+from .state import CheckpointState
 
 # The module's forward before checkpoint took it over: (function, bound). `bound` means the
 # function takes the module as its first argument (a forward method set on the instance,
