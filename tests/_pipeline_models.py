@@ -30,16 +30,6 @@ SCHEDULES: dict[str, int] = {
     if hasattr(S, name)
 }
 V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
-# torch 2.11's schedules hand activations between the two stages a V-shaped schedule puts on one
-# rank by a p2p send from that rank to itself, for which gloo has no connection ("Pair is not
-# connected"; torch's own stages fail alike); torch 2.12 and later pass them locally, and NCCL
-# sends to itself. So on gloo the V-shaped schedules run from torch 2.12.
-GLOO_RUNS_V_SHAPED = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 12)
-
-
-def on_gloo(names: list[str]) -> list[str]:
-    """`names` less the schedules this torch cannot run over gloo (see GLOO_RUNS_V_SHAPED)."""
-    return [n for n in names if GLOO_RUNS_V_SHAPED or n not in V_SHAPED]
 
 
 class Block(nn.Module):
@@ -90,6 +80,13 @@ def stage_module(model: nn.Sequential, stage: int, n_stages: int) -> Stage:
     return Stage(copied)
 
 
+def mse_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The schedules' loss, computed in fp32 as a mixed-precision job computes its loss: torch
+    2.11's mse_loss cannot differentiate a bf16 output against an fp32 target ("Found dtype
+    Float but expected BFloat16", in one process too; FSDP2's stages fail alike)."""
+    return F.mse_loss(output.float(), target)
+
+
 def make_schedule(name: str, stages: list[nn.Module], n_stages: int, pp_group: Any, device: str = "cpu") -> Any:
     """`name` over this rank's stage modules (`stages[k]` is stage `ids[k]`), mse loss."""
     pp_rank = pp_group.rank() if pp_group is not None else 0
@@ -98,8 +95,8 @@ def make_schedule(name: str, stages: list[nn.Module], n_stages: int, pp_group: A
     built = [pipeline_stage(m, i, n_stages, device, group=pp_group) for m, i in zip(stages, ids)]
     cls = getattr(S, name)
     if SCHEDULES[name] == 1:
-        return cls(built[0], n_microbatches=MICROBATCHES, loss_fn=F.mse_loss)
-    return cls(built, n_microbatches=MICROBATCHES, loss_fn=F.mse_loss)
+        return cls(built[0], n_microbatches=MICROBATCHES, loss_fn=mse_loss)
+    return cls(built, n_microbatches=MICROBATCHES, loss_fn=mse_loss)
 
 
 def run_step(schedule: Any, name: str, ids: list[int], n_stages: int, x: torch.Tensor, y: torch.Tensor) -> list:

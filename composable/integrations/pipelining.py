@@ -137,6 +137,18 @@ class ComposablePipelineStage(PipelineStage):
         if grad_scale_factor != 1:
             self.scale_grads(grad_scale_factor)
 
+    if hasattr(PipelineStage, "_get_init_p2p_neighbors_ops"):  # torch 2.11-2.14 (2.15 warms up otherwise)
+
+        def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
+            # The schedule's warm-up exchange with the neighbouring stages. Under a V-shaped
+            # schedule two neighbouring stages live on one rank, which torch 2.11 warms up by a
+            # send to and a receive from that rank itself; gloo has no connection to its own
+            # rank ("Pair is not connected"), so the first step fails there (torch's own stages
+            # too). Those stages hand activations and gradients to each other locally afterwards
+            # (torch 2.12+ warms a PipelineStage up without this exchange), so the pairs with
+            # this rank carry nothing that is needed.
+            return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
+
     def _post_metadata_inference_cleanup(self) -> None:
         # Shape inference ran a real forward/backward: drop what it left (gathered parameters,
         # gradients, no-sync sums) so the first step starts clean.
