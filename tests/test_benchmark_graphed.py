@@ -14,6 +14,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
+import bench_args
 import bench_build
 import benchmark
 from _harness import requires_gpus
@@ -67,7 +68,7 @@ def test_graphed_runs_are_refused_where_they_cannot_be_measured(
     cuda: bool, argv: list[str], message: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(benchmark.torch.cuda, "is_available", lambda: cuda)
-    monkeypatch.setattr(benchmark, "float8_available", lambda: True)  # refused for being graphed, not for torchao
+    monkeypatch.setattr(bench_args, "float8_available", lambda: True)  # refused for being graphed, not for torchao
     with pytest.raises(SystemExit):
         benchmark.parse_args(argv)
     err = capsys.readouterr().err.strip().splitlines()
@@ -105,6 +106,6 @@ def test_graphed_runs_train_like_their_eager_ones_on_a_gpu() -> None:
 def test_float8_graphed_floor_and_fully_shard_are_measured(monkeypatch: pytest.MonkeyPatch) -> None:
     """Their after-step scale precompute is captured (composable's in-place one)."""
     monkeypatch.setattr(benchmark.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(benchmark, "float8_available", lambda: True)
+    monkeypatch.setattr(bench_args, "float8_available", lambda: True)
     args = benchmark.parse_args(["--float8", "--runs", "floor_graphed,fully_shard_graphed,fsdp2"])
     assert args.float8 and args.runs == "floor_graphed,fully_shard_graphed,fsdp2"

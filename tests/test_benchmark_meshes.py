@@ -15,6 +15,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
+import bench_args
 import bench_build
 import bench_mesh
 import benchmark
@@ -51,8 +52,8 @@ def test_mesh_flags_are_refused_where_they_do_not_fit(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    monkeypatch.setattr(benchmark, "hf_available", lambda: True)  # refused for the mesh, not the package
-    monkeypatch.setattr(benchmark, "float8_available", lambda: True)
+    monkeypatch.setattr(bench_args, "hf_available", lambda: True)  # refused for the mesh, not the package
+    monkeypatch.setattr(bench_args, "float8_available", lambda: True)
     if env is not None:
         monkeypatch.setenv("WORLD_SIZE", env)
     with pytest.raises(SystemExit):

@@ -18,6 +18,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
 import _crashing
+import bench_args
 import bench_build
 import bench_float8
 import bench_overhead
@@ -157,7 +158,7 @@ def test_separate_ends_is_the_default_wrap() -> None:
 def test_hf_llama_without_transformers_is_one_clear_line(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(benchmark, "hf_available", lambda: False)
+    monkeypatch.setattr(bench_args, "hf_available", lambda: False)
     with pytest.raises(SystemExit) as exc:
         benchmark.parse_args(["--model", "hf-llama"])
     assert exc.value.code == 2
@@ -267,7 +268,7 @@ needs_torchao = pytest.mark.skipif(not bench_float8.float8_available(), reason="
 def test_float8_without_torchao_is_one_clear_line(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(benchmark, "float8_available", lambda: False)
+    monkeypatch.setattr(bench_args, "float8_available", lambda: False)
     with pytest.raises(SystemExit) as exc:
         benchmark.parse_args(["--float8"])
     assert exc.value.code == 2
@@ -305,7 +306,7 @@ def test_width_flags_override_the_preset(argv: list[str], shape: tuple[int, ...]
 def test_width_flags_and_float8_are_named_in_the_table_header(monkeypatch: pytest.MonkeyPatch) -> None:
     from bench_report import describe
 
-    monkeypatch.setattr(benchmark, "float8_available", lambda: True)
+    monkeypatch.setattr(bench_args, "float8_available", lambda: True)
     args = benchmark.parse_args(["--preset", "1b", "--dim", "4096", "--float8"])
     assert "preset 1b (dim=4096 n_heads=32 ffn_dim=11008), float8 (torchao)," in describe(args)
     assert "float8" not in describe(benchmark.parse_args([]))

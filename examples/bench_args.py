@@ -1,0 +1,155 @@
+"""The benchmark's command line: `parse_args` (every flag, checked at parse time with one clear
+line per bad value) and the model configuration the flags make (`model_config`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+from bench_build import (
+    AC_MODES,
+    ALL_RUNS,
+    GRAPHED_RUNS,
+    HF_MISSING,
+    MODELS,
+    RUNS,
+    WRAPS,
+    hf_available,
+)
+from bench_float8 import FLOAT8_MISSING, float8_available
+from bench_mesh import MESH_DEFAULT_RUNS, add_mesh_args, mesh_errors
+from model import PRESETS, ModelConfig, get_config
+from parallel import MOE_EXPERTS
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="1b", choices=sorted(PRESETS))
+    p.add_argument(
+        "--model",
+        default="own",
+        choices=MODELS,
+        help="'own': examples/model.py; 'hf-llama': transformers' LlamaForCausalLM at the preset's shape",
+    )
+    p.add_argument("--dim", type=int, default=None, help="model width instead of the preset's (see width_overrides)")
+    p.add_argument("--n-layers", type=int, default=None, help="number of blocks instead of the preset's")
+    p.add_argument(
+        "--n-heads", type=int, default=None, help="attention heads (default with --dim: the preset's head dim)"
+    )
+    p.add_argument("--ffn-dim", type=int, default=None, help="feed-forward width (default with --dim: Llama's 8/3 dim)")
+    p.add_argument("--batch-size", type=int, default=4, help="local (per-GPU) batch")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per run per round")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
+    p.add_argument(
+        "--rounds", type=int, default=3, help="every run once per round; ratios are medians of per-round ratios"
+    )
+    p.add_argument(
+        "--runs",
+        default=None,
+        help=f"comma list of {', '.join(ALL_RUNS)} (the *_graphed ones: the whole step in a CUDA graph); "
+        f"default {','.join(RUNS)}, on a 2D --mesh {','.join(MESH_DEFAULT_RUNS)}",
+    )
+    p.add_argument(
+        "--wrap",
+        choices=WRAPS,
+        default="separate-ends",
+        help="fully_shard/FSDP2 groups: 'separate-ends' = each block, the embeddings, the head, then the "
+        "root (torchtitan's wrapping; faster and leaner for both); 'blocks' = each block + the root",
+    )
+    p.add_argument("--compile", action="store_true", help="compile every block of every contender (before the APIs)")
+    p.add_argument(
+        "--float8",
+        action="store_true",
+        help="every contender trains with torchao float8 linears (the head and dims not divisible by 16 excepted)",
+    )
+    p.add_argument(
+        "--moe",
+        action="store_true",
+        help="mixture-of-experts feed-forwards (examples/moe.py, --model own): fully_shard and FSDP2 split the experts "
+        "over an expert-parallel dim and shard them over the rest (examples/parallel.py's shard_experts)",
+    )
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend for --compile")
+    p.add_argument(
+        "--ac",
+        choices=AC_MODES,
+        default="none",
+        help="activation checkpointing of every block of every contender: full, or selective (keeps the matmuls)",
+    )
+    p.add_argument("--out", default=None, help="write results JSON here")
+    p.add_argument("--profile", default="", help="comma list of runs to profile (2 extra steps each, first round)")
+    p.add_argument(
+        "--trace-dir",
+        default=None,
+        help="with --profile: write every rank's Chrome trace of each profiled run here (gzipped)",
+    )
+    p.add_argument("--cpu-overhead", action="store_true", help="measure hook CPU overhead on 64 tiny blocks (no GPU)")
+    add_mesh_args(p)
+    args = p.parse_args(argv)
+    for flag in ("batch_size", "seq_len", "steps", "rounds"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {args.warmup}")
+    if args.runs is None:
+        args.runs = ",".join(RUNS if args.mesh == "dp" else MESH_DEFAULT_RUNS)
+    unknown = [run for run in args.runs.split(",") if run not in ALL_RUNS]
+    if unknown or not args.runs:
+        p.error(f"--runs: unknown run(s) {unknown or [args.runs]}; choose from {', '.join(ALL_RUNS)}")
+    graphed = [run for run in args.runs.split(",") if run in GRAPHED_RUNS]
+    if graphed and not args.cpu_overhead and not torch.cuda.is_available():
+        p.error(f"--runs: {graphed[0]} needs a GPU (CUDA graphs), and torch.cuda.is_available() is False")
+    if graphed and args.float8 and "replicate_graphed" in graphed:
+        p.error(
+            "--runs: replicate_graphed with --float8 is not measured: replicate's float8 weights are cast in every "
+            "forward (no float8 all-gather), like the floor's; compare floor_graphed and fully_shard_graphed"
+        )
+    if graphed and args.warmup < 2:
+        p.error(
+            f"--warmup must be >= 2 with --runs {graphed[0]} (graphed_step's eager warm-up, then the capture, "
+            f"so that every timed step is a replay), got {args.warmup}"
+        )
+    if args.moe and (graphed or args.float8 or args.model != "own" or args.mesh != "dp"):
+        p.error(
+            "--moe runs with --model own and --mesh dp (its own expert mesh), eagerly (no graphed runs: routing "
+            f"syncs with the host) and without --float8; got --mesh {args.mesh}"
+        )
+    if args.model == "hf-llama" and not args.cpu_overhead and not hf_available():
+        p.error(HF_MISSING)
+    if args.float8 and not args.cpu_overhead and not float8_available():
+        p.error(FLOAT8_MISSING)
+    for flag in ("dim", "n_layers", "n_heads", "ffn_dim"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    # Record the shape the width flags derive, so the table and the JSON name it.
+    args.__dict__.update(width_overrides(args.preset, args.dim, args.n_heads, args.ffn_dim))
+    try:
+        cfg = model_config(args)
+    except ValueError as e:
+        p.error(f"--dim/--n-heads: {e}")
+    world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None  # torchrun's
+    error = None if args.cpu_overhead else mesh_errors(args, cfg.n_heads, cfg.ffn_dim, world)
+    if error:
+        p.error(error)
+    return args
+
+
+def width_overrides(preset: str, dim: int | None, n_heads: int | None, ffn_dim: int | None) -> dict[str, int]:
+    """The config fields that `--dim` / `--n-heads` / `--ffn-dim` change. With `--dim` alone,
+    heads keep the preset's head dim and the ffn is Llama's: 8/3 of the width rounded up to a
+    multiple of 256 (2048 -> 5632, the 1b preset's; 4096 -> 11008 with 32 heads, Llama-7B's)."""
+    out = {"dim": dim, "n_heads": n_heads, "ffn_dim": ffn_dim}
+    if dim is not None:
+        if n_heads is None:
+            out["n_heads"] = max(1, dim // PRESETS[preset].head_dim)
+        if ffn_dim is None:
+            out["ffn_dim"] = -(-(8 * dim // 3) // 256) * 256
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    """The preset, at `--seq-len`, with the width/depth flags applied."""
+    width = width_overrides(args.preset, args.dim, args.n_heads, args.ffn_dim)
+    moe = {"n_experts": MOE_EXPERTS} if getattr(args, "moe", False) else {}
+    return get_config(args.preset, max_seq_len=args.seq_len, n_layers=args.n_layers, **width, **moe)
