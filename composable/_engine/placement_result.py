@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from .layout import DataParallelLayout
@@ -27,23 +28,42 @@ def _ranks(group: dist.ProcessGroup | None) -> list[int]:
     return [] if group is None else dist.get_process_group_ranks(group)
 
 
-def placement_of(api: str, fqn: str, result: object, layout: DataParallelLayout) -> object:
-    """The placement a `shard_placement_fn` result asks for. A `ShardPlacementResult` whose
-    mesh shards and replicates over the group's own ranks gives its placement; another mesh
-    (a per-parameter mesh, e.g. experts on their own expert-data-parallel mesh) is
-    `NotImplementedError` naming the parameter and the way that works: `fully_shard` on the
-    module holding those parameters, with that mesh."""
+def mesh_key(mesh: DeviceMesh) -> tuple:
+    """What makes two data-parallel meshes the same for a group: the ranks of the shard dim (the
+    last) and of each replicate dim, as FSDP2 groups parameters by their process groups."""
+    return tuple(tuple(_ranks(mesh.get_group(d))) for d in range(mesh.ndim))
+
+
+def layout_key(layout: DataParallelLayout) -> tuple:
+    return (*(tuple(_ranks(g)) for g in layout.replicate_groups), tuple(_ranks(layout.shard_group)))
+
+
+def placement_of(api: str, fqn: str, result: object, layout: DataParallelLayout) -> tuple[object, DeviceMesh | None]:
+    """(placement, mesh) of a `shard_placement_fn` result: a `Shard` or None goes on the group's
+    own mesh (mesh None); a `ShardPlacementResult` gives its placement and the mesh of its
+    `mesh_info` (anything with a `mesh`: torch's FSDPMeshInfo/HSDPMeshInfo, a DeviceMesh's
+    holder), or None where that mesh shards and replicates over the group's own ranks. Raises
+    `TypeError` for a result without a DeviceMesh and `ValueError` for a mesh that does not
+    contain this rank, is not 1D/2D or is on another device type than the group's."""
     if not isinstance(result, ShardPlacementResult):
-        return result
+        return result, None
     mesh = getattr(result.mesh_info, "mesh", None)
-    if mesh is None or not hasattr(mesh, "get_group"):
-        raise TypeError(f"{api}: 'shard_placement_fn' returned a ShardPlacementResult without a mesh for '{fqn}'")
-    shard = _ranks(mesh.get_group(mesh.ndim - 1))
-    replicate = [_ranks(mesh.get_group(d)) for d in range(mesh.ndim - 1)]
-    if shard != _ranks(layout.shard_group) or replicate != [_ranks(g) for g in layout.replicate_groups]:
-        raise NotImplementedError(
-            f"{api}: 'shard_placement_fn' put '{fqn}' on its own mesh {mesh} (ShardPlacementResult), not the "
-            "group's: per-parameter meshes are not supported; apply fully_shard to the module holding those "
-            "parameters with that mesh first (e.g. fully_shard(block.experts, mesh=expert_dp_mesh))"
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"{api}: 'shard_placement_fn' returned a ShardPlacementResult without a DeviceMesh 'mesh_info.mesh' "
+            f"for '{fqn}', got {type(mesh).__name__}"
         )
-    return result.placement
+    where = f"{api}: 'shard_placement_fn' put '{fqn}' on mesh {mesh}"
+    if mesh.device_type != layout.mesh.device_type:
+        raise ValueError(
+            f"{where} of device type '{mesh.device_type}', not the module mesh's '{layout.mesh.device_type}'"
+        )
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"{where}: a per-parameter mesh must be 1D (shard) or 2D (replicate, shard), got {mesh.ndim}D")
+    if dist.is_initialized() and mesh.get_coordinate() is None:
+        raise ValueError(f"{where}, which does not contain this rank (global rank {dist.get_rank()})")
+    shard_dim = getattr(result.mesh_info, "shard_mesh_dim", mesh.ndim - 1)
+    if shard_dim != mesh.ndim - 1:
+        raise NotImplementedError(f"{where} sharded over mesh dim {shard_dim}: only the last dim shards")
+    same = layout.sharded and mesh_key(mesh) == layout_key(layout)
+    return result.placement, None if same else mesh
