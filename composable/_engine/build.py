@@ -24,7 +24,7 @@ from .mesh import compute_device
 from .mixed_dtypes import check_mixed_group, resolve_param_dtypes
 from .optim_state import install_step_hook
 from .param import DTensorSpecLite, ManagedParam, ParamLayout
-from .placement_result import mesh_key, placement_of
+from .placement_result import layout_key, own_spmd_dims, placement_of
 from .replicas import check_same_model, sync_replicas
 from .spmd import SpmdDims, check_spmd_param, make_spmd_param
 
@@ -71,10 +71,7 @@ def build_group(
     claimed = claim_parameters(module, ignored, api)
     originals = [p for _, _, p in claimed]
     check_same_device(api, originals)
-    if options.spmd is not None:
-        for fqn, _, p in claimed:
-            check_spmd_param(api, fqn, p, options.spmd)
-    elif not options.accepts_dtensors and any(isinstance(p, DTensor) for p in originals):
+    if options.spmd is None and not options.accepts_dtensors and any(isinstance(p, DTensor) for p in originals):
         raise NotImplementedError(f"{api}: parameters that are already DTensors are not supported")
     device = compute_device(mesh)
     move_buffers(module, device)
@@ -91,21 +88,27 @@ def build_group(
         return None
     layout = DataParallelLayout.make(mesh, options.sharded) if options.spmd is None else options.spmd.layout()
     # One group per mesh (shard_placement_fn's ShardPlacementResults), in order of first use, as FSDP2.
-    parts: dict[tuple, tuple[DataParallelLayout, list[tuple[str, list, nn.Parameter, int]]]] = {}
+    parts: dict[tuple, tuple[DataParallelLayout, SpmdDims | None, list[tuple[str, list, nn.Parameter, int]]]] = {}
+    whole = mesh if options.spmd is None else options.spmd.mesh
+    spmd_of: dict[int, SpmdDims] = {}
     for fqn, slots, p in claimed:
-        own, dim = _placement(api, fqn, p, layout, options)
-        key = ("module",) if own is None else mesh_key(own)
+        info, dim = _placement(api, fqn, p, layout, whole, options)
+        if info is None:
+            key, part = ("module",), (layout, options.spmd)
+        else:
+            if options.spmd is not None and id(info) not in spmd_of:  # once per mesh_info: flattening makes groups
+                spmd_of[id(info)] = own_spmd_dims(api, fqn, info)
+            spmd = spmd_of.get(id(info))
+            own_layout = DataParallelLayout.make(info.mesh, sharded=True) if spmd is None else spmd.layout()
+            key, part = (id(whole if spmd is None else spmd.mesh), layout_key(own_layout)), (own_layout, spmd)
         if key not in parts:
-            parts[key] = (layout if own is None else DataParallelLayout.make(own, sharded=True), [])
-        parts[key][1].append((fqn, slots, p, dim))
-    if len(parts) > 1 and options.spmd is not None:
-        raise NotImplementedError(
-            f"{api}: per-parameter meshes (shard_placement_fn's ShardPlacementResult on another mesh) with 'dp_mesh_dims'"
-        )
+            parts[key] = (*part, [])
+        parts[key][2].append((fqn, slots, p, dim))
+    for _, spmd, members in parts.values():
+        for fqn, _, p, _ in members if spmd is not None else ():
+            check_spmd_param(api, fqn, p, spmd)
     by_param = {id(p): src for p, src in zip(originals, sources)}
-    groups = [
-        _make_group(api, part_layout, members, by_param, device, options) for part_layout, members in parts.values()
-    ]
+    groups = [_make_group(api, lay, spmd, members, by_param, device, options) for lay, spmd, members in parts.values()]
     mark_replaced(originals, api)
     install_step_hook()  # refuses optimizers built before this call, holding `originals`
     ordered = [mp for g in groups for mp in g.params]
@@ -119,6 +122,7 @@ def build_group(
 def _make_group(
     api: str,
     layout: DataParallelLayout,
+    spmd: SpmdDims | None,
     members: list[tuple[str, list, nn.Parameter, int]],
     sources: dict[int, torch.Tensor],
     device: torch.device,
@@ -140,8 +144,8 @@ def _make_group(
     )
     params = [
         make_managed_param(fqn, slots, p, layout, dim)
-        if options.spmd is None
-        else make_spmd_param(fqn, slots, p, layout, options.spmd, dim)
+        if spmd is None
+        else make_spmd_param(fqn, slots, p, layout, spmd, dim)
         for fqn, slots, p, dim in members
     ]
     for mp, (_, _, p, _) in zip(params, members):
@@ -180,14 +184,14 @@ def _check_extension(api: str, mp: ManagedParam, layout: DataParallelLayout, opt
 
 
 def _placement(
-    api: str, fqn: str, param: torch.Tensor, layout: DataParallelLayout, options: GroupOptions
-) -> tuple[DeviceMesh | None, int]:
-    """(the parameter's own mesh, or None for the module's; the dim it is sharded on) as
-    `options.shard_placement_fn` asks (None: Shard(0) on the module's mesh)."""
+    api: str, fqn: str, param: torch.Tensor, layout: DataParallelLayout, whole: DeviceMesh, options: GroupOptions
+) -> tuple[object | None, int]:
+    """(the mesh_info of the parameter's own mesh, or None for the module's; the dim it is
+    sharded on) as `options.shard_placement_fn` asks (None: Shard(0) on the module's mesh)."""
     fn = options.shard_placement_fn
     if fn is None or not layout.sharded:
         return None, 0
-    placement, own = placement_of(api, fqn, fn(param), layout)  # type: ignore[arg-type]
+    placement, own = placement_of(api, fqn, fn(param), layout, whole)  # type: ignore[arg-type]
     if placement is None or param.dim() == 0:
         return own, 0
     if not isinstance(placement, Shard) or type(placement) is not Shard:

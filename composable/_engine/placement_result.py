@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from .layout import DataParallelLayout
+from .spmd import SpmdDims, resolve_dp_mesh_dims
 
 try:  # torch >= 2.13: FSDP2's own class, so one shard_placement_fn serves both libraries
     from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
@@ -38,16 +39,20 @@ def layout_key(layout: DataParallelLayout) -> tuple:
     return (*(tuple(_ranks(g)) for g in layout.replicate_groups), tuple(_ranks(layout.shard_group)))
 
 
-def placement_of(api: str, fqn: str, result: object, layout: DataParallelLayout) -> tuple[object, DeviceMesh | None]:
-    """(placement, mesh) of a `shard_placement_fn` result: a `Shard` or None goes on the group's
-    own mesh (mesh None); a `ShardPlacementResult` gives its placement and the mesh of its
-    `mesh_info` (anything with a `mesh`: torch's FSDPMeshInfo/HSDPMeshInfo, a DeviceMesh's
-    holder), or None where that mesh shards and replicates over the group's own ranks. Raises
-    `TypeError` for a result without a DeviceMesh and `ValueError` for a mesh that does not
-    contain this rank, is not 1D/2D or is on another device type than the group's."""
+def placement_of(
+    api: str, fqn: str, result: object, layout: DataParallelLayout, whole_mesh: DeviceMesh
+) -> tuple[object, object | None]:
+    """(placement, mesh_info) of a `shard_placement_fn` result: a `Shard` or None goes on the
+    group's own mesh (mesh_info None); a `ShardPlacementResult` gives its placement and its
+    `mesh_info` (anything with a `mesh`: torch's FSDPMeshInfo/HSDPMeshInfo, with `spmd_mesh`
+    and `dp_mesh_dims` under `dp_mesh_dims`), or None where that mesh shards and replicates
+    over the group's own ranks (and, under `dp_mesh_dims`, lies in `whole_mesh`, the
+    module's). Raises `TypeError` for a result without a DeviceMesh and `ValueError` for a
+    mesh that does not contain this rank, is not 1D/2D or is on another device type."""
     if not isinstance(result, ShardPlacementResult):
         return result, None
-    mesh = getattr(result.mesh_info, "mesh", None)
+    info = result.mesh_info
+    mesh = getattr(info, "mesh", None)
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
             f"{api}: 'shard_placement_fn' returned a ShardPlacementResult without a DeviceMesh 'mesh_info.mesh' "
@@ -62,8 +67,23 @@ def placement_of(api: str, fqn: str, result: object, layout: DataParallelLayout)
         raise ValueError(f"{where}: a per-parameter mesh must be 1D (shard) or 2D (replicate, shard), got {mesh.ndim}D")
     if dist.is_initialized() and mesh.get_coordinate() is None:
         raise ValueError(f"{where}, which does not contain this rank (global rank {dist.get_rank()})")
-    shard_dim = getattr(result.mesh_info, "shard_mesh_dim", mesh.ndim - 1)
+    shard_dim = getattr(info, "shard_mesh_dim", mesh.ndim - 1)
     if shard_dim != mesh.ndim - 1:
         raise NotImplementedError(f"{where} sharded over mesh dim {shard_dim}: only the last dim shards")
-    same = layout.sharded and mesh_key(mesh) == layout_key(layout)
-    return result.placement, None if same else mesh
+    spmd_mesh = getattr(info, "spmd_mesh", None)
+    same = layout.sharded and mesh_key(mesh) == layout_key(layout) and (spmd_mesh is None or spmd_mesh == whole_mesh)
+    return result.placement, None if same else info
+
+
+def own_spmd_dims(api: str, fqn: str, info: object) -> SpmdDims:
+    """Under `dp_mesh_dims`: the data-parallel dims of a parameter's own whole mesh (e.g. the
+    sparse mesh of routed experts), from its mesh_info's `spmd_mesh` and `dp_mesh_dims`, as
+    torch's `_get_mesh_info(mesh, dp_mesh_dims)` makes them. `ValueError` for a mesh_info
+    without them."""
+    spmd_mesh, dims = getattr(info, "spmd_mesh", None), getattr(info, "dp_mesh_dims", None)
+    if spmd_mesh is None or dims is None:
+        raise ValueError(
+            f"{api}: with 'dp_mesh_dims', 'shard_placement_fn' must give '{fqn}' a mesh_info with 'spmd_mesh' and "
+            f"'dp_mesh_dims' (torch's _get_mesh_info(mesh, dp_mesh_dims)), got {type(info).__name__}"
+        )
+    return resolve_dp_mesh_dims(api, spmd_mesh, dims)
