@@ -235,6 +235,55 @@ def test_state_methods_reach_every_group() -> None:
     run_on_ranks(_methods, 4)
 
 
+def _two_blocks(world: int, reshard: bool | int, prefetch: bool) -> nn.Sequential:
+    torch.manual_seed(0)
+    edp = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("edp", "ep"))["edp"]
+    dense = init_device_mesh("cpu", (world,))
+    model = nn.Sequential(_Block(), _Block())
+    model[0].proj = nn.Linear(8, 6)
+    for block in model:
+        fn = lambda p, b=block: ShardPlacementResult(Shard(0), _info(edp) if p is b.experts else _info(dense))  # noqa: E731
+        fully_shard(block, mesh=dense, reshard_after_forward=reshard, shard_placement_fn=fn)
+    fully_shard(model, mesh=dense)
+    if prefetch:
+        fully_shard.state(model[0]).set_modules_to_forward_prefetch([model[1]])
+        fully_shard.state(model[1]).set_modules_to_backward_prefetch([model[0]])
+    return model
+
+
+def _prefetch_and_int_reshard(rank: int, world: int) -> None:
+    """Explicit prefetching and reshard_after_forward=2 (the dense group keeps half, the
+    2-rank expert group reshards fully) train as the plain setup, with the same number of
+    collectives per step, and the unsharded parameters are freed after forward."""
+    runs = []
+    for reshard, prefetch in ((True, False), (2, True)):
+        model = _two_blocks(world, reshard, prefetch)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses, counts = [], []
+        for step in range(2):
+            torch.manual_seed(step * 10 + rank)
+            with count_collectives() as comm:
+                out = model(torch.randn(3, 6))
+                assert all(isinstance(b.experts, DTensor) and isinstance(b.proj.weight, DTensor) for b in model)
+                loss = out.pow(2).sum()
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+            counts.append(Counter(r.kind for r in comm.records))
+        runs.append((losses, [p.detach()._local_tensor.clone() for p in model.parameters()], counts))
+    (ref_losses, ref_params, ref_counts), (losses, params, counts) = runs
+    assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses))
+    assert all(torch.equal(a, b) for a, b in zip(ref_params, params))
+    assert counts == ref_counts, (counts, ref_counts)
+    with pytest.raises(NotImplementedError, match="live on 2 meshes .* not supported with per-parameter meshes"):
+        fully_shard.state(model[0]).set_separate_reduce_scatter_group(True, recurse=False)
+
+
+def test_prefetch_and_int_reshard() -> None:
+    run_on_ranks(_prefetch_and_int_reshard, 4)
+
+
 class _CudaMesh(DeviceMesh):
     """A mesh that says it is on CUDA (what a CUDA mesh passed to a CPU module looks like)."""
 
