@@ -278,6 +278,13 @@ def _prefetch_and_int_reshard(rank: int, world: int) -> None:
     assert counts == ref_counts, (counts, ref_counts)
     with pytest.raises(NotImplementedError, match="live on 2 meshes .* not supported with per-parameter meshes"):
         fully_shard.state(model[0]).set_separate_reduce_scatter_group(True, recurse=False)
+    # One process group's allocator per group, each on its own mesh.
+    state = fully_shard.state(model[0])
+    state.set_allocate_memory_from_process_group_for_comm(True)
+    for group in state.group.members:
+        assert group.all_gather_comm._group is group.layout.shard_group
+        assert group.reducer.reduce_scatter_comm._group is group.layout.shard_group
+    model(torch.randn(3, 6)).sum().backward()
 
 
 def test_prefetch_and_int_reshard() -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -108,6 +108,31 @@ class FSDPState(FSDP2Methods, ModuleState):
             raise ValueError(f"{api}: 'factor' must be a finite number > 0, got {factor!r}")
         if self.group is not None:
             self.group.reducer.divide_factor = float(factor)
+
+    # Methods that bind collectives to one process group: per-parameter meshes run them once per
+    # group (FSDP2 makes them per FSDPParamGroup), each seeing that group as the module's.
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        self._each_group(FSDP2Methods.set_symm_mem_for_comm, backend)
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        self._each_group(FSDP2Methods.set_allocate_memory_from_process_group_for_comm, enable)
+
+    set_symm_mem_for_comm.__doc__ = FSDP2Methods.set_symm_mem_for_comm.__doc__
+    set_allocate_memory_from_process_group_for_comm.__doc__ = (
+        FSDP2Methods.set_allocate_memory_from_process_group_for_comm.__doc__
+    )
+
+    def _each_group(self, method: Callable[..., None], *args: object) -> None:
+        whole = self.group
+        if not isinstance(whole, GroupSet):
+            method(self, *args)
+            return
+        try:
+            for group in whole.members:
+                self.group = group
+                method(self, *args)
+        finally:
+            self.group = whole
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """False: the end of the next backwards leaves gradient reductions in flight (they
