@@ -226,6 +226,12 @@ def _methods(rank: int, world: int) -> None:
     full = [p.grad.full_tensor() for p in block.parameters()]
     norm = clip_grad_norm_(list(block.parameters()), max_norm=1e9)
     torch.testing.assert_close(norm, torch.linalg.vector_norm(torch.stack([g.norm() for g in full])))
+    clone = copy.deepcopy(block)  # its own groups, on the same meshes
+    for model in (block, clone):
+        model.zero_grad()
+        model(x).sum().backward()
+    for p, q in zip(block.parameters(), clone.parameters()):
+        assert q.device_mesh == p.device_mesh and torch.equal(q.grad._local_tensor, p.grad._local_tensor)
     sd = block.state_dict()
     assert sd["0.experts"].device_mesh.mesh.tolist() == mesh["edp"].mesh.tolist()
     block.load_state_dict(sd)

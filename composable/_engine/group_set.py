@@ -108,13 +108,10 @@ class GroupSet:
     def config(self) -> Any:
         return self.members[0].config  # device, api: the same for every member
 
-    # -- unshard / reshard: every member, collectives started before any is waited for ----------
+    # -- unshard / reshard: every member, in order (as FSDP2's pre-forward, group by group) -------
     def unshard(self, async_op: bool = False) -> None:
         for g in self.members:
-            g.unshard(async_op=True)
-        if not async_op:
-            for g in self.members:
-                g.unshard()
+            g.unshard(async_op=async_op)
 
     def wait_for_unshard(self) -> None:
         for g in self.members:
