@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn as nn
-from _harness import count_collectives, run_on_ranks
+from _harness import count_collectives, on_gpus, run_on_ranks
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
@@ -63,10 +63,10 @@ def _tokens(step: int, rank: int) -> torch.Tensor:
     return torch.randint(0, CFG.vocab_size, (2, 17))
 
 
-def _shard(model: Transformer, shard, layout: str, world: int) -> None:
+def _shard(model: Transformer, shard, layout: str, world: int, device: str = "cpu") -> None:
     """One fully_shard per block: experts on their own mesh, the rest on the dense mesh."""
-    mesh = expert_mesh("cpu", CFG.n_experts, ep=2)  # (edp, ep)
-    dense = init_device_mesh("cpu", (world,))
+    mesh = expert_mesh(device, CFG.n_experts, ep=2)  # (edp, ep)
+    dense = init_device_mesh(device, (world,))
     dense_info = _info(dense)
     if layout == "ep":  # experts split over ep, sharded over edp on dim 0
         expert_info, placement = _info(mesh["edp"]), Shard(0)
@@ -88,16 +88,18 @@ def _shard(model: Transformer, shard, layout: str, world: int) -> None:
             shard(unit, mesh=dense)
 
 
-def _train(rank: int, world: int, library: str, layout: str) -> dict:
+def _train(rank: int, world: int, library: str, layout: str, device: str = "cpu") -> dict:
     torch.manual_seed(0)
-    model = Transformer(CFG)
+    with torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu"):
+        model = Transformer(CFG)
     if library != "single":
-        _shard(model, composable.fully_shard if library == "composable" else torch_fully_shard, layout, world)
+        shard = composable.fully_shard if library == "composable" else torch_fully_shard
+        _shard(model, shard, layout, world, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     out: dict = {"losses": [], "grads": [], "counts": []}
     for step in range(3):
         ranks = range(world) if library == "single" else [rank]
-        tokens = torch.cat([_tokens(step, r) for r in ranks])
+        tokens = torch.cat([_tokens(step, r) for r in ranks]).to(device)
         with count_collectives() as comm:
             loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
             loss.backward()
@@ -123,9 +125,9 @@ def _check_single(rank: int, world: int, ours: dict, layout: str) -> None:
         torch.testing.assert_close(mean / world, single["losses"][step], rtol=1e-5, atol=1e-5, msg=f"step {step}")
 
 
-def _vs_fsdp2(rank: int, world: int, layout: str) -> None:
-    ref = _train(rank, world, "fsdp2", layout)
-    ours = _train(rank, world, "composable", layout)
+def _vs_fsdp2(rank: int, world: int, layout: str, device: str = "cpu") -> None:
+    ref = _train(rank, world, "fsdp2", layout, device)
+    ours = _train(rank, world, "composable", layout, device)
     assert ours["placements"] == ref["placements"]
     w1 = ours["placements"]["layers.0.feed_forward.experts.w1"]
     assert w1[0] != ours["placements"]["layers.0.attention.wq.weight"][0]  # its own mesh
@@ -144,13 +146,20 @@ def _vs_fsdp2(rank: int, world: int, layout: str) -> None:
         assert torch.equal(p, ref["params"][name]), name
     gathers = sum(n for (kind, _), n in ours["counts"][0].items() if kind == "all_gather")
     assert gathers >= 2 * CFG.n_layers  # each block gathers on both meshes
-    _check_single(rank, world, ours, layout)
+    if device == "cpu":
+        _check_single(rank, world, ours, layout)
 
 
 @needs_fsdp2
 @pytest.mark.parametrize("layout", ["ep", "hsdp"])
 def test_moe_block_equal_to_fsdp2(layout: str) -> None:
     run_on_ranks(_vs_fsdp2, 4, layout)
+
+
+@needs_fsdp2
+@pytest.mark.parametrize("device", [on_gpus("cuda", 4, id="nccl")])
+def test_moe_block_equal_to_fsdp2_on_gpus(device: str) -> None:
+    run_on_ranks(_vs_fsdp2, 4, "ep", device, backend="nccl", timeout=300)
 
 
 def _vs_single(rank: int, world: int) -> None:
