@@ -233,7 +233,9 @@ def _methods(rank: int, world: int) -> None:
     state.set_reshard_after_backward(True)
     # clip_grad_norm_ over parameters on two meshes: the norm of the full gradients.
     full = [p.grad.full_tensor() for p in block.parameters()]
-    norm = clip_grad_norm_(list(block.parameters()), max_norm=1e9)
+    with count_collectives() as comm:
+        norm = clip_grad_norm_(list(block.parameters()), max_norm=1e9)
+    assert comm.counts["all_reduce"] == 2, comm.events  # one per mesh
     torch.testing.assert_close(norm, torch.linalg.vector_norm(torch.stack([g.norm() for g in full])))
     clone = copy.deepcopy(block)  # its own groups, on the same meshes
     for model in (block, clone):
@@ -331,6 +333,28 @@ def _errors(rank: int, world: int) -> None:
         fully_shard(
             nn.Linear(4, 4),
             shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), SimpleNamespace(mesh=other_type)),
+        )
+
+    cube = init_device_mesh("cpu", (1, 2, world // 2))
+    with pytest.raises(ValueError, match="put 'weight' on mesh .*: a per-parameter mesh must be 1D .* got 3D"):
+        fully_shard(
+            nn.Linear(4, 4), shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), SimpleNamespace(mesh=cube))
+        )
+    first = SimpleNamespace(mesh=mesh, shard_mesh_dim=0)
+    with pytest.raises(NotImplementedError, match="put 'weight' on mesh .* sharded over mesh dim 0: only the last dim"):
+        fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), first))
+    from composable import DataParallelMeshDims
+
+    dense = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    plain = SimpleNamespace(mesh=mesh["edp"])
+    with pytest.raises(
+        ValueError, match="with 'dp_mesh_dims', 'shard_placement_fn' must give 'experts' a mesh_info with"
+    ):
+        fully_shard(
+            _SpmdBlock(dense, mesh),
+            mesh=dense,
+            dp_mesh_dims=DataParallelMeshDims(shard="fsdp"),
+            shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), plain) if p.dim() == 3 else None,
         )
 
 
