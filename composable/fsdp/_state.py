@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._engine.contract import check_bool, get_state
 from .._engine.group import ParamGroup
+from .._engine.group_set import GroupSet, members
 from .._engine.policies import MixedPrecisionPolicy, OffloadPolicy
 from .._engine.state import ModuleState
 from ._methods import FSDP2Methods
@@ -30,7 +31,7 @@ class FSDPState(FSDP2Methods, ModuleState):
     def __init__(
         self,
         module: nn.Module,
-        group: ParamGroup | None,
+        group: ParamGroup | GroupSet | None,
         *,
         mesh: DeviceMesh,
         strategy: ShardingStrategy,
@@ -79,8 +80,10 @@ class FSDPState(FSDP2Methods, ModuleState):
             if state.strategy is ShardingStrategy.NO_SHARD:
                 continue  # nothing sharded: nothing to reshard
             value = normalize_reshard(api, reshard_after_forward, state.mesh.size(state.mesh.ndim - 1))
-            if state.group is not None and not isinstance(value, bool):
-                state.group.layout.post_forward_group(value)
+            if not isinstance(value, bool):
+                for group in members(state.group):  # each of per-parameter meshes
+                    if normalize_reshard(api, value, group.layout.shard_world) not in (True, False):
+                        group.layout.post_forward_group(value)
             state.reshard_after_forward = value
             state._reshard_is_default = False
 
@@ -105,6 +108,31 @@ class FSDPState(FSDP2Methods, ModuleState):
             raise ValueError(f"{api}: 'factor' must be a finite number > 0, got {factor!r}")
         if self.group is not None:
             self.group.reducer.divide_factor = float(factor)
+
+    # Methods that bind collectives to one process group: per-parameter meshes run them once per
+    # group (FSDP2 makes them per FSDPParamGroup), each seeing that group as the module's.
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        self._each_group(FSDP2Methods.set_symm_mem_for_comm, backend)
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        self._each_group(FSDP2Methods.set_allocate_memory_from_process_group_for_comm, enable)
+
+    set_symm_mem_for_comm.__doc__ = FSDP2Methods.set_symm_mem_for_comm.__doc__
+    set_allocate_memory_from_process_group_for_comm.__doc__ = (
+        FSDP2Methods.set_allocate_memory_from_process_group_for_comm.__doc__
+    )
+
+    def _each_group(self, method: Callable[..., None], *args: object) -> None:
+        whole = self.group
+        if not isinstance(whole, GroupSet):
+            method(self, *args)
+            return
+        try:
+            for group in whole.members:
+                self.group = group
+                method(self, *args)
+        finally:
+            self.group = whole
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """False: the end of the next backwards leaves gradient reductions in flight (they
