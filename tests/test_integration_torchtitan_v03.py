@@ -86,7 +86,10 @@ def _train(rank: int, world_size: int, name: str, backend: str, degrees: dict[st
     batch_rank = 0 if batch is None else batch.get_local_rank()
     loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config())
     out = {}
-    for run, parallelize_fn in (("fsdp2", spec.parallelize_fn), ("composable", composable_model_spec(spec).parallelize_fn)):
+    for run, parallelize_fn in (
+        ("fsdp2", spec.parallelize_fn),
+        ("composable", composable_model_spec(spec).parallelize_fn),
+    ):
         m = parallelize_fn(
             copy.deepcopy(model),
             parallel_dims=dims,
@@ -112,7 +115,9 @@ def _train(rank: int, world_size: int, name: str, backend: str, degrees: dict[st
             extra: dict = {}
             if backend == "full_dtensor":
                 inputs, labels, extra = full_dtensor.parallelize_inputs(dims, inputs, labels, extra)
-            local_tokens = torch.tensor(labels.numel() if not isinstance(labels, DTensor) else labels.to_local().numel())
+            local_tokens = torch.tensor(
+                labels.numel() if not isinstance(labels, DTensor) else labels.to_local().numel()
+            )
             global_tokens = local_tokens if batch is None else dist_utils.dist_sum_tensor(local_tokens, batch)
             loss, _ = loss_fn(m(inputs, **extra), labels, global_tokens)
             loss.backward()
@@ -128,15 +133,27 @@ def _train(rank: int, world_size: int, name: str, backend: str, degrees: dict[st
     return out
 
 
+# partial_dtensor x tp: torchtitan's ParallelDims unflattens its dp mesh (pp, dp_replicate, fsdp,
+# tp) and its tp mesh (pp, batch, cp, tp) separately from the world mesh; FSDP2 puts such
+# parameters on their concatenation (DeviceMesh._concatenate), composable's fully_shard does not
+# yet and raises ValueError ('must be the two dims of one named 2D mesh').
+_SEPARATE_DP_TP_MESHES = pytest.mark.xfail(
+    strict=True, reason="composable's fully_shard: a dp and a tp mesh unflattened separately from one world"
+)
 CASES = [
-    ("llama3", {"dp": 2, "tp": 2}),
-    ("qwen3_moe", {"dp": 4}),
-    ("deepseek_v3", {"dp": 4}),
+    pytest.param(
+        "llama3", {"dp": 2, "tp": 2}, "partial_dtensor", marks=_SEPARATE_DP_TP_MESHES, id="llama3-partial_dtensor"
+    ),
+    pytest.param("llama3", {"dp": 2, "tp": 2}, "full_dtensor", id="llama3-full_dtensor"),
+    *(
+        pytest.param(name, {"dp": 4}, backend, id=f"{name}-{backend}")
+        for name in ("qwen3_moe", "deepseek_v3")
+        for backend in BACKENDS
+    ),
 ]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name,degrees", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("name,degrees,backend", CASES)
 def test_matches_torchtitan_fsdp2(name: str, degrees: dict[str, int], backend: str) -> None:
     # qwen3's MoE run matches in losses and gradient norms bit for bit, its parameters within a
     # few float32 ulps (up to 6e-8 here) after three AdamW steps.
@@ -153,3 +170,60 @@ def test_matches_torchtitan_fsdp2(name: str, degrees: dict[str, int], backend: s
         else:
             assert_close_tensors(ours["params"], theirs["params"], rtol=1e-6, atol=1e-7)
         assert not torch.equal(ours["losses"][0], ours["losses"][-1])
+
+
+def test_model_spec_and_swap() -> None:
+    """`composable_model_spec` wraps `parallelize_fn` once (idempotent), leaves the rest of the
+    spec as it was; `sharding_with_composable` swaps torchtitan's `fully_shard` for the block only."""
+    import dataclasses
+
+    from torchtitan.distributed import fsdp
+    from torchtitan.models.llama3 import model_registry
+
+    from composable.integrations.torchtitan import (
+        composable_model_spec,
+        fully_shard_for_torchtitan,
+        sharding_with_composable,
+    )
+
+    spec = model_registry("debugmodel")
+    ours = composable_model_spec(spec)
+    assert composable_model_spec(ours).parallelize_fn is ours.parallelize_fn
+    assert ours.parallelize_fn.__wrapped__ is spec.parallelize_fn
+    assert dataclasses.replace(ours, parallelize_fn=spec.parallelize_fn) == spec
+    original = fsdp.fully_shard
+    with sharding_with_composable():
+        assert fsdp.fully_shard is fully_shard_for_torchtitan
+    assert fsdp.fully_shard is original
+
+
+def test_use_composable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchtitan.distributed import fsdp
+
+    from composable.integrations.torchtitan import fully_shard_for_torchtitan, use_composable
+
+    monkeypatch.setattr(fsdp, "fully_shard", fsdp.fully_shard)  # restored after the test
+    use_composable()
+    use_composable()
+    assert fsdp.fully_shard is fully_shard_for_torchtitan
+
+
+def test_spmd_types_backend_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchtitan.distributed import utils as dist_utils
+
+    from composable.integrations.torchtitan import fully_shard_for_torchtitan
+
+    monkeypatch.setattr(dist_utils, "_spmd_backend", "spmd_types")
+    match = r"parallelism.spmd_backend 'spmd_types' is not supported; use one of \('partial_dtensor', 'full_dtensor'\)"
+    with pytest.raises(NotImplementedError, match=match):
+        fully_shard_for_torchtitan(torch.nn.Linear(2, 2))
+
+
+def test_torchtitan_without_fully_shard_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchtitan.distributed import fsdp
+
+    from composable.integrations.torchtitan import use_composable
+
+    monkeypatch.delattr(fsdp, "fully_shard")
+    with pytest.raises(NotImplementedError, match="torchtitan.distributed.fsdp has no fully_shard to replace"):
+        use_composable()
