@@ -1,8 +1,7 @@
 """`shard_placement_fn` returning FSDP2's `ShardPlacementResult`, and `share_comm_ctx`.
 
 A result on the group's own mesh shards as its placement says, bit for bit as FSDP2 (local
-shards, losses, parameters); a result on another mesh (per-parameter meshes) is
-`NotImplementedError` naming the parameter; `share_comm_ctx` over two roots trains as FSDP2
+shards, losses, parameters) (results on other meshes: test_per_param_mesh.py); `share_comm_ctx` over two roots trains as FSDP2
 with it, and refuses modules fully_shard does not manage.
 """
 
@@ -77,12 +76,6 @@ def _parity(rank: int, world: int) -> None:
     assert all(torch.equal(a, b) for a, b in zip(_train(ref), _train(ours)))
     for p, q in zip((x for m in ref for x in m.parameters()), (x for m in ours for x in m.parameters())):
         assert torch.equal(q._local_tensor, p._local_tensor)
-    # A per-parameter mesh other than the group's.
-    other = FSDPMeshInfo(init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("a", "b"))["b"], shard_mesh_dim=0)
-    with pytest.raises(
-        NotImplementedError, match="put 'weight' on its own mesh .* per-parameter meshes are not supported"
-    ):
-        fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), other))
     with pytest.raises(
         ValueError, match="share_comm_ctx: 'modules' must hold modules fully_shard manages, got Linear at index 1"
     ):

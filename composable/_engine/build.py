@@ -17,13 +17,14 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from .claim import check_same_device, claim_parameters, mark_managed, mark_replaced
 from .extension import has_extension
 from .group import GroupConfig, ParamGroup
+from .group_set import GroupSet
 from .late_params import watch_subtree
 from .layout import DataParallelLayout
 from .mesh import compute_device
 from .mixed_dtypes import check_mixed_group, resolve_param_dtypes
 from .optim_state import install_step_hook
 from .param import DTensorSpecLite, ManagedParam, ParamLayout
-from .placement_result import placement_of
+from .placement_result import layout_key, own_spmd_dims, placement_of
 from .replicas import check_same_model, sync_replicas
 from .spmd import SpmdDims, check_spmd_param, make_spmd_param
 
@@ -52,7 +53,7 @@ def build_group(
     mesh: DeviceMesh,
     ignored: set[nn.Parameter],
     options: GroupOptions,
-) -> ParamGroup | None:
+) -> ParamGroup | GroupSet | None:
     """Manage the parameters of `module`'s subtree that no API applied to a descendant manages
     (minus `ignored`): register their sharded DTensors in every slot and return the group, or
     None when there is nothing to manage. Buffers move to the compute device. Raises
@@ -60,16 +61,17 @@ def build_group(
 
     A sequence of modules makes one group of the parameters of all their subtrees (a weight
     tied between two of them is one parameter with a slot in each); its FQNs are those the
-    parameters would have in an `nn.ModuleList` of the modules: `"0.weight"`, `"1.bias"`."""
+    parameters would have in an `nn.ModuleList` of the modules: `"0.weight"`, `"1.bias"`.
+
+    Parameters that `options.shard_placement_fn` puts on other meshes (`ShardPlacementResult`)
+    make one group per mesh, in order of first use (as FSDP2); several are returned as one
+    `GroupSet` (group_set.py)."""
     if not isinstance(module, nn.Module):
         module = ListedModules(module)
     claimed = claim_parameters(module, ignored, api)
     originals = [p for _, _, p in claimed]
     check_same_device(api, originals)
-    if options.spmd is not None:
-        for fqn, _, p in claimed:
-            check_spmd_param(api, fqn, p, options.spmd)
-    elif not options.accepts_dtensors and any(isinstance(p, DTensor) for p in originals):
+    if options.spmd is None and not options.accepts_dtensors and any(isinstance(p, DTensor) for p in originals):
         raise NotImplementedError(f"{api}: parameters that are already DTensors are not supported")
     device = compute_device(mesh)
     move_buffers(module, device)
@@ -85,6 +87,49 @@ def build_group(
     if not claimed:
         return None
     layout = DataParallelLayout.make(mesh, options.sharded) if options.spmd is None else options.spmd.layout()
+    # One group per mesh (shard_placement_fn's ShardPlacementResults), in order of first use, as FSDP2.
+    parts: dict[tuple, tuple[DataParallelLayout, SpmdDims | None, list[tuple[str, list, nn.Parameter, int]]]] = {}
+    whole = mesh if options.spmd is None else options.spmd.mesh
+    spmd_of: dict[int, SpmdDims] = {}
+    for fqn, slots, p in claimed:
+        info, dim = _placement(api, fqn, p, layout, whole, options)
+        if info is None:
+            key, part = ("module",), (layout, options.spmd)
+        else:
+            if options.spmd is not None and id(info) not in spmd_of:  # once per mesh_info: flattening makes groups
+                spmd_of[id(info)] = own_spmd_dims(api, fqn, info)
+            spmd = spmd_of.get(id(info))
+            own_layout = DataParallelLayout.make(info.mesh, sharded=True) if spmd is None else spmd.layout()
+            key, part = (id(whole if spmd is None else spmd.mesh), layout_key(own_layout)), (own_layout, spmd)
+        if key not in parts:
+            parts[key] = (*part, [])
+        parts[key][2].append((fqn, slots, p, dim))
+    for _, spmd, members in parts.values():
+        for fqn, _, p, _ in members if spmd is not None else ():
+            check_spmd_param(api, fqn, p, spmd)
+    by_param = {id(p): src for p, src in zip(originals, sources)}
+    groups = [_make_group(api, lay, spmd, members, by_param, device, options) for lay, spmd, members in parts.values()]
+    mark_replaced(originals, api)
+    install_step_hook()  # refuses optimizers built before this call, holding `originals`
+    ordered = [mp for g in groups for mp in g.params]
+    mark_managed([mp.sharded_param for mp in ordered], api)
+    if len(groups) == 1:
+        return groups[0]
+    position = {fqn: i for i, (fqn, _, _) in enumerate(claimed)}
+    return GroupSet(groups, sorted(ordered, key=lambda mp: position[mp.fqn]))
+
+
+def _make_group(
+    api: str,
+    layout: DataParallelLayout,
+    spmd: SpmdDims | None,
+    members: list[tuple[str, list, nn.Parameter, int]],
+    sources: dict[int, torch.Tensor],
+    device: torch.device,
+    options: GroupOptions,
+) -> ParamGroup:
+    """The group of the parameters on one mesh: their DTensor specs and sharded storage."""
+    claimed = [(fqn, slots, p) for fqn, slots, p, _ in members]
     param_dtype, param_dtypes = resolve_param_dtypes(claimed, options.param_dtype, options.param_dtype_for)
     config = GroupConfig(
         layout=layout,
@@ -98,22 +143,19 @@ def build_group(
         api=api,
     )
     params = [
-        make_managed_param(fqn, slots, p, layout, _shard_dim(api, fqn, p, layout, options))
-        if options.spmd is None
-        else make_spmd_param(fqn, slots, p, layout, options.spmd, _shard_dim(api, fqn, p, layout, options))
-        for fqn, slots, p in claimed
+        make_managed_param(fqn, slots, p, layout, dim)
+        if spmd is None
+        else make_spmd_param(fqn, slots, p, layout, spmd, dim)
+        for fqn, slots, p, dim in members
     ]
-    for mp, (_, _, p) in zip(params, claimed):
+    for mp, (_, _, p, _) in zip(params, members):
         mp.extension = has_extension(p)
         if mp.extension:
             _check_extension(api, mp, layout, options)
     check_mixed_group(api, param_dtypes, layout.sharded, any(mp.extension for mp in params))
-    group = ParamGroup(params, sources, config)
+    group = ParamGroup(params, [sources[id(p)] for _, _, p, _ in members], config)
     for mp in params:
         mp.register(mp.sharded_param)
-    mark_replaced(originals, api)
-    install_step_hook()  # refuses optimizers built before this call, holding `originals`
-    mark_managed([mp.sharded_param for mp in params], api)
     return group
 
 
@@ -141,14 +183,17 @@ def _check_extension(api: str, mp: ManagedParam, layout: DataParallelLayout, opt
         raise NotImplementedError(f"{api}: parameter '{mp.fqn}' implements the all-gather extension, which needs {why}")
 
 
-def _shard_dim(api: str, fqn: str, param: torch.Tensor, layout: DataParallelLayout, options: GroupOptions) -> int:
-    """The dim `options.shard_placement_fn` shards `param` on (0 when it returns None)."""
+def _placement(
+    api: str, fqn: str, param: torch.Tensor, layout: DataParallelLayout, whole: DeviceMesh, options: GroupOptions
+) -> tuple[object | None, int]:
+    """(the mesh_info of the parameter's own mesh, or None for the module's; the dim it is
+    sharded on) as `options.shard_placement_fn` asks (None: Shard(0) on the module's mesh)."""
     fn = options.shard_placement_fn
-    if fn is None or not layout.sharded or param.dim() == 0:
-        return 0
-    placement = placement_of(api, fqn, fn(param), layout)  # type: ignore[arg-type]
-    if placement is None:
-        return 0
+    if fn is None or not layout.sharded:
+        return None, 0
+    placement, own = placement_of(api, fqn, fn(param), layout, whole)  # type: ignore[arg-type]
+    if placement is None or param.dim() == 0:
+        return own, 0
     if not isinstance(placement, Shard) or type(placement) is not Shard:
         raise TypeError(f"{api}: 'shard_placement_fn' must return a Shard or None, got {placement!r} for '{fqn}'")
     dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
@@ -160,7 +205,7 @@ def _shard_dim(api: str, fqn: str, param: torch.Tensor, layout: DataParallelLayo
         raise NotImplementedError(
             f"{api}: 'shard_placement_fn' with a dim other than 0 for the tensor-parallel parameter '{fqn}'"
         )
-    return dim
+    return own, dim
 
 
 def make_managed_param(

@@ -30,6 +30,7 @@ from .compile_boundary import keep_hooks_outside_graphs
 from .contract import check_bool, keep_post_hook_last, param_states, register_api_pre_hook
 from .grad_dtype import set_unsharded_grad_dtypes
 from .group import ParamGroup
+from .group_set import GroupSet, members
 from .late_params import check_no_late_params
 from .pipeline_guard import check_pipeline_stage
 from .policies import MixedPrecisionPolicy
@@ -48,7 +49,7 @@ class ModuleState(finalize.BackwardFinalization):
     def __init__(
         self,
         module: nn.Module | Sequence[nn.Module],
-        group: ParamGroup | None,
+        group: ParamGroup | GroupSet | None,
         mp_policy: MixedPrecisionPolicy,
         reshard_after_forward: bool | int,
         reshard_is_default: bool,
@@ -305,7 +306,8 @@ class ModuleState(finalize.BackwardFinalization):
             self.group.reducer.drop_discarded_sums()  # zero_grad since a no-sync backward
             if self.unshard_in_backward:
                 self.group.unshard()
-            set_unsharded_grad_dtypes(self.group, reducing=self.requires_gradient_sync)
+            for group in members(self.group):
+                set_unsharded_grad_dtypes(group, reducing=self.requires_gradient_sync)
         for other in self.backward_prefetch or self._implicit_backward_prefetch():
             if other.group is not None and other.training_state is not TrainingState.PRE_BACKWARD:
                 if other.unshard_in_backward:

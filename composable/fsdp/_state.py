@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .._engine.contract import check_bool, get_state
 from .._engine.group import ParamGroup
+from .._engine.group_set import GroupSet, members
 from .._engine.policies import MixedPrecisionPolicy, OffloadPolicy
 from .._engine.state import ModuleState
 from ._methods import FSDP2Methods
@@ -30,7 +31,7 @@ class FSDPState(FSDP2Methods, ModuleState):
     def __init__(
         self,
         module: nn.Module,
-        group: ParamGroup | None,
+        group: ParamGroup | GroupSet | None,
         *,
         mesh: DeviceMesh,
         strategy: ShardingStrategy,
@@ -79,8 +80,10 @@ class FSDPState(FSDP2Methods, ModuleState):
             if state.strategy is ShardingStrategy.NO_SHARD:
                 continue  # nothing sharded: nothing to reshard
             value = normalize_reshard(api, reshard_after_forward, state.mesh.size(state.mesh.ndim - 1))
-            if state.group is not None and not isinstance(value, bool):
-                state.group.layout.post_forward_group(value)
+            if not isinstance(value, bool):
+                for group in members(state.group):  # each of per-parameter meshes
+                    if normalize_reshard(api, value, group.layout.shard_world) not in (True, False):
+                        group.layout.post_forward_group(value)
             state.reshard_after_forward = value
             state._reshard_is_default = False
 

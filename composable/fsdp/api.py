@@ -11,6 +11,7 @@ from torch.distributed.tensor import Shard
 
 from .._engine.build import GroupOptions, ListedModules, build_group
 from .._engine.contract import check_composable, check_module, install_state, owning_api, state_of
+from .._engine.group_set import members
 from .._engine.mesh import check_mesh, default_mesh
 from .._engine.policies import (
     CPUOffloadPolicy,
@@ -124,8 +125,10 @@ def fully_shard(
         param_dtype_for=param_dtype_resolver(api, mp_policy),
     )
     group = build_group(api, module if isinstance(module, nn.Module) else modules, mesh, ignored, options)
-    if group is not None and not isinstance(reshard, bool):
-        group.layout.post_forward_group(reshard)  # collective: made here, on every rank alike
+    if not isinstance(reshard, bool):
+        for member in members(group):  # each mesh of per-parameter meshes: its own groups
+            if normalize_reshard(api, reshard, member.layout.shard_world) not in (True, False):
+                member.layout.post_forward_group(reshard)  # collective: made here, on every rank alike
     state = FSDPState(
         module if isinstance(module, nn.Module) else modules,
         group,
