@@ -120,8 +120,9 @@ def tiny_llama3() -> Any:
     return _causal_sdpa(config)
 
 
-def tiny_qwen3_moe(num_experts: int = 4) -> Any:
-    """torchtitan 0.3's qwen3 mixture-of-experts model at a tiny size."""
+def tiny_qwen3_moe(num_experts: int = 2) -> Any:
+    """torchtitan 0.3's qwen3 mixture-of-experts model at a tiny size (with fewer experts than
+    ranks torchtitan shards the experts on their dim 1, through a shard_placement_fn)."""
     import torchtitan.models.qwen3 as qwen3
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
 

@@ -128,6 +128,9 @@ def _train(rank: int, world_size: int, name: str, backend: str, degrees: dict[st
             losses.append(loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach())
             norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
         out[run] = {
+            "layout": {
+                k: (p.device_mesh.mesh_dim_names, tuple(map(str, p.placements))) for k, p in m.named_parameters()
+            },
             "losses": losses,
             "norms": norms,
             "params": {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in m.state_dict().items()},
@@ -174,6 +177,7 @@ def test_matches_torchtitan_fsdp2(name: str, degrees: dict[str, int], backend: s
         ours, theirs = result["composable"], result["fsdp2"]
         assert torch.equal(ours["losses"][0], theirs["losses"][0])
         assert ours["params"].keys() == theirs["params"].keys()
+        assert ours["layout"] == theirs["layout"]  # the same meshes and placements as FSDP2's
         if exact:
             for key in ("losses", "norms", "params"):
                 assert_close_tensors(ours[key], theirs[key], exact=True)
