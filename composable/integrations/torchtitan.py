@@ -62,6 +62,7 @@ __all__ = [
     "check_torchtitan_version",
     "composable_model_spec",
     "fully_shard_for_torchtitan",
+    "installed_torchtitan_version",
     "parallelize_llama",
     "pipeline_llama",
     "register_llama3",
