@@ -1,5 +1,11 @@
-"""torchtitan (0.2.x) with composable's data parallelism: a `parallelize_fn` for its llama3 model
-and the model registration that selects it.
+"""torchtitan with composable's data parallelism, for torchtitan 0.2.x and 0.3.x.
+
+torchtitan 0.3 (`composable_model_spec`, `use_composable`; composable.integrations.torchtitan_v03):
+torchtitan's own parallelize code of every decoder model (llama3, qwen3 and its mixture of
+experts, deepseek_v3, ...) shards with composable's `fully_shard` in place of FSDP2's.
+
+torchtitan 0.2 (`register_llama3`, `parallelize_llama`, `pipeline_llama` below): a
+`parallelize_fn` for its llama3 model and the model registration that selects it.
 
 torchtitan applies its parallelisms in each model's `parallelize_fn`, a field of the model's
 `TrainSpec` (the framework's extension point). `parallelize_llama` here runs torchtitan's own
@@ -44,32 +50,68 @@ from composable import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fu
 
 from .fsdp2_module import as_fsdp_modules
 from .pipelining import ComposablePipelineStage
+from .torchtitan_v03 import (
+    composable_model_spec,
+    fully_shard_for_torchtitan,
+    sharding_with_composable,
+    use_composable,
+)
 
-__all__ = ["apply_fsdp", "parallelize_llama", "pipeline_llama", "register_llama3"]
+__all__ = [
+    "apply_fsdp",
+    "check_torchtitan_version",
+    "composable_model_spec",
+    "fully_shard_for_torchtitan",
+    "installed_torchtitan_version",
+    "parallelize_llama",
+    "pipeline_llama",
+    "register_llama3",
+    "sharding_with_composable",
+    "use_composable",
+]
 
-SUPPORTED = ((0, 2), (0, 3))  # torchtitan versions this adapter targets: >= 0.2, < 0.3
+SUPPORTED = ((0, 2), (0, 4))  # torchtitan versions this adapter targets: >= 0.2, < 0.4
+_FOR_0_2 = "register_llama3 / parallelize_llama / pipeline_llama"
+_FOR_0_3 = "composable_model_spec / use_composable"
 
 
-def check_torchtitan_version(version: str | None = None) -> None:
+def installed_torchtitan_version() -> str | None:
+    """The installed torchtitan's version string, or None where it cannot be told."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("torchtitan")
+    except PackageNotFoundError:  # a source checkout without metadata: its own attribute
+        import torchtitan
+
+        return getattr(torchtitan, "__version__", None)
+
+
+def _major_minor(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in version.split("+")[0].split(".")[:2] if p.isdigit())
+
+
+def check_torchtitan_version(version: str | None = None, *, api: str | None = None) -> None:
     """`NotImplementedError` naming the supported range unless torchtitan (the installed one, or
-    `version`) is 0.2.x: 0.3 reorganised the model and parallelism modules this adapter hooks."""
+    `version`) is 0.2.x or 0.3.x; with `api` ("0.2" or "0.3"), also unless it is the release
+    that API is for (0.3 reorganised the model and parallelism modules: 0.2's entry points
+    replace llama3's `parallelize_fn`, 0.3's swap the `fully_shard` its parallelize code calls)."""
     if version is None:
-        from importlib.metadata import PackageNotFoundError
-        from importlib.metadata import version as installed
-
-        try:
-            version = installed("torchtitan")
-        except PackageNotFoundError:  # a source checkout without metadata: its own attribute
-            import torchtitan
-
-            version = getattr(torchtitan, "__version__", None)
-            if version is None:
-                return  # nothing to compare: the imports below fail, naming what is missing
-    parts = tuple(int(p) for p in version.split("+")[0].split(".")[:2] if p.isdigit())
+        version = installed_torchtitan_version()
+        if version is None:
+            return  # nothing to compare: the imports below fail, naming what is missing
+    parts = _major_minor(version)
     if not SUPPORTED[0] <= parts < SUPPORTED[1]:
         raise NotImplementedError(
-            f"composable.integrations.torchtitan supports torchtitan >= 0.2, < 0.3 (its llama3 TrainSpec), "
-            f"found torchtitan {version}"
+            f"composable.integrations.torchtitan supports torchtitan >= 0.2, < 0.4 (0.2.x: {_FOR_0_2}; "
+            f"0.3.x: {_FOR_0_3}), found torchtitan {version}"
+        )
+    if api is not None and parts[:2] != tuple(int(p) for p in api.split(".")):
+        wanted, other = (_FOR_0_2, _FOR_0_3) if api == "0.2" else (_FOR_0_3, _FOR_0_2)
+        raise NotImplementedError(
+            f"composable.integrations.torchtitan: {wanted} are for torchtitan {api}.x, found torchtitan {version}; "
+            f"use {other}"
         )
 
 
@@ -140,7 +182,7 @@ class _WithoutDataParallel:
 
 def parallelize_llama(model: nn.Module, parallel_dims: Any, job_config: Any) -> nn.Module:
     """torchtitan's llama3 `parallelize_fn` with composable's data parallelism (same arguments)."""
-    check_torchtitan_version()
+    check_torchtitan_version(api="0.2")
     from torchtitan.config import TORCH_DTYPE_MAP
     from torchtitan.models.llama3 import parallelize_llama as torchtitan_parallelize_llama
 
@@ -197,7 +239,7 @@ def pipeline_llama(
     results) with each stage a `ComposablePipelineStage`: the stage modules that
     `parallelize_fn` (composable's, e.g. `parallelize_llama`) shards with composable reduce
     their gradients once per group per step, not once per microbatch."""
-    check_torchtitan_version()
+    check_torchtitan_version(api="0.2")
     from torch.distributed.fsdp import FSDPModule
     from torchtitan.distributed import pipeline_parallel
 
@@ -227,7 +269,7 @@ def register_llama3(name: str = "llama3_composable") -> str:
     """Register torchtitan's llama3 `TrainSpec` with `parallelize_llama` and `pipeline_llama`
     above under `name` (select it with `--model.name <name>`; the model flavors are llama3's).
     Idempotent. `NotImplementedError` for a torchtitan outside 0.2.x."""
-    check_torchtitan_version()
+    check_torchtitan_version(api="0.2")
     from torchtitan.protocols import train_spec as specs
 
     spec = dataclasses.replace(

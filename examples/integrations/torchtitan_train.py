@@ -1,7 +1,14 @@
-"""torchtitan's `train.py` entry point with composable's data parallelism selectable:
-`--model.name llama3_composable` trains torchtitan's llama3 with `composable.fully_shard`
-(`composable.integrations.torchtitan`), `--model.name llama3` with PyTorch FSDP2; every other flag
-is torchtitan's.
+"""torchtitan's `train.py` entry point with composable's data parallelism
+(`composable.integrations.torchtitan`); every flag is torchtitan's.
+
+torchtitan 0.3: every model's own parallelize code shards with `composable.fully_shard`
+(`use_composable()`); pick the SPMD backend "partial_dtensor" or "full_dtensor":
+
+    torchrun --nproc-per-node 2 examples/integrations/torchtitan_train.py \\
+        --module llama3 --config llama3_debugmodel --parallelism.spmd_backend full_dtensor
+
+torchtitan 0.2: `--model.name llama3_composable` trains llama3 with `composable.fully_shard`,
+`--model.name llama3` with PyTorch FSDP2:
 
     torchrun --nproc-per-node 2 examples/integrations/torchtitan_train.py \\
         --model.name llama3_composable --model.flavor debugmodel --training.steps 10
@@ -10,12 +17,19 @@ is torchtitan's.
 import os
 import sys
 
-from torchtitan.train import Trainer, main
-
 # A checkout that was not pip-installed still runs (the repository root holds the package).
 sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from composable.integrations.torchtitan import register_llama3  # noqa: E402
+from composable.integrations import torchtitan as adapter  # noqa: E402
 
 if __name__ == "__main__":
-    register_llama3()  # the one line a torchtitan user adds
-    main(Trainer)
+    version = adapter.installed_torchtitan_version() or "0.3"
+    if version.startswith("0.2"):
+        from torchtitan.train import Trainer, main
+
+        adapter.register_llama3()  # the one line a torchtitan 0.2 user adds
+        main(Trainer)
+    else:
+        from torchtitan.train import main
+
+        adapter.use_composable()  # the one line a torchtitan 0.3 user adds
+        main()
