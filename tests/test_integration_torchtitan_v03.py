@@ -144,16 +144,10 @@ def _train(rank: int, world_size: int, name: str, backend: str, degrees: dict[st
 
 
 # partial_dtensor with tp or ep: torchtitan's ParallelDims unflattens its dp meshes (fsdp, efsdp)
-# and its tp / ep meshes separately from the 1D world mesh; FSDP2 puts such parameters on the
-# concatenation of the two (DeviceMesh._concatenate), composable's fully_shard does not yet and
-# raises ValueError ('must be the two dims of one named 2D mesh').
-_SEPARATE_DP_TP_MESHES = pytest.mark.xfail(
-    strict=True, reason="composable's fully_shard: a dp and a tp/ep mesh unflattened separately from one world mesh"
-)
+# and its tp / ep meshes separately from the 1D world mesh; both libraries put such parameters
+# on the concatenation of the two (DeviceMesh._concatenate).
 CASES = [
-    pytest.param(
-        "llama3", {"dp": 2, "tp": 2}, "partial_dtensor", marks=_SEPARATE_DP_TP_MESHES, id="llama3-partial_dtensor"
-    ),
+    pytest.param("llama3", {"dp": 2, "tp": 2}, "partial_dtensor", id="llama3-partial_dtensor"),
     pytest.param("llama3", {"dp": 2, "tp": 2}, "full_dtensor", id="llama3-full_dtensor"),
     *(
         pytest.param(name, {"dp": 4}, backend, id=f"{name}-{backend}")
@@ -165,7 +159,6 @@ CASES = [
         "qwen3_moe",
         {"dp": 4, "ep": 2},
         "partial_dtensor",
-        marks=_SEPARATE_DP_TP_MESHES,
         id="qwen3_moe_ep-partial_dtensor",
     ),
     pytest.param("qwen3_moe", {"dp": 4, "ep": 2}, "full_dtensor", id="qwen3_moe_ep-full_dtensor"),

@@ -201,10 +201,6 @@ def _placement(
         raise ValueError(
             f"{api}: 'shard_placement_fn' returned {placement!r} for '{fqn}' of shape {tuple(param.shape)}: no such dim"
         )
-    if dim != 0 and isinstance(param, DTensor) and options.spmd is None:
-        raise NotImplementedError(
-            f"{api}: 'shard_placement_fn' with a dim other than 0 for the tensor-parallel parameter '{fqn}'"
-        )
     return own, dim
 
 
@@ -220,16 +216,19 @@ def make_managed_param(
         param_layout = ParamLayout.make(param.shape, world, rank, replicated=not layout.sharded, dim=dim)
         spec = DTensorSpecLite(layout.mesh, layout.placements(param_layout.replicated, param_layout.dim), param.shape)
         return ManagedParam(fqn, slots, param_layout, param.requires_grad, spec=spec)
-    spmd_mesh, placements = tp_parent_placements(fqn, param, layout)
-    param_layout = ParamLayout.make(param._local_tensor.shape, world, rank, replicated=param.dim() == 0)
+    spmd_mesh, placements = tp_parent_placements(fqn, param, layout, dim)
+    param_layout = ParamLayout.make(param._local_tensor.shape, world, rank, replicated=param.dim() == 0, dim=dim)
     tp = DTensorSpecLite(param.device_mesh, tuple(param.placements), param.shape)
     return ManagedParam(
         fqn, slots, param_layout, param.requires_grad, spec=DTensorSpecLite(spmd_mesh, placements, param.shape), tp=tp
     )
 
 
-def tp_parent_placements(fqn: str, param: DTensor, layout: DataParallelLayout) -> tuple[DeviceMesh, tuple]:
-    """The 2D (dp, tp) parent mesh and the sharded parameter's placements on it."""
+def tp_parent_placements(
+    fqn: str, param: DTensor, layout: DataParallelLayout, dim: int = 0
+) -> tuple[DeviceMesh, tuple]:
+    """The 2D (dp, tp) parent mesh and the sharded parameter's placements on it (the TP-local
+    tensor sharded over dp on `dim`)."""
     dp_mesh, tp_mesh = layout.mesh, param.device_mesh
     if dp_mesh.ndim != 1 or tp_mesh.ndim != 1 or not layout.sharded:
         raise NotImplementedError(
@@ -238,18 +237,26 @@ def tp_parent_placements(fqn: str, param: DTensor, layout: DataParallelLayout) -
         )
     root = dp_mesh._get_root_mesh()
     if tp_mesh._get_root_mesh() != root or root.ndim < 2 or root.mesh_dim_names is None:
-        raise ValueError(
-            f"fully_shard: 'mesh' and the tensor-parallel mesh of '{fqn}' must be the two dims of one named 2D mesh, "
-            "e.g. mesh['dp'] and mesh['tp']"
-        )
-    if root.ndim > 2:  # e.g. (pp, dp, tp): the parameters live on its (dp, tp) sub-mesh
-        dims = [dp_mesh.mesh_dim_names[0], tp_mesh.mesh_dim_names[0]]
-        root = root[tuple(sorted(dims, key=list(root.mesh_dim_names).index))]
-    names = list(root.mesh_dim_names)
-    dp_dim, tp_dim = names.index(dp_mesh.mesh_dim_names[0]), names.index(tp_mesh.mesh_dim_names[0])
+        # Two meshes cut separately from one world mesh (torchtitan's ParallelDims unflattens dp
+        # and tp apart): their concatenation, the 2D mesh FSDP2 puts such parameters on too.
+        try:
+            root = DeviceMesh._concatenate([dp_mesh, tp_mesh])
+        except Exception as error:
+            raise ValueError(
+                f"fully_shard: 'mesh' and the tensor-parallel mesh of '{fqn}' must be the two dims of one 2D mesh, "
+                f"e.g. mesh['dp'] and mesh['tp'] ({error})"
+            ) from None
+        dp_dim, tp_dim = 0, 1
+    else:
+        if root.ndim > 2:  # e.g. (pp, dp, tp): the parameters live on its (dp, tp) sub-mesh
+            dims = [dp_mesh.mesh_dim_names[0], tp_mesh.mesh_dim_names[0]]
+            root = root[tuple(sorted(dims, key=list(root.mesh_dim_names).index))]
+        names = list(root.mesh_dim_names)
+        dp_dim, tp_dim = names.index(dp_mesh.mesh_dim_names[0]), names.index(tp_mesh.mesh_dim_names[0])
     tp_placement = param.placements[0]
-    # Shard(0) over tp nests inside the dp shards: a strided shard keeps the global order.
-    dp_placement = _StridedShard(0, split_factor=tp_mesh.size()) if tp_placement == Shard(0) else Shard(0)
+    # Shard(d) over tp on the dp-sharded dim nests inside the dp shards: a strided shard keeps
+    # the global order (FSDP2's placement too).
+    dp_placement = _StridedShard(dim, split_factor=tp_mesh.size()) if tp_placement == Shard(dim) else Shard(dim)
     if param.dim() == 0:
         dp_placement = Replicate()
     placements: list = [None, None]
