@@ -134,7 +134,6 @@ def _check_extension(api: str, mp: ManagedParam, layout: DataParallelLayout, opt
         else "no CPU offload" if options.offload
         else "sharding on dim 0" if mp.layout.dim != 0
         else f"dim 0 divisible by the shard world size {layout.shard_world}" if mp.layout.rows % layout.shard_world
-        else "no tensor parallelism" if mp.tp is not None
         else None
     )  # fmt: skip
     if why is not None:
