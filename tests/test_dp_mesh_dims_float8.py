@@ -180,3 +180,20 @@ def test_fsdp_tp_float8_equal_to_fsdp2() -> None:
     """FSDP + TP on a 2D parent mesh: the float8 weights inside TP's DTensors gather as float8
     too (they were gathered in high precision, silently)."""
     run_on_ranks(_parity, 4, "tp_2d", timeout=300)
+
+
+def _replicate_only_refused(rank: int, world: int) -> None:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    net = _float8_net(mesh, "dp_tp", all_gather=True)
+    with pytest.raises(
+        NotImplementedError,
+        match=r"fully_shard: parameter 'up.weight' implements the all-gather extension, which needs a sharded "
+        r"layout \(not NO_SHARD, nor 'dp_mesh_dims' with replicate dims alone\)",
+    ):
+        fully_shard(net.blocks[0], mesh=mesh, dp_mesh_dims=DataParallelMeshDims(replicate="dp"))
+
+
+def test_float8_all_gather_with_replicate_dims_alone_refused() -> None:
+    """Nothing to gather, and the float8 weights would need a cast of their own: not supported
+    yet (FSDP2 casts through a gather of one rank), one line naming the parameter."""
+    run_on_ranks(_replicate_only_refused, 4)

@@ -59,6 +59,13 @@ def _step(
 
 
 PLANS = ["no_sync", "no_all_reduce", "divide_factor", "unshard", "keep_after_forward"]
+# Replicate dims alone (no shard dim), where FSDP2 2.15 does something else:
+SKIP_DDP = {
+    "keep_after_forward": "FSDP2 has no reshard_after_forward to set without shard dims (AssertionError)",
+    "divide_factor": "FSDP2 divides by the factor twice where the shard world is 1 (before and after the sum)",
+    "no_all_reduce": "FSDP2 defers the all-reduce of a replicate-only group; composable all-reduces each "
+    "micro-batch (the same sum, rounded differently)",
+}
 
 
 def _parity(rank: int, world: int, case: str, plan: str) -> None:
@@ -90,12 +97,15 @@ def _parity(rank: int, world: int, case: str, plan: str) -> None:
 
 
 @needs_torch_spmd
-@pytest.mark.parametrize("case", ["dp_tp", "hsdp"])
+@pytest.mark.parametrize("case", ["dp_tp", "hsdp", "ddp_tp"])
 @pytest.mark.parametrize("plan", PLANS)
 def test_methods_equal_fsdp2(case: str, plan: str) -> None:
-    """Losses and parameters over 3 steps of 2 micro-batches equal FSDP2's, bit for bit."""
-    if plan == "no_all_reduce" and case != "hsdp":
-        pytest.skip("set_requires_all_reduce concerns the replicate dims of HSDP")
+    """Losses and parameters over 3 steps of 2 micro-batches equal FSDP2's, bit for bit
+    ("ddp_tp": fully_shard with replicate dims alone)."""
+    if plan == "no_all_reduce" and case == "dp_tp":
+        pytest.skip("set_requires_all_reduce concerns replicate dims")
+    if case == "ddp_tp" and plan in SKIP_DDP:
+        pytest.skip(SKIP_DDP[plan])
     run_on_ranks(_parity, 4, case, plan)
 
 
