@@ -25,8 +25,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from _comm_trace import trace_collectives
-from _harness import run_on_ranks
-from test_dp_mesh_dims import needs_torch_spmd
+from _harness import requires_gpus, run_on_ranks
+from test_dp_mesh_dims import HAS_TORCH_SPMD, needs_torch_spmd
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -125,7 +125,7 @@ def _shard(api: Any, net: Net, mesh, case: str) -> Net:
 
 
 def _train(net: Net, mesh, case: str, precompute: Any) -> tuple[list[torch.Tensor], int]:
-    """Losses of STEPS steps and the float8 (byte) all-gathers of the last one."""
+    """Losses of STEPS steps and the float8 (byte) all-gathers of the last one (gloo)."""
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     losses, byte_gathers = [], 0
     for step in range(STEPS):
@@ -146,13 +146,15 @@ def _train(net: Net, mesh, case: str, precompute: Any) -> tuple[list[torch.Tenso
     return losses, byte_gathers
 
 
-def _parity(rank: int, world: int, case: str) -> None:
+def _parity(rank: int, world: int, case: str, device: str = "cpu") -> None:
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
     from composable.integrations.float8 import precompute_float8_dynamic_scale_for_fsdp as in_place
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=CASES[case][0])
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    mesh = init_device_mesh(device, (2, 2), mesh_dim_names=CASES[case][0])
     for all_gather, precompute in CONFIGS:
         base = _float8_net(mesh, case, all_gather)
         ours = _shard(fully_shard, copy.deepcopy(base), mesh, case)
@@ -163,6 +165,11 @@ def _parity(rank: int, world: int, case: str) -> None:
         ref_losses, _ = _train(ref, mesh, case, torchao)
         our_losses, byte_gathers = _train(ours, mesh, case, in_place if precompute == "in_place" else torchao)
         where = f"{case}, float8 all-gather {all_gather}, precompute {precompute}"
+        if device == "cuda":  # the same kernels on both sides, but not promised bit for bit: tight tolerances
+            torch.testing.assert_close(torch.stack(our_losses), torch.stack(ref_losses), msg=where)
+            for (n, p), (_, q) in zip(ref.named_parameters(), ours.named_parameters()):
+                torch.testing.assert_close(q._local_tensor * 1, p._local_tensor * 1, msg=f"{where} {n}")
+            continue
         assert all(torch.equal(a, b) for a, b in zip(ref_losses, our_losses)), (where, ref_losses, our_losses)
         for (n, p), (_, q) in zip(ref.named_parameters(), ours.named_parameters()):
             assert torch.equal(q._local_tensor * 1, p._local_tensor * 1), (where, n)
@@ -180,6 +187,16 @@ def test_fsdp_tp_float8_equal_to_fsdp2() -> None:
     """FSDP + TP on a 2D parent mesh: the float8 weights inside TP's DTensors gather as float8
     too (they were gathered in high precision, silently)."""
     run_on_ranks(_parity, 4, "tp_2d", timeout=300)
+
+
+@requires_gpus(4)
+@pytest.mark.parametrize("case", ["dp_tp", "hsdp", "tp_2d"])
+def test_gpu_float8_whole_mesh_matches_fsdp2(case: str) -> None:
+    """The same on 4 GPUs (NCCL): the coalesced float8 gather of a group with precomputed
+    scales (CUDA only) into DTensor-wrapped weights."""
+    if not HAS_TORCH_SPMD and case != "tp_2d":
+        pytest.skip("this torch's FSDP2 has no dp_mesh_dims")
+    run_on_ranks(_parity, 4, case, "cuda", backend="nccl", timeout=600)
 
 
 def _replicate_only_refused(rank: int, world: int) -> None:
