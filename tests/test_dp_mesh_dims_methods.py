@@ -2,10 +2,11 @@
 
 Each run drives torch's FSDP2 (`fully_shard(..., dp_mesh_dims=...)`, torch >= 2.13) and
 composable's `fully_shard` through the same calls on the same model and data, 4 gloo ranks on a
-2x2 mesh (dp x tp, HSDP), and checks losses and parameters bit for bit: gradient accumulation
-without sync (`set_requires_gradient_sync`), HSDP accumulation without the all-reduce
-(`set_requires_all_reduce`), `set_gradient_divide_factor` (sum, then divide), an explicit `unshard` / `reshard`
-around a forward, and `set_reshard_after_forward(False)`. An int `set_reshard_after_forward`
+2x2 mesh (dp x tp, HSDP, replicate dims alone), and checks losses and parameters bit for bit:
+gradient accumulation without sync (`set_requires_gradient_sync`), HSDP accumulation without
+the all-reduce (`set_requires_all_reduce`), `set_gradient_divide_factor` (sum, then divide),
+an explicit `unshard` / `reshard` around a forward, `set_reshard_after_forward(False)` and
+`set_reshard_after_backward(False)` between micro-batches. An int `set_reshard_after_forward`
 is refused, as the `fully_shard` call refuses an int `reshard_after_forward` with `dp_mesh_dims`.
 """
 
@@ -42,6 +43,8 @@ def _step(
             root.set_requires_gradient_sync(last)
         elif plan == "no_all_reduce":
             root.set_requires_all_reduce(last)
+        elif plan == "keep_after_backward":
+            root.set_reshard_after_backward(last)
         torch.manual_seed(seed)
         x = distribute_tensor(torch.randn(4, 4, DIM), mesh, in_place)
         if plan == "unshard":
@@ -58,7 +61,7 @@ def _step(
     return total
 
 
-PLANS = ["no_sync", "no_all_reduce", "divide_factor", "unshard", "keep_after_forward"]
+PLANS = ["no_sync", "no_all_reduce", "divide_factor", "unshard", "keep_after_forward", "keep_after_backward"]
 # Replicate dims alone (no shard dim), where FSDP2 2.15 does something else:
 SKIP_DDP = {
     "keep_after_forward": "FSDP2 has no reshard_after_forward to set without shard dims (AssertionError)",
