@@ -172,11 +172,10 @@ class ListedModules(nn.Module):
 def _check_extension(api: str, mp: ManagedParam, layout: DataParallelLayout, options: GroupOptions) -> None:
     """What the all-gather extension is supported with (`NotImplementedError` naming the rest)."""
     why = (
-        "a sharded layout (not NO_SHARD)" if not layout.sharded
+        "a sharded layout (not NO_SHARD, nor 'dp_mesh_dims' with replicate dims alone)" if not layout.sharded
         else "no CPU offload" if options.offload
         else "sharding on dim 0" if mp.layout.dim != 0
         else f"dim 0 divisible by the shard world size {layout.shard_world}" if mp.layout.rows % layout.shard_world
-        else "no tensor parallelism" if mp.tp is not None
         else None
     )  # fmt: skip
     if why is not None:

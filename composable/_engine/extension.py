@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from . import alone, float8_cast
 from . import collectives as comm
@@ -51,8 +52,17 @@ _SHARD_MESHES: dict[int, tuple[weakref.ref, DeviceMesh]] = {}
 
 
 def has_extension(tensor: object) -> bool:
-    """Whether `tensor` implements the all-gather extension (both methods, as FSDP2 requires)."""
+    """Whether `tensor` implements the all-gather extension (both methods, as FSDP2 requires);
+    for a DTensor, its local tensor (what is sharded and gathered, as FSDP2 reads it)."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor._local_tensor
     return all(hasattr(tensor, name) for name in HOOKS)
+
+
+def _local_of(unsharded: torch.Tensor) -> torch.Tensor:
+    """The unsharded parameter's own tensor: the local tensor of a DTensor (tensor parallel or
+    `dp_mesh_dims`), else itself."""
+    return unsharded._local_tensor if isinstance(unsharded, DTensor) else unsharded
 
 
 @dataclass
@@ -278,6 +288,11 @@ def finish_gathers(
         local = mp.sharded_param._local_tensor  # type: ignore[union-attr]
         if gather.fresh:
             unsharded, inner = local.fsdp_post_all_gather(outputs, gather.metadata, param_dtype)
+            # On a mesh beyond the data-parallel one (dp_mesh_dims) the module computes with a
+            # DTensor of the original spec around it, as FSDP2 does; refills go through that
+            # DTensor (`out=`), which torchao's float8 weights take.
+            if mp.tp is not None:
+                unsharded = mp.tp.wrap(unsharded)
             mp.unsharded_param = nn.Parameter(unsharded, requires_grad=mp.wants_grad)
             mp.extension_inner = list(inner)
         else:
@@ -302,7 +317,7 @@ def _finish_batched(params: list[ManagedParam], pending: list[PendingGather], pa
     versions: list[int] = []
     for mp, gather in zip(params, pending):
         unsharded = mp.unsharded_param
-        if getattr(unsharded, "_scale", None) is not gather.metadata[0]:
+        if getattr(_local_of(unsharded), "_scale", None) is not gather.metadata[0]:  # type: ignore[arg-type]
             data = mp.extension_outputs[0].view(-1, *gather.input_shapes[0][1:])
             with comm.refilling(unsharded):  # type: ignore[arg-type]
                 mp.sharded_param._local_tensor.fsdp_post_all_gather(  # type: ignore[union-attr]

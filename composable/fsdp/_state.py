@@ -39,9 +39,11 @@ class FSDPState(FSDP2Methods, ModuleState):
         offload_policy: OffloadPolicy,
         reshard_after_forward: bool | int,
         reshard_is_default: bool,
+        dp_mesh_dims: object = None,
     ) -> None:
         super().__init__(module, group, mp_policy, reshard_after_forward, reshard_is_default)
         self.mesh = mesh
+        self.dp_mesh_dims = dp_mesh_dims  # None, or the DataParallelMeshDims naming `mesh`'s data-parallel dims
         self.strategy = strategy
         self.offload_policy = offload_policy
 
@@ -72,11 +74,21 @@ class FSDPState(FSDP2Methods, ModuleState):
     def set_reshard_after_forward(self, reshard_after_forward: bool | int, recurse: bool = True) -> None:
         """Change `reshard_after_forward` (bool, or an int N dividing the shard world: see
         `fully_shard`) of this module's state (and, with `recurse`, of every fully_shard state
-        below it). Call it on every rank: an int makes its process groups the first time."""
+        below it). Call it on every rank: an int makes its process groups the first time.
+        An int where a state was made with `dp_mesh_dims` is `NotImplementedError` (as at the
+        `fully_shard` call), and nothing changes."""
         api = "set_reshard_after_forward"
         check_reshard_type(api, reshard_after_forward)
         check_bool(api, "recurse", recurse)
-        for state in self._fsdp_states(recurse):
+        states = self._fsdp_states(recurse)
+        if not isinstance(reshard_after_forward, bool):  # checked for every state before any changes
+            for state in states:
+                if state.dp_mesh_dims is not None:
+                    raise NotImplementedError(
+                        f"{api}: an int 'reshard_after_forward' ({reshard_after_forward}) is not supported on a module "
+                        f"sharded with 'dp_mesh_dims' ({type(state.module).__name__}), as at fully_shard"
+                    )
+        for state in states:
             if state.strategy is ShardingStrategy.NO_SHARD:
                 continue  # nothing sharded: nothing to reshard
             value = normalize_reshard(api, reshard_after_forward, state.mesh.size(state.mesh.ndim - 1))

@@ -138,6 +138,7 @@ def fully_shard(
         offload_policy=offload_policy,
         reshard_after_forward=reshard,
         reshard_is_default=reshard_is_default,
+        dp_mesh_dims=dp_mesh_dims,
     )
     for m in modules:
         install_state(m, api, state)
