@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterator
 import torch.nn as nn
 
 from .fsdp2_module import fsdp2_fully_shard
+from .torchtitan_version import check_torchtitan_version
 
 __all__ = [
     "SUPPORTED_BACKENDS",
@@ -76,8 +77,6 @@ def fully_shard_for_torchtitan(module: nn.Module | list[nn.Module], **kwargs: An
 
 
 def _fsdp_module() -> Any:
-    from .torchtitan import check_torchtitan_version
-
     check_torchtitan_version(api="0.3")
     from torchtitan.distributed import fsdp
 
