@@ -256,11 +256,15 @@ def _unsupported(rank: int, world: int) -> None:
     # TP parameters need a sharded 1D dp mesh: NO_SHARD over dp is not implemented yet.
     with pytest.raises(NotImplementedError, match=r"fully_shard: tensor-parallel parameter 'norm.weight'"):
         fully_shard(block, mesh=mesh["dp"], strategy=ShardingStrategy.NO_SHARD)
-    # A dp mesh that is not the other dim of the TP mesh's parent.
+    # A dp mesh over the TP mesh's own ranks: no 2D mesh holds the two (one cut separately
+    # from the same ranks, as other["a"] is, is concatenated with tp, as FSDP2 does).
     other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
     with pytest.raises(ValueError, match=r"fully_shard: 'mesh' and the tensor-parallel mesh"):
-        fully_shard(block, mesh=other["a"])
+        fully_shard(block, mesh=other["b"])
     assert fully_shard.state(block) is None  # nothing was installed by the failed calls
+    fully_shard(block, mesh=other["a"])  # the same ranks as mesh["dp"], cut from another mesh
+    for name, param in block.named_parameters():
+        assert torch.equal(param.device_mesh.mesh, mesh.mesh), name  # on the (dp, tp) concatenation
 
 
 def test_unsupported_tp_compositions_raise() -> None:
