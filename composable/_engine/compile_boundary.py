@@ -28,15 +28,24 @@ import torch.nn as nn
 _TRACEABLE: dict[Callable[..., Any], Callable[..., Any]] = {}
 
 
+def with_own_code(fn: Callable[..., Any], name: str, qualname: str) -> types.FunctionType:
+    """`fn` (same globals, closure and behaviour) with a code object of its own named `name`:
+    dynamo keeps its cache of compiled graphs per code object, so each module type whose
+    forward is such a function gets a cache of its own."""
+    code = fn.__code__.replace(co_name=name)
+    fresh = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+    fresh.__qualname__ = qualname
+    return fresh
+
+
 def _traceable_forward(stock: Callable[..., Any]) -> Callable[..., Any]:
     if stock not in _TRACEABLE:
 
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             return stock(self, *args, **kwargs)
 
-        code = forward.__code__.replace(co_name=f"forward_of_{stock.__qualname__.replace('.', '_')}")
-        fresh = types.FunctionType(code, forward.__globals__, code.co_name, None, forward.__closure__)
-        fresh.__qualname__ = f"traceable {stock.__qualname__}"
+        name = f"forward_of_{stock.__qualname__.replace('.', '_')}"
+        fresh = with_own_code(forward, name, f"traceable {stock.__qualname__}")
         fresh.__wrapped__ = stock  # type: ignore[attr-defined]
         _TRACEABLE[stock] = fresh
     return _TRACEABLE[stock]

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .._engine.compile_boundary import with_own_code
 from .state import CheckpointState
 
 # The module's forward before checkpoint took it over: (function, bound). `bound` means the
@@ -76,10 +77,8 @@ def _forward_copy_for(original: Any) -> Any:
             .replace("<", "")
             .replace(">", "")
         )
-        code = _checkpointed_forward.__code__.replace(co_name=f"checkpointed_{name}")
-        copy = types.FunctionType(code, _checkpointed_forward.__globals__, code.co_name)
-        copy.__qualname__ = f"checkpointed {getattr(original, '__qualname__', original)!s}"
-        _FORWARD_COPIES[original] = copy
+        qualname = f"checkpointed {getattr(original, '__qualname__', original)!s}"
+        _FORWARD_COPIES[original] = with_own_code(_checkpointed_forward, f"checkpointed_{name}", qualname)
     return _FORWARD_COPIES[original]
 
 
