@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .annotated import untyped
 from .profiling import labelled
 from .reduce import GradReducer, ReduceSpec, _offsets, _Reduction
 from .streams import CommStreams
@@ -88,6 +89,7 @@ class BucketedReducer(GradReducer):
                 self._next_bucket += 1
 
     @labelled("composable::reduce_bucket")
+    @untyped
     def _launch_bucket(self, bucket: _Bucket) -> None:
         bucket.launched = True
         grads, bucket.present = self._take_grads(bucket.params)
@@ -106,6 +108,7 @@ class BucketedReducer(GradReducer):
                 b.reduction.flags = (red.output, red.output.numel() - len(flags) + b.first_flag)  # type: ignore[union-attr]
 
     @labelled("composable::flush_buckets")
+    @untyped
     def flush_buckets(self) -> None:
         """End of backward: launch, in order, every bucket not launched yet — on every rank,
         zero-filled where this rank has no gradient, with a presence flag per parameter so a

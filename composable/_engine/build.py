@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from .annotated import Annotation, is_annotated, to_storage
 from .claim import check_same_device, claim_parameters, mark_managed, mark_replaced
 from .extension import has_extension
 from .group import GroupConfig, ParamGroup
@@ -91,6 +92,8 @@ def build_group(
     parts: dict[tuple, tuple[DataParallelLayout, SpmdDims | None, list[tuple[str, list, nn.Parameter, int]]]] = {}
     whole = mesh if options.spmd is None else options.spmd.mesh
     spmd_of: dict[int, SpmdDims] = {}
+    by_param = {id(p): src for p, src in zip(originals, sources)}
+    notes: dict[int, Annotation] = {}  # spmd_types-annotated parameters, by their storage DTensor
     for fqn, slots, p in claimed:
         info, dim = _placement(api, fqn, p, layout, whole, options)
         if info is None:
@@ -103,12 +106,16 @@ def build_group(
             key, part = (id(whole if spmd is None else spmd.mesh), layout_key(own_layout)), (own_layout, spmd)
         if key not in parts:
             parts[key] = (*part, [])
+        if is_annotated(p):  # translated to a DTensor on the storage mesh, as FSDP2 does
+            stored, notes_of = to_storage(api, fqn, p, parts[key][1])
+            by_param[id(stored)], notes[id(stored)], p = by_param[id(p)], notes_of, stored
         parts[key][2].append((fqn, slots, p, dim))
     for _, spmd, members in parts.values():
         for fqn, _, p, _ in members if spmd is not None else ():
             check_spmd_param(api, fqn, p, spmd)
-    by_param = {id(p): src for p, src in zip(originals, sources)}
-    groups = [_make_group(api, lay, spmd, members, by_param, device, options) for lay, spmd, members in parts.values()]
+    groups = [
+        _make_group(api, lay, spmd, members, by_param, notes, device, options) for lay, spmd, members in parts.values()
+    ]
     mark_replaced(originals, api)
     install_step_hook()  # refuses optimizers built before this call, holding `originals`
     ordered = [mp for g in groups for mp in g.params]
@@ -125,6 +132,7 @@ def _make_group(
     spmd: SpmdDims | None,
     members: list[tuple[str, list, nn.Parameter, int]],
     sources: dict[int, torch.Tensor],
+    notes: dict[int, Annotation],
     device: torch.device,
     options: GroupOptions,
 ) -> ParamGroup:
@@ -149,6 +157,7 @@ def _make_group(
         for fqn, slots, p, dim in members
     ]
     for mp, (_, _, p, _) in zip(params, members):
+        mp.annotation = notes.get(id(p))
         mp.extension = has_extension(p)
         if mp.extension:
             _check_extension(api, mp, layout, options)

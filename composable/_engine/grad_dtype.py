@@ -45,8 +45,15 @@ def default_reduce_dtype(param_dtype: torch.dtype | None, orig: torch.dtype) -> 
 
 def _keeps_upcast(mp: "ManagedParam") -> bool:
     """Tensor-parallel parameters replicated on a TP dim may get a `Partial` gradient that is
-    reduced over TP in the gradient's dtype: FSDP2 keeps their gradients wide all along."""
-    return mp.tp is not None and any(isinstance(p, Replicate) for p in mp.tp.placements)
+    reduced over TP in the gradient's dtype: FSDP2 keeps their gradients wide all along. The
+    data-parallel dims of a `dp_mesh_dims` mesh do not count (the group reduces over them);
+    an spmd_types parameter's backward types say it (a `Partial` gradient off those dims)."""
+    if mp.tp is None:
+        return False
+    if mp.annotation is not None:
+        placements = mp.annotation.grad_spec.placements  # type: ignore[attr-defined]
+        return any(p.is_partial() for i, p in enumerate(placements) if i not in mp.dp_dims)
+    return any(isinstance(p, Replicate) for i, p in enumerate(mp.tp.placements) if i not in mp.dp_dims)
 
 
 def _has_unreduced_grad(mp: "ManagedParam") -> bool:

@@ -108,6 +108,9 @@ class ManagedParam:
     spec: "DTensorSpecLite | None" = None  # how the sharded parameter presents itself
     tp: "DTensorSpecLite | None" = None  # tensor-parallel spec of the unsharded parameter, if any
     dp_dims: frozenset = frozenset()  # dp_mesh_dims: dims of `tp`'s mesh the group reduces over (spmd.py)
+    # spmd_types-annotated parameter (annotated.py): computes as a plain tensor; its gradient is
+    # read with `annotation.grad_placements` on `tp`'s mesh.
+    annotation: "object | None" = None
     sharded_param: nn.Parameter | None = None  # DTensor parameter the optimizer sees
     unsharded_param: nn.Parameter | None = None  # plain parameter the module computes with
     unsharded_padded: torch.Tensor | None = None  # 1D padded storage behind unsharded_param
@@ -235,9 +238,7 @@ class ManagedParam:
             self.unsharded_padded = torch.empty(numel, dtype=dtype, device=device)
             view = self.unsharded_padded[: lay.rows * lay.row_numel].view(lay.shape)
             # With tensor parallelism the module computes with TP DTensors.
-            self.unsharded_param = nn.Parameter(
-                view if self.tp is None else self.tp.wrap(view), requires_grad=self.wants_grad
-            )
+            self.unsharded_param = nn.Parameter(self.presented(view), requires_grad=self.wants_grad)
             self.unsharded_on_gather_stream = on_gather_stream
             return
         storage = self.unsharded_padded.untyped_storage()
@@ -245,6 +246,11 @@ class ManagedParam:
         if storage.size() != nbytes:
             storage.resize_(nbytes)
             self.unsharded_on_gather_stream = on_gather_stream
+
+    def presented(self, view: torch.Tensor) -> torch.Tensor:
+        """What the module computes with: a tensor-parallel DTensor around `view`, or `view`
+        itself (no tensor parallelism, or spmd_types annotations: plain local tensors)."""
+        return view if self.tp is None or self.annotation is not None else self.tp.wrap(view)
 
     def fill_from_rank_major(self, staging: torch.Tensor, world: int) -> None:
         """dim > 0: fill the (natural, contiguous) unsharded parameter from its rank-major
@@ -268,9 +274,7 @@ class ManagedParam:
         if self.unsharded_param is None or self.unsharded_alias_of is not flat:
             view = self.local_view(flat)
             self.unsharded_padded = view.view(-1)
-            self.unsharded_param = nn.Parameter(
-                view if self.tp is None else self.tp.wrap(view), requires_grad=self.wants_grad
-            )
+            self.unsharded_param = nn.Parameter(self.presented(view), requires_grad=self.wants_grad)
             self.unsharded_alias_of = flat
 
     def free_unsharded(self) -> None:

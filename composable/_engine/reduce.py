@@ -133,7 +133,12 @@ class GradReducer(NoSyncSums, ReduceOptions):
         for mp in params:
             up = mp.unsharded_param
             g = None if up is None else up.grad
-            if mp.stashed_grad is None and not mp.grad_is_unreduced and type(g) is torch.Tensor:
+            if (
+                mp.stashed_grad is None
+                and not mp.grad_is_unreduced
+                and type(g) is torch.Tensor
+                and mp.annotation is None
+            ):
                 up.grad = None  # type: ignore[union-attr]  # the common case, kept short: it runs per parameter per step
                 grads.append(g)
                 present.append(True)
@@ -146,6 +151,10 @@ class GradReducer(NoSyncSums, ReduceOptions):
                 if visible is not None:  # None: the user discarded them (zero_grad)
                     local = visible._local_tensor.to(self.spec.device)
                     g = local if g is None else local.add_(g)
+            if (
+                mp.annotation is not None and g is not None and not isinstance(g, DTensor)
+            ):  # spmd_types: a plain gradient of its backward types
+                g = mp.annotation.grad_spec.wrap(g)  # type: ignore[attr-defined]
             if isinstance(g, DTensor):  # tensor parallel: complete pending TP reductions, go local
                 g = grad_to_local(g, mp.tp, mp.dp_dims)
             present.append(g is not None)

@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from . import finalize
+from .annotated import restore_annotations, resumed, untyped
 from .autograd import any_requires_grad, attach_post_backward, attach_pre_backward, cast_floating, run_eagerly
 from .compile_boundary import keep_hooks_outside_graphs
 from .contract import check_bool, keep_post_hook_last, param_states, register_api_pre_hook
@@ -158,13 +159,15 @@ class ModuleState(finalize.BackwardFinalization):
     # graph inputs, the same objects every step, so nothing recompiles.
     @run_eagerly
     @labelled("composable::pre_forward")
+    @untyped
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self._in_backward():
             # Activation checkpointing re-runs the forward inside backward: gather if needed
             # and keep the parameters until this module's own post_backward reshards them.
             if self.group is not None:
                 self.group.unshard()
-            return self._cast_inputs(args, kwargs)
+            with resumed():
+                return self._cast_inputs(args, kwargs)
         grouped = len(self.modules) > 1
         keep_post_hook_last(module, self._post_hook_ids[self.modules.index(module)])
         # Several modules: only the first of this pass (whichever it is) starts the pass.
@@ -184,14 +187,17 @@ class ModuleState(finalize.BackwardFinalization):
                 for other in self.forward_prefetch:
                     if other.group is not None:
                         other.group.unshard(async_op=True)
-        args, kwargs = self._cast_inputs(args, kwargs)
-        if torch.is_grad_enabled():
-            if grouped:  # the group reduces after the last of its post-backwards (see `_post_backward`)
-                if any_requires_grad((args, kwargs)):
-                    self._backward_pending += 1
-                else:
-                    self._backward_untracked = True
-            args, kwargs = attach_post_backward(self, args, kwargs)
+        with resumed():  # spmd_types: the module's parameters and inputs keep their types
+            args, kwargs = self._cast_inputs(args, kwargs)
+            if self.group is not None:
+                restore_annotations(self.group.params)
+            if torch.is_grad_enabled():
+                if grouped:  # the group reduces after the last of its post-backwards (see `_post_backward`)
+                    if any_requires_grad((args, kwargs)):
+                        self._backward_pending += 1
+                    else:
+                        self._backward_untracked = True
+                args, kwargs = attach_post_backward(self, args, kwargs)
         return args, kwargs
 
     def _root_pre_forward(self) -> None:
@@ -210,6 +216,7 @@ class ModuleState(finalize.BackwardFinalization):
 
     @run_eagerly
     @labelled("composable::post_forward")
+    @untyped
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if self._in_backward():
             return output
@@ -227,7 +234,8 @@ class ModuleState(finalize.BackwardFinalization):
                 for streams in self._tree_streams():
                     streams.release_gather_buffers()
         if self.mp_policy.output_dtype is not None:
-            output = cast_floating(output, self.mp_policy.output_dtype)
+            with resumed():
+                output = cast_floating(output, self.mp_policy.output_dtype)
         return output
 
     def _others_pending(self, module: nn.Module) -> bool:
@@ -292,6 +300,7 @@ class ModuleState(finalize.BackwardFinalization):
 
     # -- backward -----------------------------------------------------------------------------
     @labelled("composable::pre_backward")
+    @untyped
     def _pre_backward(self) -> None:
         if self.training_state is TrainingState.PRE_BACKWARD:
             return
@@ -323,6 +332,7 @@ class ModuleState(finalize.BackwardFinalization):
         return [previous] if previous is not self and previous.group is not None else []
 
     @labelled("composable::post_backward")
+    @untyped
     def _post_backward(self) -> None:
         if len(self.modules) > 1:
             self._backward_pending -= 1
@@ -364,6 +374,7 @@ class ModuleState(finalize.BackwardFinalization):
         self.group.reduce_grads()  # type: ignore[union-attr]
 
     @labelled("composable::final_callback")
+    @untyped
     def _final_callback(self) -> None:
         """End of backward (root only): finish every group in the tree (finalize.py)."""
         context = self.root_context
