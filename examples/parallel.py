@@ -147,6 +147,28 @@ def tp_problem(tp: int, n_heads: int, ffn_dim: int, seq_len: int | None, flag: s
     return None
 
 
+def async_tp_problem(
+    async_tp: bool, needs: str, got: str | None, compiled: bool, backend: str, off: str = "--no-compile"
+) -> str | None:
+    """Why `--async-tp` cannot run, as one line (None when it can or is off). `needs` / `got`:
+    the flag that turns tensor parallelism on and what was given instead (None: it is on);
+    `compiled`: whether the blocks will be compiled, with `backend`; `off`: what turned
+    compiling off, for the message."""
+    if not async_tp:
+        return None
+    if got is not None:
+        return f"--async-tp needs {needs}, got {got}"
+    if not compiled or backend != "inductor":
+        state = off if not compiled else f"--compile-backend {backend}"
+        return (
+            f"--async-tp needs the blocks compiled by inductor (--compile --compile-backend inductor: its "
+            f"micro-pipeline pass does the overlap), got {state}"
+        )
+    if not torch.cuda.is_available():
+        return "--async-tp needs CUDA (symmetric memory on the tp group), and torch.cuda.is_available() is False"
+    return None
+
+
 def enable_async_tp(tp_mesh: DeviceMesh) -> None:
     """Async tensor parallelism: inductor's micro-pipeline pass splits each all-gather + matmul
     and matmul + reduce-scatter of the compiled blocks into chunks that overlap, over
@@ -192,6 +214,10 @@ def parallelize(model: Transformer, args: argparse.Namespace, mesh: DeviceMesh, 
             raise UsageError(problem)
         apply_tensor_parallel(model, mesh["tp"])
         if getattr(args, "async_tp", False):
+            # Parse time refused what it could see; the rank's own device and compile are known only now.
+            problem = async_tp_problem(True, "--parallel tp", None, args.compile, args.compile_backend)
+            if problem or mesh.device_type != "cuda":
+                raise UsageError(problem or f"--async-tp needs CUDA, and this rank trains on the {mesh.device_type}")
             enable_async_tp(mesh["tp"])
     if args.parallel == "replicate":
         replicate(model, mesh=dp_mesh, mp_policy=mp_policy)
