@@ -58,7 +58,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="fully_shard/FSDP2 groups: 'separate-ends' = each block, the embeddings, the head, then the "
         "root (torchtitan's wrapping; faster and leaner for both); 'blocks' = each block + the root",
     )
-    p.add_argument("--compile", action="store_true", help="compile every block of every contender (before the APIs)")
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="compile every block of every contender (before the APIs); default: on for --mesh tp on GPUs "
+        "(the TP recipe runs compiled), else off",
+    )
+    p.add_argument(
+        "--async-tp",
+        action="store_true",
+        help="--mesh tp: both contenders overlap the TP collectives with the matmuls (inductor's micro-pipeline "
+        "pass over symmetric memory; CUDA, compiled blocks)",
+    )
     p.add_argument(
         "--float8",
         action="store_true",
@@ -128,8 +140,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         cfg = model_config(args)
     except ValueError as e:
         p.error(f"--dim/--n-heads: {e}")
+    compile_off = "--no-compile" if args.compile is False else "no --compile (off by default without a GPU)"
+    if args.compile is None:
+        args.compile = args.mesh == "tp" and torch.cuda.is_available() and not args.cpu_overhead
     world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None  # torchrun's
-    error = None if args.cpu_overhead else mesh_errors(args, cfg.n_heads, cfg.ffn_dim, world)
+    error = None if args.cpu_overhead else mesh_errors(args, cfg.n_heads, cfg.ffn_dim, world, compile_off)
     if error:
         p.error(error)
     return args

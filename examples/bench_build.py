@@ -9,7 +9,7 @@ Every contender is built the same way, in the order the APIs need:
    for FSDP2 and DDP; "selective" keeps the matmuls: `composable.checkpoint.save_matmuls`);
 4. the API: nothing (floor), `fully_shard` on every sharding unit bottom-up (ours or FSDP2),
    or `replicate` on the root; on `--mesh hsdp` / `tp` (bench_mesh.py) the FSDP-style ones
-   shard over its data-parallel mesh, under `tp` after the blocks' tensor-parallel plan;
+   shard over its data-parallel mesh, under `tp` after train.py's tensor-parallel recipe;
 5. materialised on the device and initialised *after* sharding (each rank fills its shards);
 6. DDP last: it broadcasts rank 0's initialised parameters when it is constructed.
 The floor and DDP compute in fp32 under bf16 autocast; fully_shard, FSDP2 and replicate keep
@@ -166,7 +166,7 @@ def build(
 
             shard, mpp = fully_shard, MixedPrecisionPolicy(**bf16)
         if mesh is not None:
-            tensor_parallel(blocks(net), mesh)  # --mesh tp: the blocks' TP plan first, as train.py
+            tensor_parallel(net, mesh)  # --mesh tp: the TP recipe first, as train.py
         dp_mesh = None if mesh is None else mesh.dp_mesh  # None: the API's default world mesh
         if cfg.n_experts:  # --moe: expert parallelism, the experts sharded over the rest first
             shard_experts(net, expert_mesh(device.type, cfg.n_experts), shard, mp_policy=mpp)  # type: ignore[arg-type]

@@ -5,10 +5,13 @@
 - `hsdp`: a 2D (replicate, shard) mesh of `--dp-replicate` x world/`--dp-replicate` ranks;
   fully_shard and FSDP2 shard over "shard" and replicate over "replicate" (HSDP placements
   `(Replicate(), Shard(0))`).
-- `tp`: a 2D (dp, tp) mesh of world/`--tp-size` x `--tp-size` ranks; every block is
-  tensor-parallel on "tp" with train.py's plan (examples/parallel.py's `tp_plan`), then
-  fully_shard / FSDP2 shard over "dp". The ranks of one tp group train on the same tokens, so
-  a GPU's share of a step is local batch x seq / tp tokens.
+- `tp`: a 2D (dp, tp) mesh of world/`--tp-size` x `--tp-size` ranks; the model is
+  tensor-parallel on "tp" with train.py's recipe (examples/parallel.py's
+  `apply_tensor_parallel`: sequence-parallel norms, embeddings and head included, the loss
+  under `loss_parallel`), then fully_shard / FSDP2 shard over "dp"; on GPUs the blocks are
+  compiled unless `--no-compile`, and `--async-tp` turns on async TP for both contenders. The
+  ranks of one tp group train on the same tokens, so a GPU's share of a step is local batch x
+  seq / tp tokens.
 
 The floors stay one GPU's own full copy without communication on every mesh (the same number
 as with `dp`). `replicate` and `ddp` replicate over the whole world whatever the mesh, so they
@@ -24,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from parallel import apply_tensor_parallel, async_tp_problem, enable_async_tp, tp_problem
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -80,10 +84,12 @@ def add_mesh_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def mesh_errors(args: argparse.Namespace, n_heads: int, ffn_dim: int, world: int | None) -> str | None:
+def mesh_errors(
+    args: argparse.Namespace, n_heads: int, ffn_dim: int, world: int | None, compile_off: str = "--no-compile"
+) -> str | None:
     """The one-line error for `args`' mesh flags (None when they fit); fills in the default
     second dim. `world`: the world size where known (torchrun's WORLD_SIZE), else checked at
-    `build_mesh`."""
+    `build_mesh`; `compile_off`: what left the blocks uncompiled, should `--async-tp` need them."""
     for flag, kind in (("dp_replicate", "hsdp"), ("tp_size", "tp")):
         value = getattr(args, flag)
         name = "--" + flag.replace("_", "-")
@@ -110,9 +116,12 @@ def mesh_errors(args: argparse.Namespace, n_heads: int, ffn_dim: int, world: int
             return f"--model {args.model} with --mesh tp: the TP plan (examples/parallel.py) is for --model own"
         if getattr(args, "float8", False):
             return "--float8 with --mesh tp: torchao's float8 needs its own TP styles; use --mesh dp or hsdp"
-        if n_heads % args.tp_size or ffn_dim % args.tp_size:
-            return f"--tp-size {args.tp_size} must divide n_heads {n_heads} and ffn_dim {ffn_dim} (--mesh tp)"
-    return None
+        problem = tp_problem(args.tp_size, n_heads, ffn_dim, args.seq_len)
+        if problem:
+            return problem
+    got = None if args.mesh == "tp" else f"--mesh {args.mesh}"
+    async_tp = getattr(args, "async_tp", False)
+    return async_tp_problem(async_tp, "--mesh tp", got, bool(args.compile), args.compile_backend, compile_off)
 
 
 def build_mesh(args: argparse.Namespace, device_type: str) -> BenchMesh:
@@ -129,6 +138,8 @@ def build_mesh(args: argparse.Namespace, device_type: str) -> BenchMesh:
         mesh = init_device_mesh(device_type, (inner, world // inner), mesh_dim_names=("replicate", "shard"))
         return BenchMesh("hsdp", mesh, mesh)
     mesh = init_device_mesh(device_type, (world // inner, inner), mesh_dim_names=("dp", "tp"))
+    if getattr(args, "async_tp", False):
+        enable_async_tp(mesh["tp"])  # once, for both contenders: their compiled blocks both get it
     return BenchMesh("tp", mesh, mesh["dp"])
 
 
@@ -142,15 +153,10 @@ def describe_mesh(args: argparse.Namespace, world: int) -> str:
     return f"dp {world}"
 
 
-def tensor_parallel(blocks: list[nn.Module], bench_mesh: BenchMesh) -> None:
-    """Every block tensor-parallel on the tp dim with train.py's plan (no-op off `--mesh tp`)."""
-    if bench_mesh.kind != "tp":
-        return
-    from parallel import tp_plan
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    for block in blocks:
-        parallelize_module(block, bench_mesh.mesh["tp"], tp_plan())
+def tensor_parallel(model: nn.Module, bench_mesh: BenchMesh) -> None:
+    """`model` (ours) tensor-parallel on the tp dim with train.py's recipe (no-op off `--mesh tp`)."""
+    if bench_mesh.kind == "tp":
+        apply_tensor_parallel(model, bench_mesh.mesh["tp"])  # type: ignore[arg-type]
 
 
 def tokens_generator(bench_mesh: BenchMesh | None, device: torch.device) -> torch.Generator:

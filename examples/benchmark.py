@@ -8,6 +8,7 @@
         --runs floor,floor_graphed,fully_shard,fully_shard_graphed,fsdp2,replicate,replicate_graphed,ddp
     torchrun --nproc_per_node 4 examples/benchmark.py --preset 1b --batch-size 4 --mesh hsdp --dp-replicate 2
     torchrun --nproc_per_node 4 examples/benchmark.py --preset 1b --batch-size 4 --mesh tp --tp-size 2
+    torchrun --nproc_per_node 4 examples/benchmark.py --preset 1b --batch-size 4 --mesh tp --tp-size 2 --async-tp
     python examples/benchmark.py --cpu-overhead        # CPU cost of the hooks, no GPU needed
 
 Runs, one after the other in one process group, once per round: a no-communication floor
@@ -27,7 +28,8 @@ Their peaks count the graph's private memory pool (it is allocated memory).
 `--dim` widens the preset (heads and ffn follow, Llama's rules: `width_overrides`). Prints one table (median step time,
 tokens/s per GPU, MFU, peak memory allocated and reserved) and the ratios ours/theirs.
 `--mesh hsdp` / `--mesh tp` put fully_shard and FSDP2 on a 2D mesh (HSDP, or TP x FSDP with
-train.py's TP plan; bench_mesh.py), beside the floors.
+train.py's TP recipe, compiled by default on GPUs, `--async-tp` for async TP; bench_mesh.py),
+beside the floors.
 Without a GPU it runs on the CPU with gloo (timings only; a smoke test of the wiring).
 MFU is always against the bf16 peak. How contenders are built: bench_build.py; the report: bench_report.py; `--cpu-overhead`:
 bench_overhead.py.

@@ -21,7 +21,7 @@ from typing import NoReturn
 import torch
 from data import VOCAB_SIZE, ByteCorpus
 from model import PRESET_LR, PRESETS, ModelConfig, get_config
-from parallel import MOE_EXPERTS, UsageError
+from parallel import MOE_EXPERTS, UsageError, async_tp_problem, tp_problem
 from pipeline import SCHEDULES, validate_pp
 
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
@@ -142,6 +142,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=2, help="local ranks to spawn when not started by a launcher")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tp-size", type=int, default=2, help="--parallel tp: tensor-parallel degree")
+    p.add_argument(
+        "--async-tp",
+        action="store_true",
+        help="--parallel tp: overlap the TP collectives with the matmuls (inductor's micro-pipeline pass over "
+        "symmetric memory; needs CUDA and --compile)",
+    )
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (stages of torch's pipelining)")
     p.add_argument("--pp-schedule", default="1F1B", help=f"--pp: torch's Schedule<NAME>, one of {', '.join(SCHEDULES)}")
     p.add_argument("--microbatches", type=int, default=2, help="--pp: microbatches per step (divides --batch-size)")
@@ -248,11 +254,28 @@ def validate(args: argparse.Namespace) -> str | None:
     except ValueError as e:
         return str(e)
     seq_len = args.seq_len or cfg.max_seq_len
+    tp_problem_line = _tp_flags_problem(args, cfg, seq_len)
+    if tp_problem_line:
+        return tp_problem_line
     corpus = ByteCorpus.load()
     shortest = min(corpus.train.numel(), corpus.val.numel())
     if seq_len + 1 >= shortest:
         return f"--seq-len must be below {shortest - 1} (the held-out split has {shortest:,} bytes), got {seq_len}"
     return check_out_dir(args.out)
+
+
+def _tp_flags_problem(args: argparse.Namespace, cfg: ModelConfig, seq_len: int) -> str | None:
+    """--tp-size against the model and sequence (pipeline stages keep the textbook plan, which
+    leaves the sequence whole), then --async-tp against the other flags."""
+    if args.parallel == "tp":
+        problem = tp_problem(args.tp_size, cfg.n_heads, cfg.ffn_dim, seq_len if args.pp == 1 else None)
+        if problem:
+            return problem
+    if args.async_tp and args.pp > 1:
+        return f"--async-tp with --pp {args.pp}: pipeline stages keep the textbook TP plan; drop one of them"
+    got = None if args.parallel == "tp" else f"--parallel {args.parallel}"
+    compiled = args.compile is not False  # None: on with CUDA, which async TP needs anyway
+    return async_tp_problem(args.async_tp, "--parallel tp", got, compiled, args.compile_backend)
 
 
 def cuda_graph_unsupported(args: argparse.Namespace, device_type: str) -> str | None:

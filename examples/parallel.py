@@ -14,7 +14,15 @@ import torch.distributed as dist
 import torch.nn as nn
 from model import Transformer
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from composable import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, checkpoint, fully_shard, replicate
 
@@ -65,15 +73,117 @@ def sharding_units(model: Transformer) -> list[nn.Module]:
 
 
 def tp_plan() -> dict[str, ParallelStyle]:
-    """The tensor-parallel plan of one transformer block, Megatron-style: q/k/v and w1/w3 split
-    by output features (heads), wo/w2 by input features with an all-reduce after. Norms,
-    embeddings and head stay replicated over tp."""
+    """The textbook tensor-parallel plan of one block, without sequence parallelism: q/k/v and
+    w1/w3 split by output features (heads), wo/w2 by input features with an all-reduce after;
+    norms, embeddings and head replicated over tp. Pipeline stages (pipeline.py) keep it (the
+    activations they send between stages are whole sequences), as does estimate_comm.py's
+    count of --parallel tp's traffic; `apply_tensor_parallel` is the recipe train.py runs."""
     plan: dict[str, ParallelStyle] = {
         name: ColwiseParallel()
         for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
     }
     plan.update({name: RowwiseParallel() for name in ("attention.wo", "feed_forward.w2")})
     return plan
+
+
+def tp_block_plan() -> dict[str, ParallelStyle]:
+    """torchtitan's tensor-parallel plan of one block, with sequence parallelism.
+
+    Between the matmuls the residual stream is split over tp by sequence (`Shard(1)`): each
+    rank keeps and normalises T/tp tokens (`SequenceParallel` norms, their weights replicated
+    over tp with `Partial` gradients that DTensor all-reduces over tp). `PrepareModuleInput`
+    all-gathers the normed sequence once before the attention and once before the
+    feed-forward; q/k/v and w1/w3 split the heads / hidden features (`ColwiseParallel`, no
+    communication), and wo/w2 (`RowwiseParallel`) reduce-scatter their partial sums back to
+    sequence shards instead of all-reducing them. Per block and direction that is one
+    all-gather and one reduce-scatter per sub-layer, the bytes of the textbook plan's one
+    all-reduce, with activations and norm work cut by tp."""
+    return {
+        "attention_norm": SequenceParallel(),
+        # (x, rope): x arrives sequence-sharded, the rotary table is a plain buffer.
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+def tp_ends_plan() -> dict[str, ParallelStyle]:
+    """The recipe's ends: the embedding table split by vocabulary rows (`RowwiseParallel`: each
+    rank looks up its rows, the partial lookups reduce-scatter straight into sequence shards);
+    the final norm sequence-parallel; the head split by vocabulary columns (`ColwiseParallel`
+    after an all-gather of the sequence), its logits left as a DTensor sharded on the
+    vocabulary, which `model.lm_loss` reduces under `loss_parallel` without ever gathering
+    them (the fp32 logits are the largest activation of the step)."""
+    return {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    }
+
+
+def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
+    """The recipe (`tp_ends_plan`, `tp_block_plan` on every block) on `tp_mesh`, before any
+    data-parallel API. Every rank of a tp group must feed the same tokens, and the sequence
+    length must be a multiple of the tp size (`tp_problem`)."""
+    parallelize_module(model, tp_mesh, tp_ends_plan())
+    for block in model.layers:
+        parallelize_module(block, tp_mesh, tp_block_plan())
+
+
+def tp_problem(tp: int, n_heads: int, ffn_dim: int, seq_len: int | None, flag: str = "--tp-size") -> str | None:
+    """Why a tp degree does not fit the model, as one line naming `flag` (None when it fits):
+    it splits the heads (and with them the kv heads: each has as many), the feed-forward
+    width and the sequence (`seq_len`, where known) into equal parts."""
+    for what, size in (("n_heads", n_heads), ("ffn_dim", ffn_dim), ("the sequence length", seq_len)):
+        if size is not None and size % tp:
+            return f"{flag} {tp} must divide {what} ({size}): the recipe splits it evenly over the tp ranks"
+    return None
+
+
+def async_tp_problem(
+    async_tp: bool, needs: str, got: str | None, compiled: bool, backend: str, off: str = "--no-compile"
+) -> str | None:
+    """Why `--async-tp` cannot run, as one line (None when it can or is off). `needs` / `got`:
+    the flag that turns tensor parallelism on and what was given instead (None: it is on);
+    `compiled`: whether the blocks will be compiled, with `backend`; `off`: what turned
+    compiling off, for the message."""
+    if not async_tp:
+        return None
+    if got is not None:
+        return f"--async-tp needs {needs}, got {got}"
+    if not compiled or backend != "inductor":
+        state = off if not compiled else f"--compile-backend {backend}"
+        return (
+            f"--async-tp needs the blocks compiled by inductor (--compile --compile-backend inductor: its "
+            f"micro-pipeline pass does the overlap), got {state}"
+        )
+    if not torch.cuda.is_available():
+        return "--async-tp needs CUDA (symmetric memory on the tp group), and torch.cuda.is_available() is False"
+    return None
+
+
+def enable_async_tp(tp_mesh: DeviceMesh) -> None:
+    """Async tensor parallelism: inductor's micro-pipeline pass splits each all-gather + matmul
+    and matmul + reduce-scatter of the compiled blocks into chunks that overlap, over
+    symmetric memory on the tp group. Needs CUDA and blocks compiled with inductor (the
+    callers' flag checks say so). Global for the process: every compiled block after this."""
+    import warnings
+
+    import torch._inductor.config as inductor_config
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    inductor_config._micro_pipeline_tp = True
+    with warnings.catch_warnings():
+        # torch >= 2.15 enables symmetric memory for every group by itself and deprecates this call.
+        warnings.simplefilter("ignore", FutureWarning)
+        enable_symm_mem_for_group(tp_mesh.get_group().group_name)
 
 
 def checkpoint_blocks(blocks: Iterable[nn.Module], ac: str) -> None:
@@ -98,10 +208,17 @@ def parallelize(model: Transformer, args: argparse.Namespace, mesh: DeviceMesh, 
             block.compile(backend=args.compile_backend)
     checkpoint_blocks(model.layers, args.ac)
     if args.parallel == "tp":
-        if model.cfg.n_heads % args.tp_size:
-            raise UsageError(f"--tp-size {args.tp_size} must divide n_heads {model.cfg.n_heads}")
-        for block in model.layers:
-            parallelize_module(block, mesh["tp"], tp_plan())
+        cfg = model.cfg
+        problem = tp_problem(args.tp_size, cfg.n_heads, cfg.ffn_dim, getattr(args, "seq_len", None) or cfg.max_seq_len)
+        if problem:
+            raise UsageError(problem)
+        apply_tensor_parallel(model, mesh["tp"])
+        if getattr(args, "async_tp", False):
+            # Parse time refused what it could see; the rank's own device and compile are known only now.
+            problem = async_tp_problem(True, "--parallel tp", None, args.compile, args.compile_backend)
+            if problem or mesh.device_type != "cuda":
+                raise UsageError(problem or f"--async-tp needs CUDA, and this rank trains on the {mesh.device_type}")
+            enable_async_tp(mesh["tp"])
     if args.parallel == "replicate":
         replicate(model, mesh=dp_mesh, mp_policy=mp_policy)
         return

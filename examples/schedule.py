@@ -13,12 +13,13 @@ from data import ByteCorpus, get_batch
 from model import lm_loss
 
 
-def build_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, args: argparse.Namespace, fused: bool = False) -> torch.optim.Optimizer:
+    """AdamW; `fused`: one kernel per step for every parameter (CUDA), as the TP recipe runs."""
     # No weight decay on gains (1D): decaying RMSNorm weights towards 0 only hurts.
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused or None)
 
 
 def lr_at(step: int, args: argparse.Namespace) -> float:

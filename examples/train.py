@@ -21,7 +21,9 @@ Parallelism (`--parallel`; parallel.py):
   fsdp       fully_shard on the embeddings, the head, every transformer block, then the root
   hsdp       the same on a 2D (replicate, shard) mesh
   replicate  replicate (DDP semantics) on the whole model
-  tp         tensor parallelism (ColwiseParallel/RowwiseParallel on mesh["tp"]) x fully_shard on mesh["dp"]
+  tp         torchtitan's tensor-parallel recipe on mesh["tp"] (sequence-parallel norms, vocabulary-sharded
+             head and loss_parallel, fused AdamW on CUDA), then fully_shard on mesh["dp"]; --async-tp
+             overlaps its collectives with the matmuls (CUDA, compiled blocks)
 `--pp N --pp-schedule NAME --microbatches M` (pipeline.py) splits the model into stages over a
 leading "pp" mesh dim, each stage parallelized as above, run by torch's Schedule<NAME>.
 
@@ -206,7 +208,8 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
         model = Transformer(cfg)
     n_params = count_parameters(model)
     model, pipeline = build_parallel_model(model, args, mesh, job.dp_mesh, device, meta_init)
-    optimizer = build_graph_optimizer(model, args, device) if graphs else build_optimizer(model, args)
+    fused = args.parallel == "tp" and device.type == "cuda"  # the TP recipe's optimizer
+    optimizer = build_graph_optimizer(model, args, device) if graphs else build_optimizer(model, args, fused)
     scaler = ShardedGradScaler(enabled=args.mp == "fp16")
 
     corpus = ByteCorpus.load()

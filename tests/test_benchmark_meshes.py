@@ -38,7 +38,16 @@ def test_mesh_defaults() -> None:
         (["--mesh", "tp", "--dp-replicate", "2"], None, "--dp-replicate 2 needs --mesh hsdp, got --mesh tp"),
         (["--mesh", "hsdp", "--dp-replicate", "0"], None, "--dp-replicate must be >= 1, got 0"),
         (["--mesh", "hsdp", "--dp-replicate", "3"], "4", "--dp-replicate 3 must divide the world size 4 (--mesh hsdp)"),
-        (["--mesh", "tp", "--tp-size", "3"], None, "--tp-size 3 must divide n_heads 16 and ffn_dim 5632 (--mesh tp)"),
+        (["--mesh", "tp", "--tp-size", "3"], None, "--tp-size 3 must divide n_heads (16): the recipe splits it"),
+        (["--mesh", "tp", "--seq-len", "2047"], None, "--tp-size 2 must divide the sequence length (2047)"),
+        (["--mesh", "tp", "--ffn-dim", "5631"], None, "--tp-size 2 must divide ffn_dim (5631)"),
+        (["--async-tp", "--compile"], None, "--async-tp needs --mesh tp, got --mesh dp"),
+        (["--mesh", "tp", "--async-tp", "--no-compile"], None, "--async-tp needs the blocks compiled by inductor"),
+        (
+            ["--mesh", "tp", "--async-tp", "--compile", "--compile-backend", "aot_eager"],
+            None,
+            "got --compile-backend aot_eager",
+        ),
         (["--mesh", "tp", "--runs", "floor,replicate"], None, "--runs replicate with --mesh tp: only floor,"),
         (["--mesh", "hsdp", "--runs", "ddp"], None, "measure ddp with --mesh dp"),
         (["--mesh", "tp", "--model", "hf-llama"], None, "--model hf-llama with --mesh tp: the TP plan"),
@@ -105,11 +114,11 @@ def test_2d_meshes_shard_ours_and_fsdp2_alike(kind: str) -> None:
     if kind == "hsdp":
         assert set(placements.values()) == {(("replicate", "shard"), (Replicate(), Shard(0)))}
         return
+    assert {mesh for mesh, _ in placements.values()} == {("dp", "tp")}  # the recipe covers every parameter
     wq, wo, norm = (placements[f"layers.0.{n}.weight"] for n in ("attention.wq", "attention.wo", "attention_norm"))
-    assert wq[0] == wo[0] == ("dp", "tp")
     assert wq[1][1] == Shard(0) and wo[1] == (Shard(0), Shard(1))  # Colwise, Rowwise on tp
-    assert norm == (("dp",), (Shard(0),))  # outside the plan: a plain parameter, sharded over dp
-    assert placements["output.weight"] == (("dp",), (Shard(0),))  # the ends: dp only
+    assert norm[1] == placements["norm.weight"][1] == (Shard(0), Replicate())  # sequence-parallel norms
+    assert placements["output.weight"][1][1] == placements["tok_embeddings.weight"][1][1] == Shard(0)  # by vocabulary
 
 
 def test_report_counts_tokens_per_gpu_and_names_the_mesh(
