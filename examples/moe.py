@@ -181,7 +181,8 @@ class GroupedExperts(nn.Module):
         if self.ep_group is not None:
             out = _expert_parallel(tokens, experts.flatten(), w1, w3, w2, self.n_experts, self.ep_group)
         else:  # token t's k rows are rows t*k .. t*k+k-1
-            out = experts_forward(tokens.repeat_interleave(k, 0), experts.flatten(), w1, w3, w2)
+            rows = tokens.unsqueeze(1).expand(-1, k, -1).reshape(-1, tokens.shape[-1])
+            out = experts_forward(rows, experts.flatten(), w1, w3, w2)
         return (out.view(-1, k, out.shape[-1]) * weights.unsqueeze(-1).to(out.dtype)).sum(1)
 
 
