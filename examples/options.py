@@ -21,6 +21,7 @@ from typing import NoReturn
 import torch
 from data import VOCAB_SIZE, ByteCorpus
 from model import PRESET_LR, PRESETS, ModelConfig, get_config
+from moe import NOT_CAPTURABLE as MOE_NOT_CAPTURABLE
 from parallel import MOE_EXPERTS, UsageError, async_tp_problem, tp_problem
 from pipeline import SCHEDULES, validate_pp
 
@@ -288,7 +289,16 @@ def cuda_graph_unsupported(args: argparse.Namespace, device_type: str) -> str | 
         return "--cpu-offload steps the optimizer on the CPU, which a CUDA graph cannot hold"
     if getattr(args, "pp", 1) > 1:
         return "--pp: a pipeline schedule's step (its sends and receives) is not captured"
+    if getattr(args, "moe", False) and math.gcd(_world_size(args), MOE_EXPERTS) > 1:  # parallel.expert_mesh's ep
+        return MOE_NOT_CAPTURABLE
     return None
+
+
+def _world_size(args: argparse.Namespace) -> int:
+    """The run's world size: the process group's on a rank, else the launcher's, else --nproc."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", 0)) or getattr(args, "nproc", 1)
 
 
 def cuda_graph_mode(args: argparse.Namespace, device_type: str) -> tuple[bool, str]:

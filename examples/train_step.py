@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn as nn
 from model import lm_loss
+from moe import set_aux_grad_scale
 from schedule import build_optimizer
 
 from composable import ShardedGradScaler, clip_grad_norm_, fully_shard, no_sync
@@ -53,9 +54,13 @@ def make_train_step(
     reduce-scattering and only the all-reduce across replicas waits for the last one; else
     all but the last micro-batch run under `no_sync` (no communication at all)."""
     grad_accum, max_norm = args.grad_accum, args.max_norm  # read once: a graph freezes them anyway
+    # MoE layers' load-balancing gradient: scaled as the loss is (a fp16 scaler's scale is a tensor).
+    moe = set_aux_grad_scale(model, 1.0 / grad_accum)
 
     def train_step(xs: torch.Tensor, ys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         loss_sum = torch.zeros((), device=xs.device)
+        if moe and scaler.is_enabled():
+            set_aux_grad_scale(model, scaler.scale(torch.ones((), device=xs.device)) / grad_accum)
         for micro, (x, y) in enumerate(zip(xs.chunk(grad_accum), ys.chunk(grad_accum))):
             last = micro == grad_accum - 1
             if hsdp_accum:

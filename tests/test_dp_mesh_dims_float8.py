@@ -41,6 +41,9 @@ from torchao.float8 import (  # noqa: E402
 )
 
 DIM, HIDDEN, STEPS = 32, 64, 3  # float8 matmuls want multiples of 16
+# Sequences of 4 tokens per step: every rank's share (a quarter under HSDP's Shard(0) x Shard(0))
+# keeps 16 rows, the inner dim of the weight-gradient matmul (grad_out.T @ x) in float8 on GPUs.
+BATCH = 16
 
 
 class _ReduceInputGrad(torch.autograd.Function):
@@ -130,9 +133,11 @@ def _train(net: Net, mesh, case: str, precompute: Any) -> tuple[list[torch.Tenso
     losses, byte_gathers = [], 0
     for step in range(STEPS):
         torch.manual_seed(100 + step)
-        x = distribute_tensor(torch.randn(4, 4, DIM), mesh, CASES[case][2])
+        x = distribute_tensor(torch.randn(BATCH, 4, DIM), mesh, CASES[case][2])
         if case == "tp_2d":
             x = DTensor.from_local(x.to_local(), mesh["tp"], (Replicate(),))
+        rows = x.to_local().numel() // DIM
+        assert rows % 16 == 0, f"{case}: {rows} rows per rank; float8 matmuls on GPUs need multiples of 16"
         with trace_collectives() as tracer:
             loss = net(x).pow(2).mean()
             loss = loss.full_tensor() if isinstance(loss, DTensor) else loss

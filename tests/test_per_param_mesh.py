@@ -143,7 +143,12 @@ def _vs_fsdp2(rank: int, world: int, layout: str, device: str = "cpu") -> None:
             torch.testing.assert_close(g, ref["grads"][step][name], rtol=1e-5, atol=1e-9, msg=f"{step} {name}")
         assert ours["counts"][step] == ref["counts"][step], (step, ours["counts"][step], ref["counts"][step])
     for name, p in ours["params"].items():
-        assert torch.equal(p, ref["params"][name]), name
+        # The dense gradients' last-bit differences (above) reach a few weights through
+        # AdamW's normalised step, which moves an element with a near-zero gradient by about lr
+        # whatever its rounding: within 2 units in the last place, as tests/test_moe.py allows.
+        q = ref["params"][name]
+        ulp = torch.nextafter(q.abs(), torch.tensor(float("inf"), device=q.device)) - q.abs()
+        assert ((p - q).abs() / ulp).max() <= 2, name
     gathers = sum(n for (kind, _), n in ours["counts"][0].items() if kind == "all_gather")
     assert gathers >= 2 * CFG.n_layers  # each block gathers on both meshes
     if device == "cpu":
