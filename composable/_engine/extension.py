@@ -80,16 +80,50 @@ class PendingGather:
 def init_shards(
     params: list[ManagedParam],
     sources: list[torch.Tensor],
-    local_rows: Callable[[ManagedParam, torch.Tensor], torch.Tensor],
+    world: int,
+    rank: int,
     storage_device: Callable[[torch.Tensor], torch.device],
+    api: str,
 ) -> None:
-    """Make each parameter's sharded DTensor: its local shard is this rank's rows of the
-    parameter itself (`local_rows`, also on the meta device: the rows, not the whole), taken
-    through the subclass's own ops so that it stays of its kind (a copy, on the storage device)."""
+    """Make each parameter's sharded DTensor: its local shard is this rank's dim-0 chunk of
+    the parameter, a copy of the parameter's own kind on the storage device (also on the meta
+    device), taken with the ops FSDP2 takes (`shard_rows`), so that whatever FSDP2 can shard
+    shards here. Raises `NotImplementedError` naming the parameter, its type and the op its
+    type lacks."""
     with torch.no_grad():
         for mp, src in zip(params, sources):
-            mp.sharded_param = mp.make_sharded_param(local_rows(mp, src).to(storage_device(src)).clone())
+            device = storage_device(src)
+            if src.device != device:  # FSDP2 moves the whole parameter before sharding it too
+                src = src.to(device)
+            mp.sharded_param = mp.make_sharded_param(shard_rows(api, mp.fqn, src.detach(), world, rank))
             _adopt(mp)
+
+
+def shard_rows(api: str, fqn: str, full: torch.Tensor, world: int, rank: int) -> torch.Tensor:
+    """This rank's rows of `full` as a new tensor of its own kind, through the ops FSDP2's
+    `FSDPParam._init_sharded_param` uses on a subclass: `torch.chunk` on dim 0 (its `split`),
+    a `new_zeros` of the first (largest) chunk's size and a `copy_` into it. Quantized weights
+    (torchao's NF4, int8 training weights) implement these and few other ops: a narrow or a
+    slice at an offset is what they cannot do. Dim 0 is divisible by `world` here (the
+    builder's check), so the copy fills the new tensor."""
+    step = "torch.chunk on dim 0 (aten.split)"
+    try:
+        chunks = torch.chunk(full, world, dim=0)
+        if len(chunks) != world:
+            raise NotImplementedError(f"got {len(chunks)} chunks for {world} ranks")
+        step = "new_zeros"
+        shard = chunks[0].new_zeros(chunks[0].shape)
+        if type(shard) is not type(full):
+            raise NotImplementedError(f"it returned a {type(shard).__name__}")
+        step = "copy_"
+        shard.copy_(chunks[rank])
+    except (NotImplementedError, AssertionError, RuntimeError, TypeError) as error:
+        why = " ".join(str(error).split())[:200]  # one line, however the subclass words it
+        raise NotImplementedError(
+            f"{api}: parameter '{fqn}' of type {type(full).__name__} cannot be sharded: it lacks {step} "
+            f"as FSDP2 shards it ({type(error).__name__}: {why})"
+        ) from None
+    return shard
 
 
 def _adopt(mp: ManagedParam) -> None:
