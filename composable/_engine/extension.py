@@ -305,14 +305,21 @@ def _views(mp: ManagedParam, out: torch.Tensor, local: torch.Tensor, rank: int) 
     return views
 
 
+def post_dtype(local: torch.Tensor, policy_dtype: torch.dtype | None) -> torch.dtype:
+    """The `param_dtype` handed to `fsdp_post_all_gather`, per parameter as FSDP2 hands it:
+    the policy's for a floating-point parameter, else the parameter's own dtype (not the
+    group's: a bf16 quantized weight in a group of fp32 adapters is made in bf16)."""
+    return policy_dtype if policy_dtype is not None and local.dtype.is_floating_point else local.dtype
+
+
 def finish_gathers(
-    params: list[ManagedParam], pending: list[PendingGather], world: int, param_dtype: torch.dtype
+    params: list[ManagedParam], pending: list[PendingGather], world: int, policy_dtype: torch.dtype | None
 ) -> None:
     """Wait, then make (first time) or refill each unsharded parameter through
-    `fsdp_post_all_gather`, keeping autograd's version counters: refilling freed storage with
-    the same values is not a mutation autograd should see."""
+    `fsdp_post_all_gather` (in `post_dtype`), keeping autograd's version counters: refilling
+    freed storage with the same values is not a mutation autograd should see."""
     if pending and pending[0].batched:
-        _finish_batched(params, pending, param_dtype)
+        _finish_batched(params, pending, policy_dtype)
         return
     for mp, gather in zip(params, pending):
         for work in gather.works:
@@ -320,6 +327,7 @@ def finish_gathers(
                 work.wait()
         outputs = tuple(o.view(-1, *s[1:]) for o, s in zip(mp.extension_outputs, gather.input_shapes))
         local = mp.sharded_param._local_tensor  # type: ignore[union-attr]
+        param_dtype = post_dtype(local, policy_dtype)
         if gather.fresh:
             unsharded, inner = local.fsdp_post_all_gather(outputs, gather.metadata, param_dtype)
             # On a mesh beyond the data-parallel one (dp_mesh_dims) the module computes with a
@@ -338,7 +346,7 @@ def finish_gathers(
         torch._C._autograd._unsafe_set_version_counter(tuple(mp.extension_outputs), gather.versions)
 
 
-def _finish_batched(params: list[ManagedParam], pending: list[PendingGather], param_dtype: torch.dtype) -> None:
+def _finish_batched(params: list[ManagedParam], pending: list[PendingGather], policy_dtype: torch.dtype | None) -> None:
     """The batched path's finish, with one host step per group rather than per weight: each
     unsharded float8 weight already holds the gathered bytes (its data is its all-gather
     output), so torchao's `fsdp_post_all_gather(out=)`, which only sets the scale, is called
@@ -353,11 +361,12 @@ def _finish_batched(params: list[ManagedParam], pending: list[PendingGather], pa
         unsharded = mp.unsharded_param
         if getattr(_local_of(unsharded), "_scale", None) is not gather.metadata[0]:  # type: ignore[arg-type]
             data = mp.extension_outputs[0].view(-1, *gather.input_shapes[0][1:])
+            local = mp.sharded_param._local_tensor  # type: ignore[union-attr]
             with comm.refilling(unsharded):  # type: ignore[arg-type]
-                mp.sharded_param._local_tensor.fsdp_post_all_gather(  # type: ignore[union-attr]
+                local.fsdp_post_all_gather(
                     (data,),
                     gather.metadata,
-                    param_dtype,
+                    post_dtype(local, policy_dtype),
                     out=unsharded,  # type: ignore[union-attr]
                 )
         outputs.extend(mp.extension_outputs)

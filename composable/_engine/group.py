@@ -359,7 +359,7 @@ class ParamGroup:
         else:
             world, dtypes = self.layout.shard_world, self.config.param_dtypes
             finish_gather_mixed(self._pending_gather, self.flat_params, dtypes, world, self.config.device, self.streams)  # type: ignore[arg-type]
-            extension.finish_gathers(self.extension_params, self._extension_gathers, world, self.unsharded_dtype)
+            extension.finish_gathers(self.extension_params, self._extension_gathers, world, self.dtypes.param_dtype)
             self._extension_gathers = []
         self._pending_gather = None
         self.state = GroupState.UNSHARDED
