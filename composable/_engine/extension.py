@@ -80,16 +80,50 @@ class PendingGather:
 def init_shards(
     params: list[ManagedParam],
     sources: list[torch.Tensor],
-    local_rows: Callable[[ManagedParam, torch.Tensor], torch.Tensor],
+    world: int,
+    rank: int,
     storage_device: Callable[[torch.Tensor], torch.device],
+    api: str,
 ) -> None:
-    """Make each parameter's sharded DTensor: its local shard is this rank's rows of the
-    parameter itself (`local_rows`, also on the meta device: the rows, not the whole), taken
-    through the subclass's own ops so that it stays of its kind (a copy, on the storage device)."""
+    """Make each parameter's sharded DTensor: its local shard is this rank's dim-0 chunk of
+    the parameter, a copy of the parameter's own kind on the storage device (also on the meta
+    device), taken with the ops FSDP2 takes (`shard_rows`), so that whatever FSDP2 can shard
+    shards here. Raises `NotImplementedError` naming the parameter, its type and the op its
+    type lacks."""
     with torch.no_grad():
         for mp, src in zip(params, sources):
-            mp.sharded_param = mp.make_sharded_param(local_rows(mp, src).to(storage_device(src)).clone())
+            device = storage_device(src)
+            if src.device != device:  # FSDP2 moves the whole parameter before sharding it too
+                src = src.to(device)
+            mp.sharded_param = mp.make_sharded_param(shard_rows(api, mp.fqn, src.detach(), world, rank))
             _adopt(mp)
+
+
+def shard_rows(api: str, fqn: str, full: torch.Tensor, world: int, rank: int) -> torch.Tensor:
+    """This rank's rows of `full` as a new tensor of its own kind, through the ops FSDP2's
+    `FSDPParam._init_sharded_param` uses on a subclass: `torch.chunk` on dim 0 (its `split`),
+    a `new_zeros` of the first (largest) chunk's size and a `copy_` into it. Quantized weights
+    (torchao's NF4, int8 training weights) implement these and few other ops: a narrow or a
+    slice at an offset is what they cannot do. Dim 0 is divisible by `world` here (the
+    builder's check), so the copy fills the new tensor."""
+    step = "torch.chunk on dim 0 (aten.split)"
+    try:
+        chunks = torch.chunk(full, world, dim=0)
+        if len(chunks) != world:
+            raise NotImplementedError(f"got {len(chunks)} chunks for {world} ranks")
+        step = "new_zeros"
+        shard = chunks[0].new_zeros(chunks[0].shape)
+        if type(shard) is not type(full):
+            raise NotImplementedError(f"it returned a {type(shard).__name__}")
+        step = "copy_"
+        shard.copy_(chunks[rank])
+    except (NotImplementedError, AssertionError, RuntimeError, TypeError) as error:
+        why = " ".join(str(error).split())[:200]  # one line, however the subclass words it
+        raise NotImplementedError(
+            f"{api}: parameter '{fqn}' of type {type(full).__name__} cannot be sharded: it lacks {step} "
+            f"as FSDP2 shards it ({type(error).__name__}: {why})"
+        ) from None
+    return shard
 
 
 def _adopt(mp: ManagedParam) -> None:
@@ -271,14 +305,21 @@ def _views(mp: ManagedParam, out: torch.Tensor, local: torch.Tensor, rank: int) 
     return views
 
 
+def post_dtype(local: torch.Tensor, policy_dtype: torch.dtype | None) -> torch.dtype:
+    """The `param_dtype` handed to `fsdp_post_all_gather`, per parameter as FSDP2 hands it:
+    the policy's for a floating-point parameter, else the parameter's own dtype (not the
+    group's: a bf16 quantized weight in a group of fp32 adapters is made in bf16)."""
+    return policy_dtype if policy_dtype is not None and local.dtype.is_floating_point else local.dtype
+
+
 def finish_gathers(
-    params: list[ManagedParam], pending: list[PendingGather], world: int, param_dtype: torch.dtype
+    params: list[ManagedParam], pending: list[PendingGather], world: int, policy_dtype: torch.dtype | None
 ) -> None:
     """Wait, then make (first time) or refill each unsharded parameter through
-    `fsdp_post_all_gather`, keeping autograd's version counters: refilling freed storage with
-    the same values is not a mutation autograd should see."""
+    `fsdp_post_all_gather` (in `post_dtype`), keeping autograd's version counters: refilling
+    freed storage with the same values is not a mutation autograd should see."""
     if pending and pending[0].batched:
-        _finish_batched(params, pending, param_dtype)
+        _finish_batched(params, pending, policy_dtype)
         return
     for mp, gather in zip(params, pending):
         for work in gather.works:
@@ -286,6 +327,7 @@ def finish_gathers(
                 work.wait()
         outputs = tuple(o.view(-1, *s[1:]) for o, s in zip(mp.extension_outputs, gather.input_shapes))
         local = mp.sharded_param._local_tensor  # type: ignore[union-attr]
+        param_dtype = post_dtype(local, policy_dtype)
         if gather.fresh:
             unsharded, inner = local.fsdp_post_all_gather(outputs, gather.metadata, param_dtype)
             # On a mesh beyond the data-parallel one (dp_mesh_dims) the module computes with a
@@ -304,7 +346,7 @@ def finish_gathers(
         torch._C._autograd._unsafe_set_version_counter(tuple(mp.extension_outputs), gather.versions)
 
 
-def _finish_batched(params: list[ManagedParam], pending: list[PendingGather], param_dtype: torch.dtype) -> None:
+def _finish_batched(params: list[ManagedParam], pending: list[PendingGather], policy_dtype: torch.dtype | None) -> None:
     """The batched path's finish, with one host step per group rather than per weight: each
     unsharded float8 weight already holds the gathered bytes (its data is its all-gather
     output), so torchao's `fsdp_post_all_gather(out=)`, which only sets the scale, is called
@@ -319,11 +361,12 @@ def _finish_batched(params: list[ManagedParam], pending: list[PendingGather], pa
         unsharded = mp.unsharded_param
         if getattr(_local_of(unsharded), "_scale", None) is not gather.metadata[0]:  # type: ignore[arg-type]
             data = mp.extension_outputs[0].view(-1, *gather.input_shapes[0][1:])
+            local = mp.sharded_param._local_tensor  # type: ignore[union-attr]
             with comm.refilling(unsharded):  # type: ignore[arg-type]
-                mp.sharded_param._local_tensor.fsdp_post_all_gather(  # type: ignore[union-attr]
+                local.fsdp_post_all_gather(
                     (data,),
                     gather.metadata,
-                    param_dtype,
+                    post_dtype(local, policy_dtype),
                     out=unsharded,  # type: ignore[union-attr]
                 )
         outputs.extend(mp.extension_outputs)

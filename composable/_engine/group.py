@@ -92,7 +92,10 @@ class ParamGroup:
             fresh=True,
             dtype_if_empty=extension_sources[0].dtype if extension_sources else torch.float32,
         )
-        extension.init_shards(self.extension_params, extension_sources, self._local_rows, self._storage_device)
+        lay = self.layout
+        extension.init_shards(
+            self.extension_params, extension_sources, lay.shard_world, lay.shard_rank, self._storage_device, config.api
+        )
 
     _SHARED_ON_COPY = ("streams", "all_gather_comm")  # runtime handles: a deep copy of the model shares them
 
@@ -356,7 +359,7 @@ class ParamGroup:
         else:
             world, dtypes = self.layout.shard_world, self.config.param_dtypes
             finish_gather_mixed(self._pending_gather, self.flat_params, dtypes, world, self.config.device, self.streams)  # type: ignore[arg-type]
-            extension.finish_gathers(self.extension_params, self._extension_gathers, world, self.unsharded_dtype)
+            extension.finish_gathers(self.extension_params, self._extension_gathers, world, self.dtypes.param_dtype)
             self._extension_gathers = []
         self._pending_gather = None
         self.state = GroupState.UNSHARDED

@@ -1,0 +1,86 @@
+"""QLoRA throughput and memory: composable's `fully_shard` against PyTorch's FSDP2 on the same
+NF4 + LoRA Llama (examples/qlora.py's model), in interleaved rounds.
+
+Each round builds each contender afresh (same seed, same data), runs `--warmup` untimed steps,
+then `--steps` timed ones, and records tokens/s (all ranks), the peak memory allocated during
+the timed steps and the weight bytes on the rank (NF4 data + scalers, adapters). The order of
+the contenders alternates between rounds so that neither always runs on a warmer machine.
+Rank 0 prints one line per contender and round, then the medians. On GPUs:
+
+    torchrun --nproc-per-node 8 examples/bench_qlora.py --shape 1b --rounds 3
+
+`--bf16-lora` adds composable with unquantized bf16 base weights (the memory baseline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from qlora import build_llama, init_distributed, shard, train, weight_bytes
+
+
+def run_once(name: str, args: argparse.Namespace, device: torch.device) -> dict[str, float]:
+    """Build, warm up and time one contender; its tokens/s, peak GiB and weight MiB."""
+    api, nf4 = ("fsdp2", True) if name == "fsdp2" else ("composable", name != "bf16_lora")
+    model = shard(build_llama(args.shape, torch.bfloat16, device, nf4=nf4), api)
+    train(model, args.warmup, args.batch, args.seq, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    dist.barrier()
+    start = time.perf_counter()
+    train(model, args.steps, args.batch, args.seq, device)  # its `.item()` per step synchronizes
+    elapsed = time.perf_counter() - start
+    result = {
+        "tokens_per_s": args.steps * args.batch * args.seq * dist.get_world_size() / elapsed,
+        "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan"),
+        "weights_mib": weight_bytes(model) / 2**20,
+    }
+    del model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="1b")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--bf16-lora", action="store_true", help="also composable with bf16 base weights")
+    args = parser.parse_args()
+    device = init_distributed()
+    names = ["composable", "fsdp2"] + (["bf16_lora"] if args.bf16_lora else [])
+    results: dict[str, list[dict[str, float]]] = {n: [] for n in names}
+    for r in range(args.rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            results[name].append(run_once(name, args, device))
+            if dist.get_rank() == 0:
+                got = results[name][-1]
+                print(
+                    f"round {r} {name:>10}: {got['tokens_per_s']:9.0f} tokens/s, peak {got['peak_gib']:.2f} GiB, "
+                    f"weights {got['weights_mib']:.1f} MiB per rank",
+                    flush=True,
+                )
+    if dist.get_rank() == 0:
+        print(f"median of {args.rounds} rounds, {args.shape}, bf16 compute, {dist.get_world_size()} ranks:")
+        for name, runs in results.items():
+            med = {k: statistics.median(run[k] for run in runs) for k in runs[0]}
+            print(
+                f"  {name:>10}: {med['tokens_per_s']:9.0f} tokens/s, peak {med['peak_gib']:.2f} GiB, "
+                f"weights {med['weights_mib']:.1f} MiB per rank"
+            )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
