@@ -333,8 +333,7 @@ def finish_gathers(
             # On a mesh beyond the data-parallel one (dp_mesh_dims) the module computes with a
             # DTensor of the original spec around it, as FSDP2 does; refills go through that
             # DTensor (`out=`), which torchao's float8 weights take.
-            if mp.tp is not None:
-                unsharded = mp.tp.wrap(unsharded)
+            unsharded = mp.presented(unsharded)  # spmd_types-annotated: stays plain
             mp.unsharded_param = nn.Parameter(unsharded, requires_grad=mp.wants_grad)
             mp.extension_inner = list(inner)
         else:
