@@ -1,7 +1,8 @@
 """torchtitan 0.3's own parallelize code, sharding with composable (`composable_model_spec`),
 trains like the same code with PyTorch FSDP2: llama3 (dp x tp), qwen3's mixture of experts
 (dp, dp x ep) and deepseek_v3 (MLA attention, a dense block, MoE blocks with a shared expert),
-each under torchtitan's "partial_dtensor" and "full_dtensor" SPMD backends. Tiny configs built
+each under torchtitan's three SPMD backends: "spmd_types" (its default), "partial_dtensor" and
+"full_dtensor". Tiny configs built
 from torchtitan's own building blocks and initialisers, its `ParallelDims` meshes, its
 sum-reduced cross-entropy scaled by the global count of valid tokens (the trainer's recipe) and
 its `clip_grad_norm_`, SGD: the same losses, gradient norms and parameters step by step, bit for bit.
@@ -21,7 +22,7 @@ import_torchtitan_v03()  # skips this module without torchtitan 0.3 (or with a t
 from _harness import assert_close_tensors, run_on_ranks  # noqa: E402
 
 STEPS = 3
-BACKENDS = ["partial_dtensor", "full_dtensor"]
+BACKENDS = ["spmd_types", "partial_dtensor", "full_dtensor"]
 
 
 def _model(name: str) -> tuple[object, object]:
@@ -50,6 +51,7 @@ def _train(rank: int, world_size: int, name: str, backend: str, degrees: dict[st
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import full_dtensor
     from torchtitan.distributed import utils as dist_utils
+    from torchtitan.distributed.spmd_types import annotate_input_spmd_types
     from torchtitan.protocols.model_spec import ModelSpec
 
     from composable import fully_shard
@@ -66,6 +68,7 @@ def _train(rank: int, world_size: int, name: str, backend: str, degrees: dict[st
     )
     dims = pd.ParallelDims.from_config(parallelism, world_size)
     dims.build_mesh()
+    spmd_context = dist_utils.get_spmd_context(parallel_dims=dims)  # the trainer's train_context
     config, parallelize = _model(name)
     config.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))
     torch.manual_seed(0)
@@ -111,7 +114,7 @@ def _train(rank: int, world_size: int, name: str, backend: str, degrees: dict[st
             loss_fn.set_lm_head(m.lm_head)
             m._skip_lm_head = True
         else:
-            loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config())
+            loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=config.vocab_size))
         optimizer = torch.optim.SGD(m.parameters(), lr=0.5, foreach=False)
         gen = torch.Generator().manual_seed(100 + batch_rank)  # the same data across a TP / EP group
         losses, norms = [], []
@@ -122,12 +125,15 @@ def _train(rank: int, world_size: int, name: str, backend: str, degrees: dict[st
             extra: dict = {}
             if backend == "full_dtensor":
                 inputs, labels, extra = full_dtensor.parallelize_inputs(dims, inputs, labels, extra)
+            elif backend == "spmd_types":  # the trainer's: annotated inputs, the dense mesh current
+                inputs, labels, extra = annotate_input_spmd_types(dims, inputs, labels, extra)
             local_tokens = torch.tensor(
                 labels.numel() if not isinstance(labels, DTensor) else labels.to_local().numel()
             )
             global_tokens = local_tokens if batch is None else dist_utils.dist_sum_tensor(local_tokens, batch)
-            loss, _ = loss_fn(m(inputs, **extra), labels, global_tokens)
-            loss.backward()
+            with spmd_context():
+                loss, _ = loss_fn(m(inputs, **extra), labels, global_tokens)
+                loss.backward()
             norm = dist_utils.clip_grad_norm_(list(m.parameters()), 1.0, foreach=True, ep_enabled=dims.ep_enabled)
             optimizer.step()
             losses.append(loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach())
@@ -147,21 +153,14 @@ def _train(rank: int, world_size: int, name: str, backend: str, degrees: dict[st
 # and its tp / ep meshes separately from the 1D world mesh; both libraries put such parameters
 # on the concatenation of the two (DeviceMesh._concatenate).
 CASES = [
-    pytest.param("llama3", {"dp": 2, "tp": 2}, "partial_dtensor", id="llama3-partial_dtensor"),
-    pytest.param("llama3", {"dp": 2, "tp": 2}, "full_dtensor", id="llama3-full_dtensor"),
+    *(pytest.param("llama3", {"dp": 2, "tp": 2}, backend, id=f"llama3-{backend}") for backend in BACKENDS),
     *(
         pytest.param(name, {"dp": 4}, backend, id=f"{name}-{backend}")
         for name in ("qwen3_moe", "deepseek_v3")
         for backend in BACKENDS
     ),
     # routed experts on the expert-data-parallel mesh (efsdp 2 x ep 2), the rest on fsdp 4
-    pytest.param(
-        "qwen3_moe",
-        {"dp": 4, "ep": 2},
-        "partial_dtensor",
-        id="qwen3_moe_ep-partial_dtensor",
-    ),
-    pytest.param("qwen3_moe", {"dp": 4, "ep": 2}, "full_dtensor", id="qwen3_moe_ep-full_dtensor"),
+    *(pytest.param("qwen3_moe", {"dp": 4, "ep": 2}, backend, id=f"qwen3_moe_ep-{backend}") for backend in BACKENDS),
 ]
 
 
@@ -232,13 +231,16 @@ def test_use_composable(monkeypatch: pytest.MonkeyPatch) -> None:
     assert fsdp.fully_shard is fully_shard_for_torchtitan
 
 
-def test_spmd_types_backend_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unknown_backend_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     from torchtitan.distributed import utils as dist_utils
 
     from composable.integrations.torchtitan import fully_shard_for_torchtitan
 
-    monkeypatch.setattr(dist_utils, "_spmd_backend", "spmd_types")
-    match = r"parallelism.spmd_backend 'spmd_types' is not supported; use one of \('partial_dtensor', 'full_dtensor'\)"
+    monkeypatch.setattr(dist_utils, "_spmd_backend", "local_tensor")
+    match = (
+        r"parallelism.spmd_backend 'local_tensor' is not supported; "
+        r"use one of \('spmd_types', 'partial_dtensor', 'full_dtensor'\)"
+    )
     with pytest.raises(NotImplementedError, match=match):
         fully_shard_for_torchtitan(torch.nn.Linear(2, 2))
 

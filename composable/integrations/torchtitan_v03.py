@@ -23,11 +23,12 @@ code runs unchanged, with the same groups, meshes, placements and settings as un
     from composable.integrations.torchtitan import use_composable
     use_composable()
 
-Backends (`--parallelism.spmd_backend`): "partial_dtensor" (DTensors on the model-parallel
-meshes, FSDP on the `[dp_replicate, fsdp]` mesh) and "full_dtensor" (every parameter a DTensor
-on the whole dense mesh; `dp_mesh_dims` names its data-parallel dims). "spmd_types"
-(torchtitan's default: plain tensors carrying spmd_types annotations, which FSDP2 translates
-itself) is refused at the call, naming the two that work.
+Backends (`--parallelism.spmd_backend`), all three served: "spmd_types" (torchtitan's default:
+plain local tensors carrying spmd_types annotations, sharded with `dp_mesh_dims` over the whole
+mesh and computed with as plain tensors, as FSDP2 does), "partial_dtensor" (DTensors on the
+model-parallel meshes, FSDP on the `[dp_replicate, fsdp]` mesh) and "full_dtensor" (every
+parameter a DTensor on the whole dense mesh; `dp_mesh_dims` names its data-parallel dims). A
+backend name this does not know is refused at the call, naming the three.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ __all__ = [
     "use_composable",
 ]
 
-SUPPORTED_BACKENDS = ("partial_dtensor", "full_dtensor")
+SUPPORTED_BACKENDS = ("spmd_types", "partial_dtensor", "full_dtensor")
 
 
 def _spmd_backend() -> str | None:
@@ -64,14 +65,14 @@ def fully_shard_for_torchtitan(module: nn.Module | list[nn.Module], **kwargs: An
     """What torchtitan's `apply_fsdp_to_decoder` calls in place of FSDP2's `fully_shard` (same
     keywords): composable's `fully_shard`, and FSDP2's module interface on the result.
 
-    `NotImplementedError` under torchtitan's "spmd_types" backend (its parameters are plain
-    tensors with spmd_types annotations, not DTensors), naming the backends that work.
+    `NotImplementedError` under a torchtitan SPMD backend other than `SUPPORTED_BACKENDS`,
+    naming them.
     """
     backend = _spmd_backend()
     if backend is not None and backend not in SUPPORTED_BACKENDS:
         raise NotImplementedError(
             f"composable.integrations.torchtitan: parallelism.spmd_backend {backend!r} is not supported; "
-            f"use one of {SUPPORTED_BACKENDS} (--parallelism.spmd_backend partial_dtensor)"
+            f"use one of {SUPPORTED_BACKENDS}"
         )
     return fsdp2_fully_shard(module, **kwargs)
 
