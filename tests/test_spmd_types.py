@@ -27,7 +27,12 @@ import composable
 from composable import DataParallelMeshDims
 
 spmd = pytest.importorskip("spmd_types", reason="spmd_types is not installed (pip install spmd_types)")
-TORCH_TAKES_SPMD_TYPES = hasattr(dist, "_is_spmd_types_available")
+try:  # FSDP2 translates spmd_types annotations from torch 2.15 on
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    TORCH_TAKES_SPMD_TYPES = hasattr(FSDPParam, "_resolve_spmd_types_for_storage")
+except ImportError:  # pragma: no cover
+    TORCH_TAKES_SPMD_TYPES = False
 needs_fsdp2 = pytest.mark.skipif(not TORCH_TAKES_SPMD_TYPES, reason="this torch's FSDP2 does not take spmd_types")
 
 DIM, HIDDEN, BATCH, SEQ, STEPS = 8, 16, 4, 4, 3
