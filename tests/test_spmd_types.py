@@ -362,7 +362,9 @@ def _errors(rank: int, world: int) -> None:
             composable.fully_shard(linear({axes["dp"]: spmd.R}), mesh=mesh, dp_mesh_dims=dims)
     # A typechecking mesh over fewer ranks (tp alone) than the storage mesh (dp x tp).
     with spmd.set_current_mesh(mesh["tp"]):
-        with pytest.raises(ValueError, match="'weight' is annotated on the typechecking mesh .*, which spans other ranks"):
+        with pytest.raises(
+            ValueError, match="'weight' is annotated on the typechecking mesh .*, which spans other ranks"
+        ):
             composable.fully_shard(linear({axes["tp"]: spmd.R}), mesh=mesh, dp_mesh_dims=dims)
     world_axis = spmd.MeshAxis.of(dist.group.WORLD)
     with pytest.raises(ValueError, match="'weight' is annotated on .*, neither a storage-mesh axis nor inside"):
