@@ -4,7 +4,7 @@
 `BF16GatherWeight` is a small wrapper subclass of our own (as torchao's float8 weights are):
 an fp32 weight that all-gathers in bf16, half the bytes. Checked against PyTorch's FSDP2 with
 the same subclass (bit for bit: the same rounding happens in both), and by counting what the
-all-gathers carry.
+all-gathers carry: one per group, the weight's bytes riding in the flat buffer's collective.
 """
 
 from __future__ import annotations
@@ -105,8 +105,8 @@ class Float8GatherWeight(BF16GatherWeight):
 
 
 KINDS = {"bf16": BF16GatherWeight, "aliasing": AliasingGatherWeight, "float8": Float8GatherWeight}
-# What each block's extension weight all-gathers in (the flat buffers gather fp32).
-GATHER_DTYPES = {"bf16": "torch.bfloat16", "aliasing": "torch.float32", "float8": "torch.uint8"}
+# The bytes per element each block's extension weight all-gathers (the flat buffers gather fp32).
+GATHER_BYTES = {"bf16": 2, "aliasing": 4, "float8": 1}
 
 
 class Net(nn.Module):
@@ -146,9 +146,12 @@ def _vs_fsdp2(rank: int, world: int, kind: str = "bf16") -> None:
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step * world + rank))
         with trace_collectives() as t:
             our_loss = ours(x).square().mean()
-        # Each block: its flat buffer (the bias) in fp32 and its extension weight as it says.
-        gathered = sorted(str(r.dtype) for r in t.records if r.kind == "all_gather")
-        assert gathered == sorted([GATHER_DTYPES[kind]] * 2 + ["torch.float32"] * 3), t.render()
+        # One fp32 all-gather per group; a block's carries its bias and its extension weight's
+        # bytes as the weight says, padded to whole fp32 elements.
+        gathers = [r for r in t.records if r.kind == "all_gather"]
+        block = world * (8 // world + -(-(64 // world) * GATHER_BYTES[kind] // 4))
+        assert len(gathers) == 3 and {r.dtype for r in gathers} == {torch.float32}, t.render()
+        assert sum(r.numel == block for r in gathers) == 2, t.render()
         losses = [our_loss, theirs(x).square().mean()]
         for loss in losses:
             loss.backward()

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from _harness import assert_close_tensors, run_on_ranks, trace_collectives
+from _harness import assert_close_tensors, count_collectives, run_on_ranks, trace_collectives
 
 from composable import MixedPrecisionPolicy, fully_shard
 
@@ -94,8 +94,15 @@ def _vs_fsdp2(rank: int, world: int, reshard: bool | int, bf16: bool) -> None:
         x = _batch(step, rank, world)
         with trace_collectives() as t:
             ours_loss = ours(x).square().mean()
-        gathered = {str(r.dtype) for r in t.records if r.kind == "all_gather"}
-        assert {"torch.uint8", "torch.int8"} <= gathered, f"4-bit data and int8 scalers travel: {t.render()}"
+        # One all-gather per layer: its adapters (compute dtype) with the NF4 weight's bytes (4-bit data,
+        # int8 scalers, factors) riding in the same collective.
+        gathers = [r for r in t.records if r.kind == "all_gather"]
+        sent = (local.quantized_data, local.quantized_scalers, local.quantization_factor)
+        nf4 = sum(t.numel() * t.element_size() for t in sent)
+        adapters = 2 * 4 * DIM // world  # this rank's rows of lora_a and lora_b
+        assert len(gathers) == LAYERS, t.render()
+        padded = [world * (adapters + -(-nf4 // r.dtype.itemsize)) for r in gathers]  # whole elements
+        assert [r.numel for r in gathers] == padded, f"{nf4} NF4 bytes: {t.render()}"
         losses = [ours_loss, theirs(x).square().mean()]
         for loss in losses:
             loss.backward()
@@ -211,6 +218,34 @@ def _hf_llama(rank: int, world: int) -> None:
     for (name, a), (_, b) in zip(*(m.named_parameters() for m in models)):
         if a.requires_grad:
             assert_close_tensors(a.full_tensor(), b.full_tensor(), exact=True, msg=name)
+
+
+def _gathers_per_unshard(rank: int, world: int) -> None:
+    model = build_llama("tiny", torch.float32, torch.device("cpu"), nf4=True)
+    layers = len(model.model.layers)
+    nf4 = sum(type(p.data) is _nf4_type() for p in model.model.layers[0].parameters())
+    assert nf4 == 7, "q, k, v, o, gate, up and down projections are NF4"
+    counts = []
+    for api in ("composable", "fsdp2"):
+        sharded = shard(copy.deepcopy(model), api)
+        tokens = torch.randint(model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(rank))
+        with count_collectives() as forward:
+            loss = sharded(input_ids=tokens).logits.float().square().mean()
+        with count_collectives() as backward:
+            loss.backward()
+        counts.append((forward.counts["all_gather"], backward.counts["all_gather"]))
+    # Forward: the root, then each decoder layer; backward regathers each layer (resharded after
+    # forward). One collective each, however many NF4 tensors the layer holds.
+    assert counts[0] == (layers + 1, layers), counts
+    assert counts[0] == counts[1], f"as many as FSDP2: {counts}"
+
+
+def test_one_all_gather_per_group_unshard() -> None:
+    """An HF Llama QLoRA decoder layer (seven NF4 projections, three tensors each to gather, and
+    their LoRA adapters) is one all-gather per unshard, as in FSDP2. Each NF4 tensor was an
+    all-gather of its own before: 22 per layer."""
+    pytest.importorskip("transformers", reason="the HF Llama QLoRA test needs transformers")
+    run_on_ranks(_gathers_per_unshard, 2)
 
 
 def test_hf_llama_qlora_matches_fsdp2() -> None:

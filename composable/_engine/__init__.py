@@ -6,6 +6,8 @@ state        per-module state: forward/backward hooks, root context, final callb
              unshard_handle: what its unshard(async_op=True) returns
 autograd     the autograd functions and hooks the state attaches to inputs and outputs
 group        a parameter group: sharded storage, unshard / reshard / reduce_grads
+extension    FSDP2's all-gather extension (subclass weights: float8, NF4); extension_batch: a
+             group's extension inputs in one collective (riding in the flat gather, or alone)
 param        one parameter's layouts (sharded DTensor, unsharded twin) and bookkeeping
 layout       the data-parallel layout (mesh, placements, shard/replicate groups, ranks)
 reduce       gradient reduction (reduce-scatter, all-reduce); buckets: replicate's buckets;

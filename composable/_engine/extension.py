@@ -6,7 +6,8 @@ the tensors to all-gather (float8 data: half the bytes of bf16) plus metadata, a
 `fsdp_post_all_gather` turns the gathered tensors into the unsharded parameter (first
 time), or refills it in place (`out=`), naming the inner tensors whose storage may be freed
 between uses. These parameters keep their own storage (they are not in the group's flat
-buffer) and get one all-gather per input tensor; their gradients are plain and go through
+buffer); a group's extension inputs all travel in one collective per unshard, with the flat
+parameters' where they can (extension_batch.py); their gradients are plain and go through
 the group's usual reduction.
 
 The protocol is FSDP2's (torch/distributed/fsdp/_fully_shard/_fsdp_param.py), to the letter
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -38,7 +39,6 @@ from torch.distributed.tensor import DTensor
 
 from . import alone, float8_cast
 from . import collectives as comm
-from .layout import DataParallelLayout
 from .optim_state import track_for_optimizers
 from .param import ManagedParam, _contiguous_stride
 from .policies import MixedPrecisionPolicy
@@ -75,6 +75,9 @@ class PendingGather:
     fresh: bool  # new all-gather outputs: `fsdp_post_all_gather` makes the unsharded parameter
     versions: tuple[int, ...]  # the outputs' version counters before the collectives wrote them
     batched: bool = False  # cast and gathered with its group's other float8 weights (float8_cast.py)
+    # Batched with its group's other extension parameters (extension_batch.py), on the first:
+    keep: list[torch.Tensor] = field(default_factory=list)  # inputs alive until the gather is waited for
+    after: Callable[[], None] | None = None  # after the wait: split the gathered bytes into the outputs
 
 
 def init_shards(
@@ -181,45 +184,6 @@ def _outputs_fit(mp: ManagedParam, inputs: list[torch.Tensor], world: int) -> bo
     )
 
 
-def start_gathers(
-    params: list[ManagedParam],
-    layout: DataParallelLayout,
-    mp_policy: MixedPrecisionPolicy,
-    coalesced: bool,
-    gather_stream: "torch.cuda.Stream | None" = None,
-) -> list[PendingGather]:
-    """Ask each parameter's local shard what to all-gather and launch those all-gathers (over
-    `layout`'s shard group) into the parameter's all-gather outputs (made at the first gather,
-    re-grown after). torchao float8 weights with precomputed scales are cast for the whole
-    group at once (float8_cast.py), and with `coalesced` (CUDA) all travel in one collective,
-    cast and gathered on `gather_stream` (overlapping compute, as the group's other parameters
-    do)."""
-    group, mesh, world, rank = layout.shard_group, layout.mesh, layout.shard_world, layout.shard_rank
-    batched = _start_batched(params, group, world, rank, coalesced, gather_stream)
-    if batched is not None:
-        return batched
-    mesh = shard_mesh(mesh, group)
-    pending = []
-    for mp in params:
-        inputs, metadata = _pre_all_gather(mp.sharded_param._local_tensor, mesh, mp, mp_policy)  # type: ignore[union-attr]
-        inputs = [t.contiguous() for t in inputs]
-        fresh = not _outputs_fit(mp, inputs, world)
-        if fresh:
-            mp.extension_outputs = [torch.empty(world * t.numel(), dtype=t.dtype, device=t.device) for t in inputs]
-            mp.extension_inner = []
-        else:
-            for out in mp.extension_outputs:
-                _alloc(out)
-        outputs = mp.extension_outputs
-        versions = tuple(o._version for o in outputs)
-        works = [
-            alone.all_gather(_as_bytes(out), _as_bytes(t.view(-1)), group, async_op=True)
-            for out, t in zip(outputs, inputs)
-        ]
-        pending.append(PendingGather(works, [t.shape for t in inputs], metadata, fresh, versions))
-    return pending
-
-
 @dataclass
 class BatchedFloat8:
     """A group's float8 weights made ready to travel together (see float8_cast.py): their
@@ -236,6 +200,22 @@ class BatchedFloat8:
 
     def cast(self) -> None:
         float8_cast.cast_into(self.locals_, self.scales, self.slots)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes each rank sends (the flat way packs them: gather.py's `TailRiders`)."""
+        return sum(i.numel() for i in self.inputs)
+
+    def copy_in(self, slot: torch.Tensor) -> None:
+        """Flat way: cast into this rank's slots, then pack them into `slot` (1D uint8)."""
+        self.cast()
+        torch.cat(self.inputs, out=slot)
+
+    def copy_out(self, rows: torch.Tensor) -> None:
+        """Flat way: split the gathered bytes `rows` (ranks x `nbytes`) into the outputs."""
+        sizes = [i.numel() for i in self.inputs]
+        outs = [o.view(len(rows), n) for o, n in zip(self.outputs, sizes)]
+        torch.split_with_sizes_copy(rows, sizes, dim=1, out=outs)
 
 
 def prepare_batched(
@@ -325,6 +305,8 @@ def finish_gathers(
         for work in gather.works:
             if work is not None:
                 work.wait()
+        if gather.after is not None:
+            gather.after()
         outputs = tuple(o.view(-1, *s[1:]) for o, s in zip(mp.extension_outputs, gather.input_shapes))
         local = mp.sharded_param._local_tensor  # type: ignore[union-attr]
         param_dtype = post_dtype(local, policy_dtype)

@@ -38,13 +38,27 @@ if TYPE_CHECKING:
 
 
 class GatherRiders(Protocol):
-    """Tensors that travel in a group's direct all-gather beside its flat parameters (the
-    group's batched float8 weights, extension.py)."""
+    """Tensors that travel in a group's all-gather beside its flat parameters (its extension
+    parameters' inputs: extension_batch.py; its float8 weights: extension.py). Direct way: the
+    collective also gathers `inputs` into `outputs`, filled by `cast()` on the all-gather
+    stream. Flat way (`TailRiders` only): `copy_in` packs `nbytes` into the tail of this
+    rank's row of the output, `copy_out` splits the gathered tails back."""
 
     outputs: list[torch.Tensor]
     inputs: list[torch.Tensor]
 
     def cast(self) -> None: ...
+
+
+class TailRiders(GatherRiders, Protocol):
+    """Riders that also travel in the flat way (see `GatherRiders`)."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def copy_in(self, slot: torch.Tensor) -> None: ...
+
+    def copy_out(self, rows: torch.Tensor) -> None: ...
 
 
 @dataclass
@@ -56,6 +70,8 @@ class PendingGather:
     output: torch.Tensor | None  # flat way: the rank-major gather output
     input: torch.Tensor  # this rank's regions, cast; kept alive until the gather is done
     source: torch.Tensor  # a post-forward shard made on the compute stream lives until then too
+    riders: "TailRiders | None" = None  # flat way: riders whose bytes are each row's tail
+    tail: int = 0  # the tail's length in elements of the output's dtype
 
 
 def gathers_directly(params: list["ManagedParam"], coalesced_ok: bool, full_group: bool) -> bool:
@@ -87,12 +103,13 @@ def start_gather(
     group's share of regions); the output holds the `world` regions of the shard group.
     `direct` is `gathers_directly`'s answer, never with a `custom` all-gather (an FSDP2
     `AllGather`, flat way only), which allocates the output and gathers into it.
-    `riders` (direct way only) travel in the same collective: their inputs are filled on the
-    all-gather stream (`riders.cast()`) before it is issued, so a group is one collective, one
-    stream switch and one event however its parameters are gathered."""
+    `riders` travel in the same collective: in the direct way their inputs are filled on the
+    all-gather stream (`riders.cast()`) before it is issued; in the flat way (only the whole
+    shard group, no `custom`) their bytes are packed after this rank's region, so a group is one
+    collective, one stream switch and one event however its parameters are gathered."""
     n = source.numel()  # a post-forward shard holds several ranks' regions: `world` counts those
     assert not (direct and custom is not None), "a custom all-gather takes the flat way"
-    assert riders is None or direct, "riders travel only in a direct gather"
+    assert riders is None or direct or (custom is None and n == region_numel), "flat riders: whole group only"
     travels = n > 0 or riders is not None  # the flat buffer may be empty (only extension parameters)
     async_op = streams is None
     with stream_context(streams.all_gather if streams is not None else None):
@@ -120,18 +137,31 @@ def start_gather(
                 work = alone.all_gather_coalesced(outputs, inputs, group) if travels else None
             gather_in, gather_out = source, None
         else:
+            # The riders' bytes, padded to whole elements, follow the region in each rank's row.
+            flat_riders: Any = riders
+            tail = -(-flat_riders.nbytes // dtype.itemsize) if riders is not None else 0
+            row = n + tail
             # In place: the input is this rank's slot of the output.
             if custom is None:
-                gather_out = torch.empty(world * region_numel, dtype=dtype, device=device)
+                gather_out = torch.empty(world * row, dtype=dtype, device=device)
             else:
                 gather_out = custom.allocate((world * region_numel,), dtype=dtype, device=device)
-            gather_in = gather_out.narrow(0, rank * n, n)
-            gather_in.copy_(source, non_blocking=True)
-            # n == 0: only extension parameters, nothing in the flat buffer
-            work = alone.all_gather(gather_out, gather_in, group, async_op, custom) if n else None
+            gather_in = gather_out.narrow(0, rank * row, row)
+            gather_in.narrow(0, 0, n).copy_(source, non_blocking=True)
+            if riders is not None:
+                flat_riders.copy_in(_tail_bytes(gather_in.view(1, row), n, flat_riders).view(-1))
+            # row == 0: only extension parameters, gathered on their own: nothing travels here
+            work = alone.all_gather(gather_out, gather_in, group, async_op, custom) if row else None
         if streams is not None and travels:
             work = streams.all_gather.record_event()
-    return PendingGather(work, direct, gather_out, gather_in, source)
+    if direct:
+        return PendingGather(work, direct, gather_out, gather_in, source)
+    return PendingGather(work, direct, gather_out, gather_in, source, flat_riders, tail)
+
+
+def _tail_bytes(rows: torch.Tensor, n: int, riders: "TailRiders") -> torch.Tensor:
+    """The riders' bytes of each row of `rows` (rank-major rows of `n` elements plus a tail)."""
+    return rows.narrow(1, n, rows.shape[1] - n).view(torch.uint8).narrow(1, 0, riders.nbytes)
 
 
 def free_storages(params: list["ManagedParam"], streams: CommStreams | None) -> None:
@@ -163,6 +193,13 @@ def finish_gather(
     if streams is not None:
         for mp in params:
             streams.reclaim(mp.unsharded_padded)  # allocated for a direct gather, free deferred
-    copy_out_params(pending.output, world, params, device)  # type: ignore[arg-type]
+    output = pending.output
+    if pending.riders is not None:  # the rows end in the riders' bytes
+        rows = output.view(world, -1)  # type: ignore[union-attr]
+        region = rows.shape[1] - pending.tail
+        pending.riders.copy_out(_tail_bytes(rows, region, pending.riders))
+        output = rows.narrow(1, 0, region)
+    if params:
+        copy_out_params(output, world, params, device)  # type: ignore[arg-type]
     if streams is not None:
         streams.after_copy_out((pending.output, pending.input, pending.source))

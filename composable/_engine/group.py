@@ -12,12 +12,13 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from enum import Enum, auto
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from . import collectives as comm
-from . import extension
+from . import extension, extension_batch
 from .buckets import BucketedReducer
 from .claim import mark_replaced
 from .gather import PendingGather, free_storages, gathers_directly, start_gather
@@ -291,11 +292,17 @@ class ParamGroup:
         custom = getattr(self, "all_gather_comm", None)  # set_custom_all_gather (an FSDP2 `AllGather`): flat way
         ok = self._coalesced_gather_ok and not self.config.param_dtypes  # several dtypes: flat way (mixed_dtypes.py)
         direct = custom is None and gathers_directly(self.flat_params, ok, full_group=source is self.flat_shard)
-        riders = None  # the group's float8 weights ride in the flat parameters' collective where it is direct
-        if direct and self.extension_params and streams is not None:
-            riders = extension.prepare_batched(
-                self.extension_params, lay.shard_world, lay.shard_rank, streams.all_gather
-            )
+        policy = MixedPrecisionPolicy(self.config.param_dtype, self.config.reduce_dtype)
+        gather_stream = streams.all_gather if streams is not None else None
+        # The group's extension parameters ride in the flat parameters' collective, unless it
+        # is a custom one, one of several dtypes or a post-forward one (extension_batch.py).
+        riders: Any = None
+        rides = custom is None and not self.config.param_dtypes and source is self.flat_shard
+        if self.extension_params and rides:
+            # torchao float8 weights with precomputed scales: their fused cast
+            riders = extension.prepare_batched(self.extension_params, lay.shard_world, lay.shard_rank, gather_stream)
+            if riders is None:
+                riders = extension_batch.prepare(self.extension_params, lay, policy, gather_stream)
         pending = start_gather(
             self.flat_params,
             source,
@@ -314,10 +321,8 @@ class ParamGroup:
         if riders is not None:
             self._extension_gathers = riders.pending
         elif self.extension_params:
-            policy = MixedPrecisionPolicy(self.config.param_dtype, self.config.reduce_dtype)
-            gather_stream = streams.all_gather if streams is not None else None
             coalesced = bool(self._coalesced_gather_ok)
-            self._extension_gathers = extension.start_gathers(
+            self._extension_gathers = extension_batch.start_alone(
                 self.extension_params, lay, policy, coalesced, gather_stream
             )
 
