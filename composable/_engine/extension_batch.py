@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from . import alone
-from .extension import PendingGather, _alloc, _outputs_fit, _pre_all_gather, _start_batched, shard_mesh
+from .extension import PendingGather, _alloc, _outputs_fit, _pre_all_gather, _start_batched, prepare_batched, shard_mesh
 from .layout import DataParallelLayout
 from .param import ManagedParam
 from .policies import MixedPrecisionPolicy
@@ -140,3 +140,13 @@ def _gather_bytes(batch: ExtensionBatch, group: dist.ProcessGroup, rank: int) ->
     first.works.append(alone.all_gather(buffer, slot, group, async_op=True))
     first.after = lambda: batch.copy_out(buffer.view(world, n))
     return batch.pending
+
+
+def prepare_riders(
+    params: list[ManagedParam], lay: DataParallelLayout, policy: MixedPrecisionPolicy, stream: object | None
+) -> object | None:
+    """A group's extension parameters made ready to ride in its flat parameters' collective:
+    torchao float8 weights with precomputed scales through their fused cast (extension.py),
+    any other subclass as bytes (`prepare`); None where they cannot ride."""
+    riders = prepare_batched(params, lay.shard_world, lay.shard_rank, stream)
+    return riders if riders is not None else prepare(params, lay, policy, stream)

@@ -297,26 +297,13 @@ class ParamGroup:
         # The group's extension parameters ride in the flat parameters' collective, unless it
         # is a custom one, one of several dtypes or a post-forward one (extension_batch.py).
         riders: Any = None
-        rides = custom is None and not self.config.param_dtypes and source is self.flat_shard
-        if self.extension_params and rides:
-            # torchao float8 weights with precomputed scales: their fused cast
-            riders = extension.prepare_batched(self.extension_params, lay.shard_world, lay.shard_rank, gather_stream)
-            if riders is None:
-                riders = extension_batch.prepare(self.extension_params, lay, policy, gather_stream)
+        if self.extension_params and custom is None and not self.config.param_dtypes and source is self.flat_shard:
+            riders = extension_batch.prepare_riders(self.extension_params, lay, policy, gather_stream)
+        dtype = self.unsharded_dtype if self.config.param_dtypes is None else self.orig_dtype
         pending = start_gather(
-            self.flat_params,
-            source,
-            group,
-            rank,
-            lay.shard_world,
-            self.flat_shard.numel(),
-            self.unsharded_dtype if self.config.param_dtypes is None else self.orig_dtype,
-            self.config.device,
-            streams,
-            direct,
-            custom,
-            riders,
-        )
+            self.flat_params, source, group, rank, lay.shard_world, self.flat_shard.numel(), dtype, self.config.device,
+            streams, direct, custom, riders,
+        )  # fmt: skip
         self._pending_gather = pending  # first: waited for even if an extension gather below raises
         if riders is not None:
             self._extension_gathers = riders.pending
