@@ -29,6 +29,30 @@ GiB = 2**30
 LAYOUT = {"fully_shard": "sharded", "fsdp2": "sharded", "replicate": "replicate", "ddp": "replicate"}
 
 
+# Measured fully_shard steps the estimate is checked against (tests/test_estimate.py):
+# benchmark.py --preset 1b --seq-len 2048 --compile on 4 x H100 (torch 2.11, bf16 compute,
+# fp32 reduction), the same global batch for both meshes. The achieved FLOP/s comes from a
+# separate measurement, the compiled no-communication floor of the same model at batch 4 on
+# 2 x H100 (BENCHMARKS.md, "Two GPUs"): the hardware parameter, not fitted to these steps.
+H100_COMPILED_FLOOR_STEP_S = 0.1051  # 1b, batch 4 x 2048 tokens, one GPU's whole model
+REFERENCE: dict[str, dict[str, Any]] = {
+    "dp4": {"layout": {"parallel": "fsdp"}, "batch_size": 4, "step_s": 0.1100, "peak_gib": 13.92},
+    "dp2xtp2": {"layout": {"parallel": "tp", "tp_size": 2}, "batch_size": 8, "step_s": 0.1735, "peak_gib": 16.90},
+}
+
+
+def reference_setup(name: str) -> Setup:
+    """The Setup of a `REFERENCE` measurement (benchmark.py's default --wrap separate-ends)."""
+    ref = REFERENCE[name]
+    cfg = get_config("1b", max_seq_len=2048)
+    return Setup(cfg, 4, batch_size=ref["batch_size"], seq_len=2048, wrap="separate-ends", mp="bf16", **ref["layout"])
+
+
+def reference_tflops() -> float:
+    """Achieved TFLOP/s of the H100 compiled floor behind `REFERENCE`."""
+    return model_flops_per_token(get_config("1b"), 2048) * 4 * 2048 / H100_COMPILED_FLOOR_STEP_S / 1e12
+
+
 def load(path: str) -> dict[str, Any]:
     """The benchmark's results file; UsageError naming the flag and the path if unreadable."""
     try:

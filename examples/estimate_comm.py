@@ -178,12 +178,10 @@ def build_layout(setup: Setup, device: str = "cpu") -> Transformer:
     if setup.activation_checkpointing:
         for block in model.layers:
             checkpoint(block)
-    if setup.parallel == "tp":
-        from parallel import tp_plan
-        from torch.distributed.tensor.parallel import parallelize_module
+    if setup.parallel == "tp":  # torchtitan's recipe, as train.py and benchmark.py --mesh tp run it
+        from parallel import apply_tensor_parallel
 
-        for block in model.layers:
-            parallelize_module(block, mesh["tp"], tp_plan())
+        apply_tensor_parallel(model, mesh["tp"])
     if setup.parallel == "replicate":
         replicate(model, mesh=dp_mesh, mp_policy=mp_policy)
         return model

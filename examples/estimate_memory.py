@@ -13,8 +13,11 @@ Sizes per rank, for `Setup` (estimate_setup.py); c = bytes of the compute (param
   input (4D) and its output (cD); the q/k/v and w1/w3 Linears share one input (cD each);
   SDPA keeps q, k, v, its output (which `wo` shares) and an fp32 logsumexp per head; SwiGLU
   keeps w1 x, w3 x, silu(w1 x) and the product (4cF). Rotary saves nothing large (its fp32
-  multiplicands are the constant tables). With tensor parallelism (no sequence parallel)
-  the head- and ffn-sharded tensors are divided by the TP size, the norms' are not. With
+  multiplicands are the constant tables). With tensor parallelism (torchtitan's recipe) the
+  head- and ffn-sharded tensors are divided by the TP size, and so are the norms' (they see
+  the T/tp tokens of the sequence shard); the Linears' shared inputs are the all-gathered
+  whole sequence (cD each, not divided), and the vocabulary-parallel head's fp32 outputs
+  are divided by the TP size. With
   activation checkpointing a block keeps only its input (cD); its full set comes back
   during its own backward. Root: the final norm (4D + cD), the head's input (cD) and
   log_softmax's fp32 output (4V); backward starts with two more fp32 (B, T, V) tensors
@@ -53,9 +56,12 @@ def block_param_shapes(cfg: ModelConfig, tp: int = 1) -> list[tuple[int, int]]:
     return col + row + [(d, 1)] * 2  # two RMSNorm weights, replicated over TP
 
 
-def root_param_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
-    head = [] if cfg.tie_embeddings else [(cfg.vocab_size, cfg.dim)]
-    return [(cfg.vocab_size, cfg.dim), (cfg.dim, 1)] + head
+def root_param_shapes(cfg: ModelConfig, tp: int = 1) -> list[tuple[int, int]]:
+    """(rows, cols) of the embeddings, final norm and head on one TP rank: the recipe splits
+    the embedding table and the head by vocabulary rows (rank 0's rounded-up share)."""
+    v = math.ceil(cfg.vocab_size / tp)
+    head = [] if cfg.tie_embeddings else [(v, cfg.dim)]
+    return [(v, cfg.dim), (cfg.dim, 1)] + head
 
 
 def n_params(cfg: ModelConfig) -> int:
@@ -83,7 +89,7 @@ class Sizes:
 
 def sizes(s: Setup) -> Sizes:
     n = s.shard_size
-    blocks, root = block_param_shapes(s.cfg, s.tp), root_param_shapes(s.cfg)
+    blocks, root = block_param_shapes(s.cfg, s.tp), root_param_shapes(s.cfg, s.tp)
     return Sizes(
         block_local=s.cfg.n_layers * sum(_shard(r, c, n) for r, c in blocks),
         root_local=sum(_shard(r, c, n) for r, c in root),
@@ -98,14 +104,14 @@ def activation_bytes_per_token(cfg: ModelConfig, c: int, tp: int = 1) -> dict[st
     `loss_grads` (the extra fp32 tensors at the start of backward), `block_transient`
     (gradients alive inside one block's backward: the FFN's, the largest)."""
     d, f, h, v = cfg.dim, cfg.ffn_dim, cfg.n_heads, cfg.vocab_size
-    norms = 2 * (FP32 * d + c * d)
-    shared_inputs = 2 * c * d  # attention and feed-forward input, each shared by its Linears
+    norms = 2 * (FP32 * d + c * d) / tp  # sequence-parallel: T/tp tokens per rank
+    shared_inputs = 2 * c * d  # attention and feed-forward input (all-gathered), each shared by its Linears
     split = (4 * c * d + FP32 * h + 4 * c * f) / tp  # q, k, v, attn out, logsumexp, SwiGLU
     return {
         "block": norms + shared_inputs + split,
-        "block_ckpt": c * d,
-        "root": FP32 * d + 2 * c * d + FP32 * v,
-        "loss_grads": 2 * FP32 * v,
+        "block_ckpt": c * d / tp,  # the block's input: a sequence shard
+        "root": (FP32 * d + c * d) / tp + c * d + FP32 * v / tp,  # final norm, head input, vocab-sharded log_softmax
+        "loss_grads": 2 * FP32 * v / tp,
         "block_transient": (3 * c * f) / tp + 2 * c * d,
     }
 
@@ -159,10 +165,10 @@ def estimate_memory(s: Setup) -> MemoryEstimate:
         candidates.append(("optimizer step", grads_full, replica, 0.0))
     else:
         keep = s.reshard_after_forward is False  # blocks stay gathered from forward to backward
-        head = cfg.vocab_size * cfg.dim if not cfg.tie_embeddings else 0
+        head = math.ceil(cfg.vocab_size / s.tp) * cfg.dim if not cfg.tie_embeddings else 0
         if s.wrap == "separate-ends":  # the head: its own group, gathered for its backward, reduced at once
             ur_start, ur, head_grad = (head + cfg.dim) * c, cfg.dim * c, 0.0
-            head_sharded_grad = _shard(cfg.vocab_size, cfg.dim, s.shard_size) * FP32 if head else 0
+            head_sharded_grad = _shard(head // cfg.dim, cfg.dim, s.shard_size) * FP32 if head else 0
         else:  # the root group holds embeddings and head, gathered (and its gradients unreduced) to the end
             ur_start, head_grad, head_sharded_grad = ur, head * c, 0
         candidates.append(

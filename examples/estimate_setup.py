@@ -119,6 +119,8 @@ def check(s: Setup) -> None:
             raise UsageError(
                 f"--tp-size {s.tp_size} must divide --n-heads {s.cfg.n_heads} and --ffn-dim {s.cfg.ffn_dim}"
             )
+        if s.seq_len % s.tp_size:  # the recipe's sequence-parallel norms split the sequence evenly
+            raise UsageError(f"--tp-size {s.tp_size} must divide --seq-len {s.seq_len}")
     elif s.tp_size != 1:
         raise UsageError(f"--tp-size {s.tp_size} needs --parallel tp, got --parallel {s.parallel}")
     if s.parallel == "replicate" and (s.offload or s.reshard_after_forward is not None):

@@ -8,15 +8,24 @@ Assumptions (none of these was measured by the project; override them with flags
   (`--gpus-per-node`, consecutive ranks per node) runs at the inter-node rate.
 - `--tflops 334`: achieved dense bf16 TFLOP/s per GPU, derived from BENCHMARKS.md's measured
   no-communication floor (1b preset, batch 4: 58,313 tok/s/GPU x 5.73 GFLOP/token on H200).
-  Compute time = model FLOPs (examples/model.py's `model_flops_per_token`, the blocks' / TP
-  size, the replicated head's whole, +1/3 for checkpointing's recomputed forward) / achieved
-  FLOP/s; 1/3 of it forward.
+  Compute time = model FLOPs (examples/model.py's `model_flops_per_token`, +1/3 for
+  checkpointing's recomputed forward) / achieved FLOP/s; 1/3 of it forward. Under tensor
+  parallelism (torchtitan's recipe, parallel.py's `apply_tensor_parallel`) every term is
+  split over the tp ranks: the sharded GEMMs by heads / hidden features / vocabulary (the head
+  is vocabulary-parallel, the loss reduced under `loss_parallel`), the norms, residual adds
+  and elementwise work by sequence (each rank keeps T/tp tokens between the GEMMs). So a tp
+  rank with tp times the local batch computes what a data-parallel rank does.
 
 Overlap model (what examples/trace_overlap.py measures on real traces): the step's first
 collective (the root's all-gather: nothing to compute before it) and its last (the root's
-reduce-scatter: nothing left after it), and tensor parallelism's activation all-reduces
-(the next operation needs their result), are exposed; the rest overlaps with compute of the
-same phase, and only what exceeds it is exposed.
+reduce-scatter: nothing left after it) are exposed, and so is every collective on the tensor-
+parallel group: the recipe's sequence-parallel all-gathers (before attention and feed-forward,
+of the normed sequence shards) and reduce-scatters (after wo and w2, of their partial sums),
+their mirrors in backward, the vocabulary-parallel embedding's reduce-scatter and the head's
+all-gather, `loss_parallel`'s reductions and the norm weights' gradient all-reduces: the next
+GEMM needs each one's result, so it sits on the critical path between two GEMMs. The rest
+(FSDP's all-gathers and reduce-scatters on the data-parallel group) overlaps with compute of
+the same phase, and only what exceeds it is exposed.
 """
 
 from __future__ import annotations
@@ -82,14 +91,19 @@ class TimeEstimate:
 
 
 def compute_seconds(s: Setup, tflops: float) -> float:
-    """One rank's step at `tflops`: the blocks' FLOPs split over the TP ranks, the head's not
-    (train.py's TP plan leaves it replicated: every TP rank computes all the logits)."""
-    head = 6 * s.cfg.vocab_size * s.cfg.dim
-    per_token = (model_flops_per_token(s.cfg, s.seq_len) - head) / s.tp + head
-    flops = per_token * s.batch_size * s.seq_len
+    """One rank's step at `tflops`. With tensor parallelism the recipe splits all of the
+    model's FLOPs over the tp ranks (the blocks' GEMMs and attention by heads and features,
+    the head's by vocabulary rows) while each rank sees the whole local batch."""
+    flops = model_flops_per_token(s.cfg, s.seq_len) / s.tp * s.batch_size * s.seq_len
     if s.activation_checkpointing:
         flops *= 4 / 3  # the forward runs twice
     return flops / (tflops * 1e12)
+
+
+def tp_group(s: Setup) -> tuple[int, ...]:
+    """Rank 0's tensor-parallel group: tp is the inner mesh dimension, so consecutive ranks
+    (the data-parallel group of rank 0 is every tp-th rank, and may have the same size)."""
+    return tuple(range(s.tp)) if s.tp > 1 else ()
 
 
 def estimate_time(s: Setup, comm: CommEstimate, links: Links, tflops: float = DEFAULT_TFLOPS) -> TimeEstimate:
@@ -102,7 +116,8 @@ def estimate_time(s: Setup, comm: CommEstimate, links: Links, tflops: float = DE
     for c in cols:
         per_kind[c.kind] = per_kind.get(c.kind, 0.0) + links.seconds(c)
     # By position, not equality: identical blocks issue equal collectives.
-    blocking = {i for i, c in enumerate(cols) if c.kind == "all_reduce" and s.tp > 1 and c.group_size == s.tp}
+    # The tp group's collectives feed the next GEMM: on the critical path, never hidden.
+    blocking = {i for i, c in enumerate(cols) if c.group_ranks and c.group_ranks == tp_group(s)}
     ends = {0, len(cols) - 1} - blocking if cols else set()
     exposed = sum(links.seconds(cols[i]) for i in blocking | ends)
     for phase, budget in (("forward", fwd_compute), ("backward", compute - fwd_compute)):

@@ -76,8 +76,8 @@ def tp_plan() -> dict[str, ParallelStyle]:
     """The textbook tensor-parallel plan of one block, without sequence parallelism: q/k/v and
     w1/w3 split by output features (heads), wo/w2 by input features with an all-reduce after;
     norms, embeddings and head replicated over tp. Pipeline stages (pipeline.py) keep it (the
-    activations they send between stages are whole sequences), as does estimate_comm.py's
-    count of --parallel tp's traffic; `apply_tensor_parallel` is the recipe train.py runs."""
+    activations they send between stages are whole sequences); `apply_tensor_parallel` is the
+    recipe train.py runs, and estimate_comm.py counts."""
     plan: dict[str, ParallelStyle] = {
         name: ColwiseParallel()
         for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")

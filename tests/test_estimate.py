@@ -192,19 +192,9 @@ def test_four_rank_estimates_equal_a_real_4_rank_gloo_run(name: str) -> None:
     groups = {(c.kind, c.group_size) for c in est.collectives}
     if name == "hsdp2x2":  # reduce-scatter over a shard pair, all-reduce over a replica pair
         assert ("all_reduce", 2) in groups and ("reduce_scatter", 2) in groups
-    if name == "tp2xdp2":  # TP's activation all-reduces over the tp pair, FSDP over the dp pair
-        assert ("all_reduce", 2) in groups and ("all_gather", 2) in groups
-
-
-def test_tp_compute_splits_the_blocks_not_the_replicated_head() -> None:
-    from estimate_time import compute_seconds
-    from model import model_flops_per_token
-
-    cfg = get_config("1b")
-    tp = Setup(cfg, 4, "tp", tp_size=2, batch_size=1, seq_len=2048)
-    head = 6 * cfg.vocab_size * cfg.dim
-    total = model_flops_per_token(cfg, 2048)
-    assert compute_seconds(tp, 100.0) == pytest.approx(((total - head) / 2 + head) * 2048 / 100e12)
+    if name == "tp2xdp2":  # sequence-parallel gathers / reduce-scatters on the tp pair, FSDP's on the dp pair
+        assert {c.group_ranks for c in est.collectives} == {(0, 1), (0, 2)}
+        assert ("reduce_scatter", 2) in groups and ("all_gather", 2) in groups
 
 
 def _benchmark_file(tmp_path, monkeypatch, argv: list[str]) -> str:  # type: ignore[no-untyped-def]
@@ -277,3 +267,66 @@ def test_bad_benchmark_files_exit_2_with_one_line(
     capsys.readouterr()
     assert estimate.main(["--benchmark", path]) == 2
     assert "--benchmark: a --float8 run is not modelled" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- the tensor-parallel recipe
+
+
+def test_tp_recipe_collectives_per_block() -> None:
+    """--parallel tp counts torchtitan's recipe (parallel.apply_tensor_parallel): per block on
+    the tp group, forward 2 all-gathers (before attention and feed-forward) and 2
+    reduce-scatters (after wo and w2) of a (local batch, seq, dim) activation in the compute
+    dtype, backward their mirror plus the two norm weights' (bf16) gradient all-reduces; no textbook
+    all-reduce of activations. FSDP gathers and reduces on the dp group beside them."""
+    cfg = replace(SMALL, n_layers=3)
+    setup = Setup(cfg, 4, "tp", tp_size=2, batch_size=2, seq_len=8, wrap="separate-ends")
+    one, three = (estimate_comm(replace(setup, cfg=replace(cfg, n_layers=n))) for n in (1, 3))
+    activation = setup.batch_size * setup.seq_len * cfg.dim * 2  # bf16
+
+    def on_tp(est, phase: str, kind: str, payload: int | None = None) -> int:  # type: ignore[no-untyped-def]
+        return sum(
+            c.phase == phase and c.kind == kind and c.group_ranks == (0, 1) and payload in (None, c.payload_bytes)
+            for c in est.collectives
+        )
+
+    for phase in ("forward", "backward"):
+        for kind in ("all_gather", "reduce_scatter"):
+            assert (on_tp(three, phase, kind, activation) - on_tp(one, phase, kind, activation)) / 2 == 2
+    assert (
+        on_tp(three, "backward", "all_reduce", cfg.dim * 2) - on_tp(one, "backward", "all_reduce", cfg.dim * 2)
+    ) / 2 == 2
+    assert not any(c.kind == "all_reduce" and c.payload_bytes == activation for c in three.collectives)
+    assert {c.group_ranks for c in three.collectives} == {(0, 1), (0, 2)}
+
+
+def test_tp_compute_splits_every_term_over_tp() -> None:
+    """The recipe's tp rank with tp times the local batch computes what a dp rank does."""
+    from estimate_time import compute_seconds
+
+    cfg = get_config("1b")
+    tp = Setup(cfg, 4, "tp", tp_size=2, batch_size=8, seq_len=2048)
+    assert compute_seconds(tp, 100.0) == pytest.approx(compute_seconds(Setup(cfg, 4, batch_size=4), 100.0))
+
+
+def _reference_step(name: str) -> tuple[float, float]:
+    import estimate_bench
+    from estimate_time import Links, estimate_time
+
+    setup = estimate_bench.reference_setup(name)
+    tim = estimate_time(setup, estimate_comm(setup), Links(), estimate_bench.reference_tflops())
+    return tim.compute_s + tim.exposed_s, estimate_bench.REFERENCE[name]["step_s"]
+
+
+def test_dp4_step_within_15_percent_of_the_measured_one() -> None:
+    estimated, measured = _reference_step("dp4")
+    assert estimated == pytest.approx(measured, rel=0.15)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the recipe's modelled terms (compute split over tp, sequence-parallel collectives exposed at "
+    "the assumed NVLink bandwidth) reach 0.69 of the measured 2D step; the rest is not modelled",
+)
+def test_dp2xtp2_step_within_15_percent_of_the_measured_one() -> None:
+    estimated, measured = _reference_step("dp2xtp2")
+    assert estimated == pytest.approx(measured, rel=0.15)
