@@ -141,9 +141,11 @@ def start_gather(
             flat_riders: Any = riders
             tail = -(-flat_riders.nbytes // dtype.itemsize) if riders is not None else 0
             row = n + tail
-            # In place: the input is this rank's slot of the output.
+            # In place: the input is this rank's slot of the output. `world` regions of the shard
+            # group, whatever share of them the group's ranks hold (a post-forward shard holds
+            # several); riders travel with the whole shard group only (n == region_numel).
             if custom is None:
-                gather_out = torch.empty(world * row, dtype=dtype, device=device)
+                gather_out = torch.empty(world * (region_numel + tail), dtype=dtype, device=device)
             else:
                 gather_out = custom.allocate((world * region_numel,), dtype=dtype, device=device)
             gather_in = gather_out.narrow(0, rank * row, row)
