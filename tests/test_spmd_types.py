@@ -61,11 +61,12 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x * self.norm
+        same_dtype = {"op_dtype": x.dtype}  # spmd_types asks for the backward's reduction dtype
         if self.tp is not None:
-            h = spmd.all_gather(h, self.tp, src=spmd.S(1), dst=spmd.R)
+            h = spmd.all_gather(h, self.tp, src=spmd.S(1), dst=spmd.R, backward_options=same_dtype)
         out = F.linear(torch.relu(F.linear(h, self.w1, self.b1)), self.w2)
         if self.tp is not None:
-            out = spmd.reduce_scatter(out, self.tp, src=spmd.P, dst=spmd.S(1))
+            out = spmd.reduce_scatter(out, self.tp, src=spmd.P, dst=spmd.S(1), backward_options=same_dtype)
         return x + out
 
 
@@ -109,14 +110,14 @@ def build(mesh, case: str, seed: int = 0, annotate_dp: bool = True) -> Model:
     return model
 
 
-def shard(api, model: Model, mesh, case: str) -> None:
+def shard(api, model: Model, mesh, case: str, **kwargs: object) -> None:
     dims = DataParallelMeshDims(**CASES[case][1])
     if case == "ddp_tp":
-        api(model, mesh=mesh, dp_mesh_dims=dims)
+        api(model, mesh=mesh, dp_mesh_dims=dims, **kwargs)
         return
     for block in model.blocks:
-        api(block, mesh=mesh, dp_mesh_dims=dims)
-    api(model, mesh=mesh, dp_mesh_dims=dims)
+        api(block, mesh=mesh, dp_mesh_dims=dims, **kwargs)
+    api(model, mesh=mesh, dp_mesh_dims=dims, **kwargs)
 
 
 def torch_api(case: str):
@@ -267,6 +268,26 @@ def test_equal_to_single_process() -> None:
     """Sequence-parallel norm weights keep their tensor-parallel gradient reduction (any torch
     spmd_types runs on: no FSDP2 needed)."""
     run_on_ranks(_single_process, 4)
+
+
+def _mixed_precision(rank: int, world: int) -> None:
+    """bf16 compute, fp32 reduction: the sequence-parallel norm's gradient (Partial over tp) is
+    reduced over tp in fp32, the others sum in bf16, as FSDP2 decides per parameter."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    ref, ours = build(mesh, "dp_tp"), build(mesh, "dp_tp")
+    shard(torch_api("dp_tp"), ref, mesh, "dp_tp", mp_policy=policy)
+    shard(ours_api("dp_tp"), ours, mesh, "dp_tp", mp_policy=policy)
+    ref_losses, our_losses = train(ref, mesh, "dp_tp", False), train(ours, mesh, "dp_tp", False)
+    assert all(torch.equal(a, b) for a, b in zip(ref_losses, our_losses)), (ref_losses, our_losses)
+    assert_same_storage(ref, ours)
+
+
+@needs_fsdp2
+def test_mixed_precision_equal_to_fsdp2() -> None:
+    run_on_ranks(_mixed_precision, 4)
 
 
 def _compiled_state_dict_dcp(rank: int, world: int, tmp: str) -> None:
