@@ -9,6 +9,8 @@ group        a parameter group: sharded storage, unshard / reshard / reduce_grad
 extension    FSDP2's all-gather extension (subclass weights: float8, NF4); extension_batch: a
              group's extension inputs in one collective (riding in the flat gather, or alone)
 param        one parameter's layouts (sharded DTensor, unsharded twin) and bookkeeping
+spmd         dp_mesh_dims: the whole SPMD mesh, its data-parallel dims; annotated: parameters
+             carrying spmd_types annotations (torchtitan's default), stored as DTensors on it
 layout       the data-parallel layout (mesh, placements, shard/replicate groups, ranks)
 reduce       gradient reduction (reduce-scatter, all-reduce); buckets: replicate's buckets;
              no_sync: the sums no-sync micro-steps keep
