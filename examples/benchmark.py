@@ -63,6 +63,7 @@ from bench_mesh import (
     tokens_per_gpu,
 )
 from bench_report import report, write_trace
+from launch import init_torchrun_rank
 from model import get_config, lm_loss, model_flops_per_token  # noqa: F401 (get_config: the tests')
 from torch import nn
 
@@ -298,13 +299,7 @@ def run_rounds(args: argparse.Namespace, device: torch.device) -> list[dict[str,
 
 def main(args: argparse.Namespace) -> None:
     """Under torchrun: NCCL on the local GPU, or gloo on the CPU where there is none."""
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
+    device = init_torchrun_rank()
     try:
         prewarm_libraries(device)
         run_rounds(args, device)

@@ -137,6 +137,18 @@ def _stop(procs: list[Any]) -> None:
 # ----------------------------------------------------------------------------- rank side
 
 
+def init_torchrun_rank() -> torch.device:
+    """The benchmarks' join, under torchrun: the default process group on this rank's device,
+    NCCL on the local GPU or gloo on the CPU where there is none; returns the device."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+        return device
+    dist.init_process_group("gloo")
+    return torch.device("cpu")
+
+
 def init_rank(args: argparse.Namespace, external_store_port: int | None = None) -> tuple[torch.device, Watchdog]:
     """Join the job: store, arrival barrier, process group with `--timeout`, watchdog."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

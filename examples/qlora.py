@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from launch import init_torchrun_rank
 
 SHAPES: dict[str, dict[str, int]] = {
     # Small enough for a CPU: every projection's size a multiple of NF4's blocks on 2 ranks.
@@ -190,14 +191,7 @@ def init_distributed() -> torch.device:
         os.environ.update(
             RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("PORT", "29533")
         )
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    return device
+    return init_torchrun_rank()
 
 
 def main() -> None:
