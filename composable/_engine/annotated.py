@@ -15,8 +15,8 @@ either library:
 The engine's hooks run with typechecking paused (they move data the checker knows nothing of).
 
 spmd_types stays optional: a tensor can only carry annotations once spmd_types was imported,
-so nothing here imports it; `seen()` is False (and every hook's check one flag) until the
-first annotated parameter is built."""
+so nothing here imports it; until the first annotated parameter is built, the hooks' check
+(`untyped`, `restore_annotations`) is one flag."""
 
 from __future__ import annotations
 
@@ -49,10 +49,6 @@ def is_annotated(param: torch.Tensor) -> bool:
     """Whether `param` is a plain tensor carrying spmd_types annotations (as FSDP2 tells)."""
     spmd = _spmd_types()
     return spmd is not None and not isinstance(param, DTensor) and bool(spmd.get_local_type(param))
-
-
-def seen() -> bool:
-    return _SEEN[0]
 
 
 @dataclass(frozen=True)
@@ -171,7 +167,7 @@ def _start_watching(spmd: Any) -> None:
 def restore_annotations(params: Any) -> None:
     """Under typechecking, give the unsharded (plain) parameters of annotated managed params
     their compute annotation again (FSDP2 does this before every forward)."""
-    spmd = _spmd_types()
+    spmd = _spmd_types() if _SEEN[0] else None
     if spmd is None or not spmd.is_type_checking():
         return
     for mp in params:

@@ -292,13 +292,14 @@ class ParamGroup:
         custom = getattr(self, "all_gather_comm", None)  # set_custom_all_gather (an FSDP2 `AllGather`): flat way
         ok = self._coalesced_gather_ok and not self.config.param_dtypes  # several dtypes: flat way (mixed_dtypes.py)
         direct = custom is None and gathers_directly(self.flat_params, ok, full_group=source is self.flat_shard)
-        policy = MixedPrecisionPolicy(self.config.param_dtype, self.config.reduce_dtype)
-        gather_stream = streams.all_gather if streams is not None else None
         # The group's extension parameters ride in the flat parameters' collective, unless it
         # is a custom one, one of several dtypes or a post-forward one (extension_batch.py).
         riders: Any = None
-        if self.extension_params and custom is None and not self.config.param_dtypes and source is self.flat_shard:
-            riders = extension_batch.prepare_riders(self.extension_params, lay, policy, gather_stream)
+        if self.extension_params:  # only they need the policy and stream (not every unshard's hot path)
+            policy = MixedPrecisionPolicy(self.config.param_dtype, self.config.reduce_dtype)
+            gather_stream = streams.all_gather if streams is not None else None
+            if custom is None and not self.config.param_dtypes and source is self.flat_shard:
+                riders = extension_batch.prepare_riders(self.extension_params, lay, policy, gather_stream)
         dtype = self.unsharded_dtype if self.config.param_dtypes is None else self.orig_dtype
         pending = start_gather(
             self.flat_params, source, group, rank, lay.shard_world, self.flat_shard.numel(), dtype, self.config.device,

@@ -109,8 +109,8 @@ class ManagedParam:
     tp: "DTensorSpecLite | None" = None  # tensor-parallel spec of the unsharded parameter, if any
     dp_dims: frozenset = frozenset()  # dp_mesh_dims: dims of `tp`'s mesh the group reduces over (spmd.py)
     # spmd_types-annotated parameter (annotated.py): computes as a plain tensor; its gradient is
-    # read with `annotation.grad_placements` on `tp`'s mesh.
-    annotation: "object | None" = None
+    # read as `annotation.grad_spec` (the backward types' placements on `tp`'s mesh).
+    annotation: "object | None" = None  # an annotated.Annotation (that module builds on this one)
     sharded_param: nn.Parameter | None = None  # DTensor parameter the optimizer sees
     unsharded_param: nn.Parameter | None = None  # plain parameter the module computes with
     unsharded_padded: torch.Tensor | None = None  # 1D padded storage behind unsharded_param
