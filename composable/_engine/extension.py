@@ -163,9 +163,18 @@ def _alloc(tensor: torch.Tensor) -> None:
         storage.resize_(nbytes)
 
 
+# Per `fsdp_pre_all_gather` function: whether it has FSDP2's older signature (mesh only). Read
+# once per function: `inspect.signature` costs more host time than the rest of a gather's setup.
+_OLD_SIGNATURE: dict[Any, bool] = {}
+
+
 def _pre_all_gather(local: torch.Tensor, mesh: DeviceMesh, mp: ManagedParam, mp_policy: MixedPrecisionPolicy) -> Any:
     pre = local.fsdp_pre_all_gather  # type: ignore[attr-defined]
-    if len(inspect.signature(pre).parameters) == 1:  # FSDP2's older signature: mesh only
+    func = getattr(pre, "__func__", pre)  # a bound method's function (one per class), else the callable
+    old = _OLD_SIGNATURE.get(func)
+    if old is None:
+        old = _OLD_SIGNATURE[func] = len(inspect.signature(pre).parameters) == 1
+    if old:
         return pre(mesh)
     shape = mp.layout.shape
     return pre(mesh, shape, _contiguous_stride(shape), mp.slots[0][0], mp_policy)
@@ -307,7 +316,7 @@ def finish_gathers(
                 work.wait()
         if gather.after is not None:
             gather.after()
-        outputs = tuple(o.view(-1, *s[1:]) for o, s in zip(mp.extension_outputs, gather.input_shapes))
+        outputs = _shaped_outputs(mp, gather.input_shapes)
         local = mp.sharded_param._local_tensor  # type: ignore[union-attr]
         param_dtype = post_dtype(local, policy_dtype)
         if gather.fresh:
@@ -325,6 +334,18 @@ def finish_gathers(
                 local.fsdp_post_all_gather(outputs, gather.metadata, param_dtype, out=mp.unsharded_param)
         # The collectives wrote into storage the unsharded parameter may hold (inner tensors).
         torch._C._autograd._unsafe_set_version_counter(tuple(mp.extension_outputs), gather.versions)
+
+
+def _shaped_outputs(mp: ManagedParam, input_shapes: list[torch.Size]) -> tuple[torch.Tensor, ...]:
+    """The outputs as `fsdp_post_all_gather` takes them (`output.view(-1, *input_shape[1:])`),
+    made once per outputs and shapes: views stay valid across `free` (storage resized in place)."""
+    shapes = tuple(tuple(s[1:]) for s in input_shapes)
+    cached = mp.extension_shaped
+    if cached and cached[0] is mp.extension_outputs and cached[1] == shapes:
+        return cached[2]
+    outputs = tuple(o.view(-1, *s) for o, s in zip(mp.extension_outputs, shapes))
+    mp.extension_shaped = (mp.extension_outputs, shapes, outputs)
+    return outputs
 
 
 def _finish_batched(params: list[ManagedParam], pending: list[PendingGather], policy_dtype: torch.dtype | None) -> None:

@@ -39,6 +39,20 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(-1).view(torch.uint8)
 
 
+def _byte_views(mp: ManagedParam, tensors: list[torch.Tensor], rank: int) -> tuple[list, list]:
+    """`mp`'s all-gather outputs as bytes and this rank's slot of each (as long as its input),
+    made once per outputs: the views stay valid across `extension.free` (storage resized in
+    place), and a QLoRA block gathers a score of inner tensors per unshard."""
+    sizes = tuple(t.numel() * t.element_size() for t in tensors)
+    cached = mp.extension_byte_views
+    if cached and cached[0] is mp.extension_outputs and cached[1] == rank and cached[2] == sizes:
+        return cached[3], cached[4]
+    outs = [_bytes(o) for o in mp.extension_outputs]
+    slots = [o.narrow(0, rank * n, n) for o, n in zip(outs, sizes)]
+    mp.extension_byte_views = (mp.extension_outputs, rank, sizes, outs, slots)
+    return outs, slots
+
+
 @dataclass
 class ExtensionBatch:
     """A group's extension inputs, ready to travel in one collective.
@@ -100,11 +114,10 @@ def prepare(
                 _alloc(out)
         versions = tuple(o._version for o in mp.extension_outputs)
         pending.append(PendingGather([], [t.shape for t in tensors], metadata, fresh, versions))
-        for t, out in zip(tensors, mp.extension_outputs):
-            source, output = _bytes(t), _bytes(out)
-            sources.append(source)
-            outputs.append(output)
-            inputs.append(output.narrow(0, rank * source.numel(), source.numel()))
+        sources.extend(_bytes(t) for t in tensors)
+        outs, slots = _byte_views(mp, tensors, rank)
+        outputs.extend(outs)
+        inputs.extend(slots)
     if gather_stream is not None and outputs:
         gather_stream.wait_stream(current_stream(outputs[0].device))
     # The sources live until the gather is waited for (the current stream waits, then drops them).

@@ -129,6 +129,8 @@ class ManagedParam:
     extension_outputs: list = field(default_factory=list)  # its all-gather outputs, 1D (made once, freed between uses)
     extension_inner: list = field(default_factory=list)  # its unsharded inner tensors (freed between uses)
     extension_views: tuple = ()  # (output, its float8 slot, byte views of both): float8_cast's batched path
+    extension_byte_views: tuple = ()  # the byte path's views of the outputs (extension_batch.py), made once per outputs
+    extension_shaped: tuple = ()  # the outputs shaped for `fsdp_post_all_gather` (extension.py), made once per outputs
     grad_standins: dict = field(default_factory=dict, repr=False)  # see `make_sharded_grad`
 
     @property
@@ -298,7 +300,7 @@ class ManagedParam:
         drop = freed or self.unsharded_alias_of is not None
         gathered_freed = any(is_freed(t) for t in self.extension_outputs)
         for name, value in vars(self).items():
-            if name == "extension_views":  # views of this parameter's outputs, not of the copy's
+            if name in _EXTENSION_VIEWS:  # views of this parameter's outputs, not of the copy's
                 value = ()
             elif name == "hooked_param" or (
                 drop and name in ("unsharded_param", "unsharded_padded", "unsharded_alias_of")
@@ -345,6 +347,8 @@ class DTensorSpecLite:
         return new_dtensor(local, spec)
 
 
+# Views of an all-gather extension parameter's outputs, cached to spare host work per gather.
+_EXTENSION_VIEWS = ("extension_views", "extension_byte_views", "extension_shaped")
 # What an all-gather extension parameter's gathers made (see extension.py).
 _EXTENSION_GATHERED = ("unsharded_param", "extension_outputs", "extension_inner")
 
