@@ -3,7 +3,8 @@ NF4 + LoRA Llama (examples/qlora.py's model), in interleaved rounds.
 
 Each round builds each contender afresh (same seed, same data), runs `--warmup` untimed steps,
 then `--steps` timed ones, and records tokens/s (all ranks), the peak memory allocated during
-the timed steps and the weight bytes on the rank (NF4 data + scalers, adapters). The order of
+the timed steps and the weight bytes on the rank (NF4 data + scalers, adapters), also those of
+the LoRA layers' base weights alone (what NF4 quantizes: a quarter of bf16 plus the scalers). The order of
 the contenders alternates between rounds so that neither always runs on a warmer machine.
 Rank 0 prints one line per contender and round, then the medians. On GPUs:
 
@@ -21,7 +22,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from qlora import build_llama, init_distributed, shard, train, weight_bytes
+from qlora import base_weight_bytes, build_llama, init_distributed, shard, train, weight_bytes
 
 
 def run_once(name: str, args: argparse.Namespace, device: torch.device) -> dict[str, float]:
@@ -40,6 +41,7 @@ def run_once(name: str, args: argparse.Namespace, device: torch.device) -> dict[
         "tokens_per_s": args.steps * args.batch * args.seq * dist.get_world_size() / elapsed,
         "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan"),
         "weights_mib": weight_bytes(model) / 2**20,
+        "base_mib": base_weight_bytes(model) / 2**20,
     }
     del model
     gc.collect()
@@ -68,7 +70,7 @@ def main() -> None:
                 got = results[name][-1]
                 print(
                     f"round {r} {name:>10}: {got['tokens_per_s']:9.0f} tokens/s, peak {got['peak_gib']:.2f} GiB, "
-                    f"weights {got['weights_mib']:.1f} MiB per rank",
+                    f"weights {got['weights_mib']:.1f} MiB per rank (LoRA base weights {got['base_mib']:.1f})",
                     flush=True,
                 )
     if dist.get_rank() == 0:
@@ -77,7 +79,7 @@ def main() -> None:
             med = {k: statistics.median(run[k] for run in runs) for k in runs[0]}
             print(
                 f"  {name:>10}: {med['tokens_per_s']:9.0f} tokens/s, peak {med['peak_gib']:.2f} GiB, "
-                f"weights {med['weights_mib']:.1f} MiB per rank"
+                f"weights {med['weights_mib']:.1f} MiB per rank (LoRA base weights {med['base_mib']:.1f})"
             )
     dist.destroy_process_group()
 

@@ -140,15 +140,21 @@ def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor], device
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of this rank's parameters: local shards, and NF4's inner tensors (data + scalers)."""
-    total = 0
-    for p in model.parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p
-        if hasattr(local, "__tensor_flatten__"):
-            names, _ = local.__tensor_flatten__()
-            total += sum(getattr(local, n).nbytes for n in names)
-        else:
-            total += local.nbytes
-    return total
+    return sum(_local_bytes(p) for p in model.parameters())
+
+
+def base_weight_bytes(model: nn.Module) -> int:
+    """Bytes of this rank's shards of the LoRA layers' frozen base weights (the weights NF4
+    quantizes; embeddings, head and norms stay in the model's dtype either way)."""
+    return sum(_local_bytes(m.weight) for m in model.modules() if isinstance(m, LoRALinear))
+
+
+def _local_bytes(param: torch.Tensor) -> int:
+    local = param.to_local() if hasattr(param, "to_local") else param
+    if hasattr(local, "__tensor_flatten__"):  # a subclass (NF4): its inner tensors
+        names, _ = local.__tensor_flatten__()
+        return sum(getattr(local, n).nbytes for n in names)
+    return local.nbytes
 
 
 def shard(model: nn.Module, api: str, mp_dtype: torch.dtype | None = None) -> nn.Module:

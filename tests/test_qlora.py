@@ -28,7 +28,7 @@ from composable import MixedPrecisionPolicy, fully_shard
 pytest.importorskip("torchao", reason="QLoRA needs torchao's NF4Tensor: pip install torchao")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from qlora import LoRALinear, build_llama, load_full_state_dict, shard, to_nf4, train  # noqa: E402
+from qlora import LoRALinear, base_weight_bytes, build_llama, load_full_state_dict, shard, to_nf4, train  # noqa: E402
 
 DIM, LAYERS = 256, 3
 
@@ -252,3 +252,12 @@ def test_hf_llama_qlora_matches_fsdp2() -> None:
     """examples/qlora.py's model: an HF Llama whose projections are NF4 with LoRA adapters."""
     pytest.importorskip("transformers", reason="the HF Llama QLoRA test needs transformers")
     run_on_ranks(_hf_llama, 2)
+
+
+def test_nf4_base_weights_take_about_a_quarter_of_bf16() -> None:
+    """examples/qlora.py's weight count: the LoRA layers' NF4 base weights (4-bit data plus
+    their scalers) against the same weights in bf16, as bench_qlora.py reports them."""
+    pytest.importorskip("transformers", reason="the HF Llama QLoRA test needs transformers")
+    nf4 = base_weight_bytes(build_llama("tiny", torch.bfloat16, torch.device("cpu"), nf4=True))
+    bf16 = base_weight_bytes(build_llama("tiny", torch.bfloat16, torch.device("cpu"), nf4=False))
+    assert 0.25 < nf4 / bf16 < 0.30, (nf4, bf16)
