@@ -10,7 +10,8 @@ Rank 0 prints one line per contender and round, then the medians. On GPUs:
 
     torchrun --nproc-per-node 8 examples/bench_qlora.py --shape 1b --rounds 3
 
-`--bf16-lora` adds composable with unquantized bf16 base weights (the memory baseline).
+`--bf16-lora` adds composable with unquantized bf16 base weights (the memory baseline);
+`--graphed` adds composable with the whole step as one CUDA graph (`composable.graphed_step`).
 """
 
 from __future__ import annotations
@@ -22,20 +23,22 @@ import time
 
 import torch
 import torch.distributed as dist
-from qlora import base_weight_bytes, build_llama, init_distributed, shard, train, weight_bytes
+from qlora import base_weight_bytes, build_llama, init_distributed, make_step, run_steps, shard, weight_bytes
 
 
 def run_once(name: str, args: argparse.Namespace, device: torch.device) -> dict[str, float]:
     """Build, warm up and time one contender; its tokens/s, peak GiB and weight MiB."""
     api, nf4 = ("fsdp2", True) if name == "fsdp2" else ("composable", name != "bf16_lora")
     model = shard(build_llama(args.shape, torch.bfloat16, device, nf4=nf4), api)
-    train(model, args.warmup, args.batch, args.seq, device)
+    step = make_step(model, device, graphed_warmup=args.warmup if name.endswith("_graphed") else None)
+    vocab = model.config.vocab_size
+    run_steps(step, vocab, args.warmup, args.batch, args.seq, device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     dist.barrier()
     start = time.perf_counter()
-    train(model, args.steps, args.batch, args.seq, device)  # its `.item()` per step synchronizes
+    run_steps(step, vocab, args.steps, args.batch, args.seq, device)  # its `.item()` per step synchronizes
     elapsed = time.perf_counter() - start
     result = {
         "tokens_per_s": args.steps * args.batch * args.seq * dist.get_world_size() / elapsed,
@@ -43,7 +46,7 @@ def run_once(name: str, args: argparse.Namespace, device: torch.device) -> dict[
         "weights_mib": weight_bytes(model) / 2**20,
         "base_mib": base_weight_bytes(model) / 2**20,
     }
-    del model
+    del model, step
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -59,9 +62,20 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--bf16-lora", action="store_true", help="also composable with bf16 base weights")
+    parser.add_argument(
+        "--graphed", action="store_true", help="also composable with the whole step as one CUDA graph (graphed_step)"
+    )
     args = parser.parse_args()
+    if args.graphed and args.warmup < 2:
+        parser.error(f"--graphed needs --warmup >= 2 (eager warm-up, then the capture), got {args.warmup}")
     device = init_distributed()
-    names = ["composable", "fsdp2"] + (["bf16_lora"] if args.bf16_lora else [])
+    if args.graphed and device.type != "cuda":
+        parser.error("--graphed needs CUDA (graphed_step captures a CUDA graph)")
+    names = (
+        ["composable", "fsdp2"]
+        + (["bf16_lora"] if args.bf16_lora else [])
+        + (["composable_graphed"] if args.graphed else [])
+    )
     results: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     for r in range(args.rounds):
         for name in names if r % 2 == 0 else names[::-1]:
@@ -81,6 +95,14 @@ def main() -> None:
                 f"  {name:>10}: {med['tokens_per_s']:9.0f} tokens/s, peak {med['peak_gib']:.2f} GiB, "
                 f"weights {med['weights_mib']:.1f} MiB per rank (LoRA base weights {med['base_mib']:.1f})"
             )
+        for name in names:
+            if name != "fsdp2":
+                speed = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(results[name], results["fsdp2"])]
+                peak = [a["peak_gib"] / b["peak_gib"] for a, b in zip(results[name], results["fsdp2"])]
+                print(
+                    f"  {name} / fsdp2: tokens/s {statistics.median(speed):.3f}x (rounds {min(speed):.3f}-"
+                    f"{max(speed):.3f}), peak {statistics.median(peak):.3f}x"
+                )
     dist.destroy_process_group()
 
 

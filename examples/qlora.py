@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -171,23 +171,50 @@ def shard(model: nn.Module, api: str, mp_dtype: torch.dtype | None = None) -> nn
     return model
 
 
-def train(model: nn.Module, steps: int, batch: int, seq: int, device: torch.device, lr: float = 1e-3) -> list[float]:
-    """`steps` AdamW steps on the adapters with random tokens (the same on every rank count:
-    each rank draws its own rows); returns the losses."""
+def make_step(
+    model: nn.Module, device: torch.device, lr: float = 1e-3, graphed_warmup: int | None = None
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """One AdamW step on the adapters for a batch of `tokens` (batch x seq + 1), returning the
+    loss. With `graphed_warmup` (CUDA): the step through `composable.graphed_step`, eager for
+    all but the last of `graphed_warmup` warm-up steps, captured in the last and replayed from
+    then on (AdamW capturable, its lr a tensor): the NF4 dequantisation's many small kernels,
+    the hooks and the collectives all replay from one graph, with no host work per step."""
     trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=lr)
-    vocab, rank = model.config.vocab_size, dist.get_rank()
-    losses = []
-    for step in range(steps):
-        gen = torch.Generator().manual_seed(1000 * step + rank)
-        tokens = torch.randint(vocab, (batch, seq + 1), generator=gen).to(device)
-        logits = model(input_ids=tokens[:, :-1]).logits
+    graphed = graphed_warmup is not None
+    opt = torch.optim.AdamW(trainable, lr=torch.tensor(lr, device=device) if graphed else lr, capturable=graphed)
+
+    def step(tokens: torch.Tensor) -> torch.Tensor:
+        logits = model(input_ids=tokens[:, :-1], use_cache=False).logits
         loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        return loss.detach()
+
+    if not graphed:
+        return step
+    from composable import graphed_step
+
+    return graphed_step(step, warmup=max(1, graphed_warmup - 1))
+
+
+def run_steps(
+    step: Callable[[torch.Tensor], torch.Tensor], vocab: int, steps: int, batch: int, seq: int, device: torch.device
+) -> list[float]:
+    """`steps` calls of `step` (`make_step`) on random tokens (the same on every rank count:
+    each rank draws its own rows); returns the losses (read each step: one sync per step)."""
+    rank = dist.get_rank()
+    losses = []
+    for i in range(steps):
+        gen = torch.Generator().manual_seed(1000 * i + rank)
+        tokens = torch.randint(vocab, (batch, seq + 1), generator=gen).to(device)
+        losses.append(step(tokens).item())
     return losses
+
+
+def train(model: nn.Module, steps: int, batch: int, seq: int, device: torch.device, lr: float = 1e-3) -> list[float]:
+    """`steps` eager AdamW steps on the adapters with random tokens; returns the losses."""
+    return run_steps(make_step(model, device, lr), model.config.vocab_size, steps, batch, seq, device)
 
 
 def init_distributed() -> torch.device:

@@ -21,14 +21,24 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from _harness import assert_close_tensors, count_collectives, run_on_ranks, trace_collectives
+from _harness import assert_close_tensors, count_collectives, gpu_worlds, run_on_ranks, trace_collectives
 
 from composable import MixedPrecisionPolicy, fully_shard
 
 pytest.importorskip("torchao", reason="QLoRA needs torchao's NF4Tensor: pip install torchao")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from qlora import LoRALinear, base_weight_bytes, build_llama, load_full_state_dict, shard, to_nf4, train  # noqa: E402
+from qlora import (  # noqa: E402
+    LoRALinear,
+    base_weight_bytes,
+    build_llama,
+    load_full_state_dict,
+    make_step,
+    run_steps,
+    shard,
+    to_nf4,
+    train,
+)
 
 DIM, LAYERS = 256, 3
 
@@ -261,3 +271,29 @@ def test_nf4_base_weights_take_about_a_quarter_of_bf16() -> None:
     nf4 = base_weight_bytes(build_llama("tiny", torch.bfloat16, torch.device("cpu"), nf4=True))
     bf16 = base_weight_bytes(build_llama("tiny", torch.bfloat16, torch.device("cpu"), nf4=False))
     assert 0.25 < nf4 / bf16 < 0.30, (nf4, bf16)
+
+
+def _graphed_like_eager(rank: int, world: int) -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    results = {}
+    for warmup in (None, 3):
+        model = shard(build_llama("tiny", torch.bfloat16, device, nf4=True), "composable")
+        step = make_step(model, device, graphed_warmup=warmup)
+        losses = run_steps(step, model.config.vocab_size, 6, 2, 32, device)
+        if warmup is not None:
+            assert step.graph is not None, "the QLoRA step was never captured"
+        adapters = {n: p.to_local().float().cpu() for n, p in model.named_parameters() if p.requires_grad}
+        results[warmup] = (losses, adapters)
+    (eager_losses, eager), (graphed_losses, graphed) = results[None], results[3]
+    assert eager_losses == graphed_losses, f"losses eager {eager_losses} vs graphed {graphed_losses}"
+    for name, value in eager.items():
+        assert torch.equal(value, graphed[name]), f"{name}: the graphed step's adapter differs"
+
+
+@pytest.mark.parametrize("world", gpu_worlds(1, 2))
+def test_gpu_graphed_qlora_step_trains_like_eager(world: int) -> None:
+    """examples/qlora.py's QLoRA step (NF4 base weights gathered through their extension, LoRA
+    adapters, capturable AdamW) captured whole by `graphed_step` and replayed: the same losses
+    and adapters as the eager step, bit for bit."""
+    pytest.importorskip("transformers", reason="the HF Llama QLoRA test needs transformers")
+    run_on_ranks(_graphed_like_eager, world, backend="nccl", timeout=600)
