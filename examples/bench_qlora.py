@@ -3,9 +3,10 @@ NF4 + LoRA Llama (examples/qlora.py's model), in interleaved rounds.
 
 Each round builds each contender afresh (same seed, same data), runs `--warmup` untimed steps,
 then `--steps` timed ones, and records tokens/s (all ranks), the peak memory allocated during
-the timed steps and the weight bytes on the rank (NF4 data + scalers, adapters), also those of
-the LoRA layers' base weights alone (what NF4 quantizes: a quarter of bf16 plus the scalers). The order of
-the contenders alternates between rounds so that neither always runs on a warmer machine.
+the warm-up and timed steps (a graphed step takes its memory while it is captured), and the
+weight bytes on the rank (NF4 data + scalers, adapters), also those of the LoRA layers' base
+weights alone (what NF4 quantizes: a quarter of bf16 plus the scalers). The order of the
+contenders alternates between rounds so that neither always runs on a warmer machine.
 Rank 0 prints one line per contender and round, then the medians. On GPUs:
 
     torchrun --nproc-per-node 8 examples/bench_qlora.py --shape 1b --rounds 3
@@ -30,12 +31,16 @@ def run_once(name: str, args: argparse.Namespace, device: torch.device) -> dict[
     """Build, warm up and time one contender; its tokens/s, peak GiB and weight MiB."""
     api, nf4 = ("fsdp2", True) if name == "fsdp2" else ("composable", name != "bf16_lora")
     model = shard(build_llama(args.shape, torch.bfloat16, device, nf4=nf4), api)
+    if device.type == "cuda":
+        # From before the warm-up: a graphed step allocates its memory while being captured
+        # (the last warm-up step) and its replays allocate nothing.
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
     step = make_step(model, device, graphed_warmup=args.warmup if name.endswith("_graphed") else None)
     vocab = model.config.vocab_size
     run_steps(step, vocab, args.warmup, args.batch, args.seq, device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
     dist.barrier()
     start = time.perf_counter()
     run_steps(step, vocab, args.steps, args.batch, args.seq, device)  # its `.item()` per step synchronizes

@@ -172,16 +172,23 @@ def shard(model: nn.Module, api: str, mp_dtype: torch.dtype | None = None) -> nn
 
 
 def make_step(
-    model: nn.Module, device: torch.device, lr: float = 1e-3, graphed_warmup: int | None = None
+    model: nn.Module,
+    device: torch.device,
+    lr: float = 1e-3,
+    graphed_warmup: int | None = None,
+    capturable: bool | None = None,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """One AdamW step on the adapters for a batch of `tokens` (batch x seq + 1), returning the
     loss. With `graphed_warmup` (CUDA): the step through `composable.graphed_step`, eager for
     all but the last of `graphed_warmup` warm-up steps, captured in the last and replayed from
-    then on (AdamW capturable, its lr a tensor): the NF4 dequantisation's many small kernels,
-    the hooks and the collectives all replay from one graph, with no host work per step."""
+    then on: the NF4 dequantisation's many small kernels, the hooks and the collectives all
+    replay from one graph, with no host work per step. `capturable` (default: graphed) builds
+    AdamW as a graph needs it (capturable, its lr a tensor), which rounds its bias correction
+    on the device: an eager step compared with a graphed one bit for bit needs it too."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     graphed = graphed_warmup is not None
-    opt = torch.optim.AdamW(trainable, lr=torch.tensor(lr, device=device) if graphed else lr, capturable=graphed)
+    capturable = graphed if capturable is None else capturable
+    opt = torch.optim.AdamW(trainable, lr=torch.tensor(lr, device=device) if capturable else lr, capturable=capturable)
 
     def step(tokens: torch.Tensor) -> torch.Tensor:
         logits = model(input_ids=tokens[:, :-1], use_cache=False).logits
