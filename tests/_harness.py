@@ -40,7 +40,9 @@ import torch.distributed as dist
 
 # Counting collectives is part of the harness's offer; the code lives in _comm_trace.py.
 from _comm_trace import Collective, CollectiveTracer, count_collectives, trace_collectives  # noqa: E402,F401
-from torch.distributed.tensor import DTensor
+
+# Comparing tensors and DTensors, shard by shard: its own module.
+from _harness_compare import assert_close_tensors  # noqa: F401
 
 # One module object whichever way it is imported (`_harness` or `tests._harness`): two copies
 # would mean two worker pools and two distinct `RankError` classes.
@@ -495,41 +497,3 @@ def on_gpus(value: Any, n: int, id: str | None = None) -> Any:
     """A test parameter ``value`` with `requires_gpus`' marks for ``n`` GPUs, beside CPU forms
     of the same test: ``parametrize("device", ["cpu", on_gpus("cuda", 4, id="nccl")])``."""
     return pytest.param(value, id=id, marks=_gpu_marks(n))
-
-
-def assert_close_tensors(
-    a: Any, b: Any, *, exact: bool = False, rtol: float | None = None, atol: float | None = None, msg: str = ""
-) -> None:
-    """Compare tensors or DTensors (via ``full_tensor()``, a collective: call on every rank),
-    or dicts/lists/tuples of them. ``exact``: ``torch.equal`` plus equal dtypes."""
-    _compare(a, b, exact, rtol, atol, msg, path="")
-
-
-def _compare(a: Any, b: Any, exact: bool, rtol: float | None, atol: float | None, msg: str, path: str) -> None:
-    where = f"{msg} {'at ' + path if path else ''}".strip() or "tensors"
-    if isinstance(a, (dict, list, tuple)):
-        if not isinstance(b, (dict, list, tuple)) or isinstance(a, dict) != isinstance(b, dict):
-            raise AssertionError(f"{where}: {type(a).__name__} vs {type(b).__name__}")
-        keys = list(a) if isinstance(a, dict) else list(range(len(a)))
-        other = list(b) if isinstance(b, dict) else list(range(len(b)))
-        if sorted(map(repr, keys)) != sorted(map(repr, other)):
-            raise AssertionError(f"{where}: keys differ: {keys} vs {other}")
-        for k in keys:
-            _compare(a[k], b[k], exact, rtol, atol, msg, f"{path}[{k!r}]")
-        return
-    a = a.full_tensor() if isinstance(a, DTensor) else a
-    b = b.full_tensor() if isinstance(b, DTensor) else b
-    if not exact:
-        if (rtol is None) != (atol is None):  # torch.testing wants both or neither
-            rtol, atol = rtol or 0.0, atol or 0.0
-        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m: f"{where}: {m}")
-    elif a.shape != b.shape or a.dtype != b.dtype:
-        raise AssertionError(f"{where}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}")
-    elif not torch.equal(a, b):
-        diff = (a.double() - b.double()).abs()
-        idx = tuple(int(i) for i in torch.nonzero(diff != 0)[0])
-        raise AssertionError(
-            f"{where}: not equal; {int((a != b).sum())} of {a.numel()} "
-            f"elements differ, max abs diff {diff.nan_to_num().max().item()}, "
-            f"first at {idx}: {a[idx].item()} vs {b[idx].item()}"
-        )
