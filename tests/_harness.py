@@ -44,6 +44,9 @@ from _comm_trace import Collective, CollectiveTracer, count_collectives, trace_c
 # Comparing tensors and DTensors, shard by shard: its own module.
 from _harness_compare import assert_close_tensors  # noqa: F401
 
+# Stepping two models side by side and matching them: its own module.
+from _harness_parity import step_and_match  # noqa: F401
+
 # One module object whichever way it is imported (`_harness` or `tests._harness`): two copies
 # would mean two worker pools and two distinct `RankError` classes.
 sys.modules.setdefault("_harness", sys.modules[__name__])
@@ -61,6 +64,7 @@ __all__ = [
     "requires_gpus",
     "on_gpus",
     "assert_close_tensors",
+    "step_and_match",
 ]
 
 FAILURE_GRACE_S = 5.0  # after one rank fails, how long the others get to finish or fail
