@@ -65,6 +65,7 @@ __all__ = [
     "on_gpus",
     "assert_close_tensors",
     "step_and_match",
+    "register_fake_backend",
 ]
 
 FAILURE_GRACE_S = 5.0  # after one rank fails, how long the others get to finish or fail
@@ -462,6 +463,13 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+def register_fake_backend() -> None:
+    """Register torch's "fake" process-group backend (importing torch's private fake process
+    group module registers it), for code that builds groups on it itself, as torchtitan's
+    `ParallelDims` does for its size-1 mesh dims."""
+    importlib.import_module("torch.testing._internal.distributed.fake_pg")
 
 
 # ----------------------------------------------------------------------------- misc
