@@ -41,6 +41,9 @@ import torch.distributed as dist
 # Counting collectives is part of the harness's offer; the code lives in _comm_trace.py.
 from _comm_trace import Collective, CollectiveTracer, count_collectives, trace_collectives  # noqa: E402,F401
 
+# The benchmark's smoke command line: its own module.
+from _harness_bench import smoke_argv  # noqa: F401
+
 # Comparing tensors and DTensors, shard by shard: its own module.
 from _harness_compare import assert_close_tensors  # noqa: F401
 
@@ -65,6 +68,7 @@ __all__ = [
     "on_gpus",
     "assert_close_tensors",
     "step_and_match",
+    "smoke_argv",
     "register_fake_backend",
 ]
 
