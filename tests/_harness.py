@@ -1,5 +1,6 @@
-"""Test harness: the one place for multi-process machinery and for every use of the private
-``torch.testing._internal``. Tests import it as ``from _harness import ...``.
+"""Test harness: the one place for multi-process machinery and for every use of torch's private
+modules (here and in the ``_harness_*.py`` modules it re-exports, one concern each). Tests import
+it as ``from _harness import ...``.
 
 ``run_on_ranks`` uses a persistent pool of spawned workers (a few hundredths of a second per
 call, where spawning per test costs 3.5-9 s on 2 cores); ``fake_process_group`` makes this
@@ -21,7 +22,6 @@ import multiprocessing as mp
 import os
 import pickle
 import random
-import re
 import shutil
 import signal
 import sys
@@ -29,18 +29,30 @@ import tempfile
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-import pytest
 import torch
 import torch.distributed as dist
 
 # Counting collectives is part of the harness's offer; the code lives in _comm_trace.py.
 from _comm_trace import Collective, CollectiveTracer, count_collectives, trace_collectives  # noqa: E402,F401
-from torch.distributed.tensor import DTensor
+
+# The benchmark's smoke command line: its own module.
+from _harness_bench import smoke_argv  # noqa: F401
+
+# Comparing tensors and DTensors, shard by shard: its own module.
+from _harness_compare import assert_close_tensors  # noqa: F401
+
+# What a failed call raises, torch's fake process group and the GPU marks: modules of their own.
+from _harness_errors import RankError, crashing_thread_first, rank_error  # noqa: F401
+from _harness_fake import fake_process_group, register_fake_backend  # noqa: F401
+from _harness_gpu import gpu_worlds, on_gpus, requires_gpus  # noqa: F401
+
+# Stepping two models side by side and matching them: its own module.
+from _harness_parity import step_and_match  # noqa: F401
 
 # One module object whichever way it is imported (`_harness` or `tests._harness`): two copies
 # would mean two worker pools and two distinct `RankError` classes.
@@ -59,19 +71,14 @@ __all__ = [
     "requires_gpus",
     "on_gpus",
     "assert_close_tensors",
+    "step_and_match",
+    "smoke_argv",
+    "register_fake_backend",
 ]
 
 FAILURE_GRACE_S = 5.0  # after one rank fails, how long the others get to finish or fail
 STARTUP_TIMEOUT_S = 180.0  # spawning + importing torch; generous for a loaded 2-core machine
 FAULT_TEXT_LIMIT = 200_000  # characters of a dead worker's fault file that go into the RankError
-
-
-class RankError(AssertionError):
-    """Ranks raised, died, or hung after another failed; ``errors``: rank -> remote traceback."""
-
-    def __init__(self, message: str, errors: dict[int, str]) -> None:
-        super().__init__(message)
-        self.errors = errors
 
 
 # ----------------------------------------------------------------------------- worker side
@@ -249,7 +256,7 @@ class _Pool:
         """Why the worker of ``slot`` died: what it wrote since its current (or last) call
         began, native stacks (the crashing thread's first) and Python stacks, and the exit code."""
         self.procs[slot].join(1.0)
-        text = _crashing_thread_first(self.fault_text(slot, self.marks[slot]))
+        text = crashing_thread_first(self.fault_text(slot, self.marks[slot]))
         if len(text) > FAULT_TEXT_LIMIT:  # the head names the crash, the tail holds the Python stacks
             half = FAULT_TEXT_LIMIT // 2
             text = f"{text[:half]}\n[... {len(text) - 2 * half} characters left out ...]\n{text[-half:]}"
@@ -390,72 +397,13 @@ def run_on_ranks(
         for slot in sorted(set(stuck + retire)):  # a wedged process group cannot be reused: fresh workers
             pool.start(slot)
     if errors:
-        raise _rank_error(errors, results, stuck, stacks)
+        raise rank_error(errors, results, stuck, stacks, FAILURE_GRACE_S)
     if stuck:
         raise TimeoutError(
             f"run_on_ranks({getattr(fn, '__name__', fn)}): ranks {stuck} of "
             f"{world_size} did not finish within {timeout} s (killed){stacks}"
         )
     return [results[r] for r in range(world_size)]
-
-
-def _rank_error(errors: dict[int, str], results: dict[int, Any], stuck: list[int], stacks: str) -> RankError:
-    # Root causes first: a peer's failure shows up as a gloo/NCCL error on the others.
-    errors = {r: errors[r] for r in sorted(errors, key=lambda r: (_is_peer_failure(errors[r]), r))}
-    lines = [f"rank {r} failed: {tb.strip().splitlines()[-1]}" for r, tb in errors.items()]
-    if stuck:
-        lines.append(f"ranks {stuck} did not finish within {FAILURE_GRACE_S} s after that (killed)")
-    if results and all(_is_peer_failure(tb) for tb in errors.values()):
-        lines.append(f"ranks {sorted(results)} returned normally: did they skip a collective the others issued?")
-    lines += [f"\n----- traceback of rank {r} -----\n{tb.rstrip()}" for r, tb in errors.items()]
-    return RankError("\n".join(lines) + stacks, errors)
-
-
-# torch's fatal-signal handler prints one block per thread: "SIGSEGV(11), PID: 7, Thread 9: "
-# and its frames, then a blank line.
-_NATIVE_STACK_HEADER = re.compile(r"^[A-Z0-9]+\(\d+\), PID: \d+, Thread \d+: *$", re.MULTILINE)
-
-
-def _crashing_thread_first(text: str) -> str:
-    """Put the native stack of the thread that crashed (the one running the handler,
-    `fatalSignalHandler`, in its frames) before the other threads' stacks."""
-    for m in _NATIVE_STACK_HEADER.finditer(text):
-        end = text.find("\n\n", m.start())
-        block = text[m.start() : len(text) if end < 0 else end]
-        if "fatalSignalHandler" in block:
-            rest = text[: m.start()] + text[m.start() + len(block) :].lstrip("\n")
-            return f"----- native stack of the crashing thread -----\n{block}\n\n----- all threads -----\n{rest}"
-    return text
-
-
-def _is_peer_failure(tb: str) -> bool:
-    last = tb.strip().splitlines()[-1]
-    return any(
-        s in last
-        for s in (
-            "Connection closed by peer",
-            "Connection reset by peer",
-            "remote worker",
-            "NCCL communicator was aborted",
-        )
-    )
-
-
-# ----------------------------------------------------------------------------- fake process group
-
-
-@contextlib.contextmanager
-def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
-    """Be ``rank`` of a ``world_size`` world in this process: real shapes, no numerics."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
-
-    if dist.is_initialized():
-        raise RuntimeError("fake_process_group: a default process group already exists")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------- misc
@@ -466,70 +414,3 @@ def env_without_launcher() -> dict[str, str]:
     it runs as if started by hand (the main job then spawns its own ranks)."""
     launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     return {k: v for k, v in os.environ.items() if k not in launcher}
-
-
-def _gpu_marks(n: int) -> list[Any]:
-    """``gpu`` (``pytest -m gpu`` runs the GPU suite) and a skip unless ``n`` CUDA devices are visible."""
-    return [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < n, reason=f"needs {n} GPU(s)")]
-
-
-def requires_gpus(n: int) -> Callable[[Any], Any]:
-    """Mark a test ``gpu`` and skip it unless at least ``n`` CUDA devices are visible."""
-
-    def mark(test: Any) -> Any:
-        for m in _gpu_marks(n):
-            test = m(test)
-        return test
-
-    return mark
-
-
-def gpu_worlds(*sizes: int) -> list[Any]:
-    """World sizes for a GPU test's ``world`` parameter (ids ``world1``, ``world2``, ...), each
-    with `requires_gpus`' marks for its size, so that one GPU runs the world-1 form and two GPUs
-    run both."""
-    return [pytest.param(n, id=f"world{n}", marks=_gpu_marks(n)) for n in sizes]
-
-
-def on_gpus(value: Any, n: int, id: str | None = None) -> Any:
-    """A test parameter ``value`` with `requires_gpus`' marks for ``n`` GPUs, beside CPU forms
-    of the same test: ``parametrize("device", ["cpu", on_gpus("cuda", 4, id="nccl")])``."""
-    return pytest.param(value, id=id, marks=_gpu_marks(n))
-
-
-def assert_close_tensors(
-    a: Any, b: Any, *, exact: bool = False, rtol: float | None = None, atol: float | None = None, msg: str = ""
-) -> None:
-    """Compare tensors or DTensors (via ``full_tensor()``, a collective: call on every rank),
-    or dicts/lists/tuples of them. ``exact``: ``torch.equal`` plus equal dtypes."""
-    _compare(a, b, exact, rtol, atol, msg, path="")
-
-
-def _compare(a: Any, b: Any, exact: bool, rtol: float | None, atol: float | None, msg: str, path: str) -> None:
-    where = f"{msg} {'at ' + path if path else ''}".strip() or "tensors"
-    if isinstance(a, (dict, list, tuple)):
-        if not isinstance(b, (dict, list, tuple)) or isinstance(a, dict) != isinstance(b, dict):
-            raise AssertionError(f"{where}: {type(a).__name__} vs {type(b).__name__}")
-        keys = list(a) if isinstance(a, dict) else list(range(len(a)))
-        other = list(b) if isinstance(b, dict) else list(range(len(b)))
-        if sorted(map(repr, keys)) != sorted(map(repr, other)):
-            raise AssertionError(f"{where}: keys differ: {keys} vs {other}")
-        for k in keys:
-            _compare(a[k], b[k], exact, rtol, atol, msg, f"{path}[{k!r}]")
-        return
-    a = a.full_tensor() if isinstance(a, DTensor) else a
-    b = b.full_tensor() if isinstance(b, DTensor) else b
-    if not exact:
-        if (rtol is None) != (atol is None):  # torch.testing wants both or neither
-            rtol, atol = rtol or 0.0, atol or 0.0
-        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m: f"{where}: {m}")
-    elif a.shape != b.shape or a.dtype != b.dtype:
-        raise AssertionError(f"{where}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}")
-    elif not torch.equal(a, b):
-        diff = (a.double() - b.double()).abs()
-        idx = tuple(int(i) for i in torch.nonzero(diff != 0)[0])
-        raise AssertionError(
-            f"{where}: not equal; {int((a != b).sum())} of {a.numel()} "
-            f"elements differ, max abs diff {diff.nan_to_num().max().item()}, "
-            f"first at {idx}: {a[idx].item()} vs {b[idx].item()}"
-        )

@@ -199,11 +199,3 @@ def tiny_deepseek_v3() -> Any:
         mtp_layers=[],
     )
     return _causal_sdpa(config)
-
-
-def register_fake_backend() -> None:
-    """Register torch's "fake" process-group backend, on which torchtitan's `ParallelDims`
-    builds its size-1 mesh dims (importing torch's fake process group module registers it)."""
-    import importlib
-
-    importlib.import_module("torch.testing._internal.distributed.fake_pg")

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import bench_args
 import bench_build
 import benchmark
-from _harness import requires_gpus
+from _harness import requires_gpus, smoke_argv
 from test_benchmark_tools import _result  # the made-up run result the report reads
 
 
@@ -87,8 +87,8 @@ def _smoke_graphed(rank: int, world_size: int) -> dict:
     import torch
 
     runs = "floor,floor_graphed,fully_shard,fully_shard_graphed,replicate,replicate_graphed"
-    argv = ["--preset", "tiny", "--seq-len", "16", "--batch-size", "2", "--steps", "3", "--rounds", "1"]
-    args = benchmark.parse_args([*argv, "--runs", runs, "--profile", "fully_shard_graphed"])
+    argv = smoke_argv("--runs", runs, "--profile", "fully_shard_graphed", batch_size=2, steps=3, warmup=None)
+    args = benchmark.parse_args(argv)
     rounds = benchmark.run_rounds(args, torch.device("cuda", rank))
     return {run: res["loss"] for run, res in rounds[0].items()}
 

@@ -19,7 +19,7 @@ import bench_args
 import bench_build
 import bench_mesh
 import benchmark
-from _harness import fake_process_group, run_on_ranks
+from _harness import fake_process_group, run_on_ranks, smoke_argv
 from test_benchmark_tools import _result  # the made-up run result the report reads
 
 
@@ -142,23 +142,9 @@ def test_report_counts_tokens_per_gpu_and_names_the_mesh(
 
 
 def _smoke(rank: int, world_size: int) -> dict:
-    argv = [
-        "--preset",
-        "tiny",
-        "--seq-len",
-        "16",
-        "--batch-size",
-        "2",
-        "--steps",
-        "1",
-        "--warmup",
-        "1",
-        "--rounds",
-        "1",
-    ]
     out = {}
     for kind in ("hsdp", "tp"):
-        args = benchmark.parse_args([*argv, "--mesh", kind, "--runs", "floor,fully_shard,fsdp2"])
+        args = benchmark.parse_args(smoke_argv("--mesh", kind, "--runs", "floor,fully_shard,fsdp2", batch_size=2))
         rounds = benchmark.run_rounds(args, torch.device("cpu"))
         out[kind] = {run: (res["loss"], res["tokens_gpu"]) for run, res in rounds[0].items()}
     return out

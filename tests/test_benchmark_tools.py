@@ -211,24 +211,9 @@ def test_compile_compiles_every_block_of_every_contender_before_the_apis(model: 
 def _smoke(rank: int, world_size: int, argv: list[str]) -> dict:
     """The whole GPU path (build, train, time, report) on 2 gloo ranks on the CPU."""
     import torch
+    from _harness import smoke_argv
 
-    args = benchmark.parse_args(
-        [
-            "--preset",
-            "tiny",
-            "--seq-len",
-            "16",
-            "--batch-size",
-            "1",
-            "--steps",
-            "1",
-            "--warmup",
-            "1",
-            "--rounds",
-            "1",
-            *argv,
-        ]
-    )
+    args = benchmark.parse_args(smoke_argv(*argv))
     rounds = benchmark.run_rounds(args, torch.device("cpu"))
     for res in rounds[0].values():  # the timed steps' spread, around the median
         lo, hi = res["step_range_s"]

@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _harness import assert_close_tensors, on_gpus, run_on_ranks
+from _harness import assert_close_tensors, on_gpus, run_on_ranks, step_and_match
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
@@ -127,14 +127,7 @@ def _vs_fsdp2(rank: int, world: int, kind: str, device: str) -> list[float]:
                 loss.backward()
             got.append(loss.detach())
         assert torch.equal(got[0], got[1]), (step, got)
-        for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
-            assert p.grad.placements == q.grad.placements, (name, p.grad.placements)
-            assert_close_tensors(p.grad, q.grad, exact=True, msg=f"step {step} grad {name}")
-        for o in opts:
-            o.step()
-            o.zero_grad()
-        for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
-            assert_close_tensors(p, q, exact=True, msg=f"step {step} param {name}")
+        step_and_match(ours, theirs, opts, f"step {step}", same_placements=True)
         losses.append(got[0].item())
     return losses
 

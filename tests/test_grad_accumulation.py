@@ -17,7 +17,7 @@ import contextlib
 import pytest
 import torch
 import torch.nn as nn
-from _harness import assert_close_tensors, count_collectives, requires_gpus, run_on_ranks
+from _harness import assert_close_tensors, count_collectives, requires_gpus, run_on_ranks, step_and_match
 from _models import TinyTransformer, batch_for, lm_loss
 from _training import step_and_compare
 from torch.distributed.device_mesh import init_device_mesh
@@ -300,17 +300,16 @@ def _no_sync_mixed_precision(
         # Replicated groups follow DDP: a no-sync sum on top of an already reduced, not yet
         # zeroed gradient is reduced together with it (avg(prev + new), not prev + avg(new)):
         # the same value up to one rounding, so those compare with a tolerance of an ulp or so.
-        exact = api == "fully_shard"
-        tol = {} if exact else {"rtol": 1e-6, "atol": 1e-7}
-        for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
-            assert_close_tensors(p.grad, q.grad, exact=exact, msg=f"step {step} accumulated grad {name}", **tol)
-        for o in opts:
-            o.step()
-            o.zero_grad()
-        for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
-            assert_close_tensors(
-                p, q, exact=exact, msg=f"step {step} param {name}", **({} if exact else {"rtol": 1e-5, "atol": 1e-6})
-            )
+        step_and_match(
+            ours,
+            theirs,
+            opts,
+            f"step {step}",
+            exact=api == "fully_shard",
+            grad_tol={"rtol": 1e-6, "atol": 1e-7},
+            param_tol={"rtol": 1e-5, "atol": 1e-6},
+            grad_word="accumulated grad",
+        )
 
 
 @pytest.mark.parametrize("pattern", list(PATTERNS))

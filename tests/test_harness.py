@@ -131,9 +131,34 @@ def _counts_on_gloo(rank: int, world_size: int) -> tuple[dict, list[str]]:
         out = torch.empty(2 * world_size)
         all_gather_single(out, torch.full((2,), float(rank)))
         dt = distribute_tensor(full, mesh, [Shard(0)])  # a scatter
-        assert_close_tensors(dt, full, exact=True)  # full_tensor(): an all-gather
+        assert torch.equal(dt.full_tensor(), full)  # an all-gather
     assert out.tolist() == [0.0, 0.0, 1.0, 1.0]
     return dict(c.counts), c.events
+
+
+def _compare_shards(rank: int, world_size: int) -> str:
+    """A DTensor against a full tensor: shard by shard, no collective; a wrong element fails on
+    the rank holding it, named by its global index."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    full = torch.arange(10.0).reshape(5, 2)  # 5 rows on 2 ranks: uneven shards
+    dt, same, replicated = (distribute_tensor(full, mesh, [p]) for p in (Shard(0), Shard(0), Replicate()))
+    with count_collectives() as c:
+        assert_close_tensors(dt, full, exact=True)
+        assert_close_tensors(full, dt)
+        assert_close_tensors(dt, same, exact=True)
+    assert c.total == 0, c.counts
+    with count_collectives() as c:  # another layout: gathered, as before
+        assert_close_tensors(dt, replicated, exact=True)
+    assert c.counts["all_gather"] == 1, c.counts
+    wrong = full.clone()
+    wrong[4, 1] += 1  # on rank 1's shard (rows 3-4)
+    try:
+        assert_close_tensors(dt, wrong, exact=True, msg="w")
+    except AssertionError as e:
+        return str(e)
+    return ""
 
 
 def _nccl_all_reduce(rank: int, world_size: int) -> float:
@@ -302,6 +327,12 @@ def test_count_collectives_on_gloo() -> None:
     for counts, events in run_on_ranks(_counts_on_gloo, 2):
         assert counts == {"all_reduce": 1, "all_gather": 2, "scatter": 1}
         assert events[:2] == ["all_reduce(g[0,1], float32, 3)", "all_gather(g[0,1], float32, 4)"]
+
+
+def test_dtensors_compare_shard_by_shard() -> None:
+    r0, r1 = run_on_ranks(_compare_shards, 2)
+    assert r0 == ""
+    assert r1.startswith("w (shard at (3, 0)): not equal; 1 of 4 elements differ") and "first at (4, 1)" in r1, r1
 
 
 def test_fake_pg_counts_and_trace_world_8() -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from _harness import assert_close_tensors, fake_process_group, run_on_ranks, trace_collectives
+from _harness import assert_close_tensors, fake_process_group, run_on_ranks, step_and_match, trace_collectives
 from _models import TinyTransformer, batch_for, lm_loss
 from _training import step_and_compare
 from torch.distributed.device_mesh import init_device_mesh
@@ -161,14 +161,7 @@ def _hsdp_vs_torch(rank: int, world_size: int) -> None:
     for step in range(STEPS):
         for m in (ours, theirs):
             lm_loss(m, batch_for(step, world_size, rank)).backward()
-        for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
-            assert p.placements == q.placements, name
-            assert_close_tensors(p.grad, q.grad, exact=True, msg=f"step {step} grad {name}")
-        for o in opts:
-            o.step()
-            o.zero_grad()
-        for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
-            assert_close_tensors(p, q, exact=True, msg=f"step {step} param {name}")
+        step_and_match(ours, theirs, opts, f"step {step}", same_placements=True)
 
 
 def test_hsdp_matches_torch_fsdp2() -> None:

@@ -19,7 +19,7 @@ from _torchtitan import import_torchtitan_v03
 
 import_torchtitan_v03()  # skips this module without torchtitan 0.3 (or with a torch it cannot use)
 
-from _harness import assert_close_tensors, run_on_ranks  # noqa: E402
+from _harness import assert_close_tensors, register_fake_backend, run_on_ranks  # noqa: E402
 
 STEPS = 3
 BACKENDS = ["spmd_types", "partial_dtensor", "full_dtensor"]
@@ -43,7 +43,6 @@ def _model(name: str) -> tuple[object, object]:
 
 
 def _train(rank: int, world_size: int, name: str, backend: str, degrees: dict[str, int], chunked: bool) -> dict:
-    import _torchtitan
     import torchtitan.distributed.parallel_dims as pd
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
@@ -57,7 +56,7 @@ def _train(rank: int, world_size: int, name: str, backend: str, degrees: dict[st
     from composable import fully_shard
     from composable.integrations.torchtitan import composable_model_spec
 
-    _torchtitan.register_fake_backend()  # ParallelDims puts size-1 mesh dims on torch's "fake" backend
+    register_fake_backend()  # ParallelDims puts size-1 mesh dims on torch's "fake" backend
     pd.device_type = "cpu"  # torchtitan's meshes default to "cuda" without an accelerator
     dist_utils.set_spmd_backend(backend)  # what the trainer does
     parallelism = ParallelismConfig(

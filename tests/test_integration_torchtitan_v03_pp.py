@@ -15,7 +15,7 @@ from _torchtitan import import_torchtitan_v03
 
 import_torchtitan_v03()  # skips this module without torchtitan 0.3 (or with a torch it cannot use)
 
-from _harness import assert_close_tensors, run_on_ranks  # noqa: E402
+from _harness import assert_close_tensors, register_fake_backend, run_on_ranks  # noqa: E402
 from test_integration_torchtitan_v03 import BACKENDS  # noqa: E402
 
 STEPS, BATCH, SEQ = 3, 4, 16  # local batch 4, microbatch 1: 4 microbatches per step
@@ -38,7 +38,7 @@ def _train(rank: int, world_size: int, backend: str, schedule: str) -> dict:
     from composable import fully_shard
     from composable.integrations.torchtitan import composable_model_spec
 
-    _torchtitan.register_fake_backend()
+    register_fake_backend()
     pd.device_type = "cpu"
     dist_utils.set_spmd_backend(backend)
     parallelism = ParallelismConfig(

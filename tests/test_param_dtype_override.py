@@ -15,7 +15,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from _harness import assert_close_tensors, run_on_ranks, trace_collectives
+from _harness import assert_close_tensors, run_on_ranks, step_and_match, trace_collectives
 from _models import TinyTransformer, batch_for, lm_loss
 from _training import shard_transformer
 from torch.distributed.device_mesh import init_device_mesh
@@ -157,13 +157,7 @@ def _against_fsdp2(rank: int, world_size: int, reduce_dtype: torch.dtype | None)
             loss.backward()
             losses.append(loss.detach())
         assert_close_tensors(losses[0], losses[1], exact=True, msg=f"step {step} loss")
-        for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
-            assert_close_tensors(p.grad, q.grad, exact=True, msg=f"step {step} grad {name}")
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-        for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
-            assert_close_tensors(p, q, exact=True, msg=f"step {step} param {name}")
+        step_and_match(ours, theirs, opts, f"step {step}")
 
 
 @pytest.mark.skipif(not _torch_has_override(), reason="the installed FSDP2 has no param_dtype_override_fn")

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _harness import requires_gpus, run_on_ranks
+from _harness import requires_gpus, run_on_ranks, smoke_argv
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
@@ -174,8 +174,7 @@ def _profiled_floor(rank: int, world_size: int, trace_dir: str) -> None:
     import benchmark
     import torch
 
-    argv = ["--preset", "tiny", "--seq-len", "16", "--batch-size", "1", "--steps", "1", "--warmup", "1"]
-    argv += ["--rounds", "1", "--runs", "floor", "--profile", "floor", "--trace-dir", trace_dir]
+    argv = smoke_argv("--runs", "floor", "--profile", "floor", "--trace-dir", trace_dir)
     benchmark.run_rounds(benchmark.parse_args(argv), torch.device("cpu"))
 
 

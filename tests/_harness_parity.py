@@ -1,0 +1,53 @@
+"""Training two models side by side: `step_and_match`, re-exported by `_harness`.
+
+The loop the parity tests share (ours against PyTorch FSDP2, or any model against another with
+the same parameters in the same order): after both have run backward, their gradients must
+match; each optimizer steps and zeroes; then the parameters must match. The test keeps what is
+its own (building the models, the batches, the losses)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+from _harness_compare import assert_close_tensors
+
+__all__ = ["step_and_match"]
+
+
+def step_and_match(
+    ours: nn.Module,
+    theirs: nn.Module,
+    opts: Sequence[torch.optim.Optimizer],
+    tag: str,
+    *,
+    exact: bool = True,
+    grad_tol: dict[str, float] | None = None,
+    param_tol: dict[str, float] | None = None,
+    same_placements: bool = False,
+    grad_word: str = "grad",
+) -> None:
+    """Gradients of ``ours`` equal those of ``theirs`` (parameters paired in order, named by
+    ``ours``), then every optimizer in ``opts`` steps and zeroes its gradients, then the
+    parameters are equal. ``exact``: bit for bit (``assert_close_tensors``' ``exact``);
+    otherwise ``grad_tol``/``param_tol`` (``rtol``/``atol``) or torch's default tolerance.
+    ``same_placements``: the DTensor parameters and their gradients also have the same
+    placements on both sides. Messages read ``"{tag} {grad_word} {name}"`` and
+    ``"{tag} param {name}"``."""
+    pairs = list(zip(ours.named_parameters(), theirs.parameters()))
+    for (name, p), q in pairs:
+        if same_placements:
+            assert p.placements == q.placements, (name, p.placements, q.placements)
+            assert p.grad.placements == q.grad.placements, (name, p.grad.placements, q.grad.placements)
+        assert_close_tensors(p.grad, q.grad, exact=exact, msg=f"{tag} {grad_word} {name}", **_tol(exact, grad_tol))
+    for opt in opts:
+        opt.step()
+        opt.zero_grad()
+    for (name, p), q in pairs:
+        assert_close_tensors(p, q, exact=exact, msg=f"{tag} param {name}", **_tol(exact, param_tol))
+
+
+def _tol(exact: bool, tol: dict[str, float] | None) -> dict[str, Any]:
+    return {} if exact or tol is None else dict(tol)
