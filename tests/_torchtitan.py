@@ -199,3 +199,30 @@ def tiny_deepseek_v3() -> Any:
         mtp_layers=[],
     )
     return _causal_sdpa(config)
+
+
+def v03_build_kwargs(dims: Any, training: Any, parallelism: Any) -> dict[str, Any]:
+    """The keyword arguments torchtitan 0.3's `parallelize_fn` and `pipelining_fn` both take
+    from its trainer, as the tests build them: no compile, no activation checkpointing, no dump
+    folder."""
+    from torchtitan.config import CompileConfig
+
+    return dict(
+        parallel_dims=dims,
+        training=training,
+        parallelism=parallelism,
+        compile_config=CompileConfig(),
+        ac_config=None,
+        dump_folder="",
+    )
+
+
+def fsdp2_sums_on_gloo(modules: Any) -> None:
+    """Every FSDP2 module under `modules` reduces with a plain sum: gloo has no PREMUL_SUM,
+    which FSDP2 uses for a divide factor of 1.0."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for root in modules:
+        for module in root.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)

@@ -15,7 +15,7 @@ import types
 
 import pytest
 import torch
-from _torchtitan import import_torchtitan_v03
+from _torchtitan import fsdp2_sums_on_gloo, import_torchtitan_v03, v03_build_kwargs
 
 import_torchtitan_v03()  # skips this module without torchtitan 0.3 (or with a torch it cannot use)
 
@@ -47,7 +47,7 @@ def _train(rank: int, world_size: int, name: str, backend: str, degrees: dict[st
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.config import ParallelismConfig, TrainingConfig
     from torchtitan.distributed import full_dtensor
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.distributed.spmd_types import annotate_input_spmd_types
@@ -91,21 +91,11 @@ def _train(rank: int, world_size: int, name: str, backend: str, degrees: dict[st
         ("fsdp2", spec.parallelize_fn),
         ("composable", composable_model_spec(spec).parallelize_fn),
     ):
-        m = parallelize_fn(
-            copy.deepcopy(model),
-            parallel_dims=dims,
-            training=training,
-            parallelism=parallelism,
-            compile_config=CompileConfig(),
-            ac_config=None,
-            dump_folder="",
-        )
+        m = parallelize_fn(copy.deepcopy(model), **v03_build_kwargs(dims, training, parallelism))
         assert (fully_shard.state(m) is not None) == (run == "composable")
         assert isinstance(m, FSDPModule)  # torchtitan finds composable's groups as FSDP2's
-        if run == "fsdp2":  # gloo has no PREMUL_SUM, which FSDP2 uses for divide factor 1.0
-            for module in m.modules():
-                if isinstance(module, FSDPModule):
-                    module.set_force_sum_reduction_for_comms(True)
+        if run == "fsdp2":
+            fsdp2_sums_on_gloo([m])
         # SGD: a parameter difference stays the size of the gradient difference that caused it
         # (AdamW's normalisation would magnify a float32 ulp in the smallest gradients).
         if chunked:  # the debug configs' loss: lm_head per chunk, driven through FSDPModule's methods

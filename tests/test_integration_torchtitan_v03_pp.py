@@ -11,7 +11,7 @@ import types
 
 import pytest
 import torch
-from _torchtitan import import_torchtitan_v03
+from _torchtitan import fsdp2_sums_on_gloo, import_torchtitan_v03, v03_build_kwargs
 
 import_torchtitan_v03()  # skips this module without torchtitan 0.3 (or with a torch it cannot use)
 
@@ -27,7 +27,7 @@ def _train(rank: int, world_size: int, backend: str, schedule: str) -> dict:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
     from torchtitan.components.loss import CrossEntropyLoss
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.config import ParallelismConfig, TrainingConfig
     from torchtitan.distributed import full_dtensor
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.distributed.pipeline_parallel import pipeline_llm
@@ -75,12 +75,7 @@ def _train(rank: int, world_size: int, backend: str, schedule: str) -> dict:
         loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=config.vocab_size))
         pp_schedule, parts, first, last = used.pipelining_fn(
             copy.deepcopy(model),
-            parallel_dims=dims,
-            training=training,
-            parallelism=parallelism,
-            compile_config=CompileConfig(),
-            ac_config=None,
-            dump_folder="",
+            **v03_build_kwargs(dims, training, parallelism),
             device=torch.device("cpu"),
             model_config=config,
             parallelize_fn=used.parallelize_fn,
@@ -88,11 +83,8 @@ def _train(rank: int, world_size: int, backend: str, schedule: str) -> dict:
         )
         assert all((fully_shard.state(m) is not None) == (run == "composable") for m in parts)
         assert all(isinstance(m, FSDPModule) for m in parts)  # torch's stages drive FSDP2's methods
-        if run == "fsdp2":  # gloo has no PREMUL_SUM, which FSDP2 uses for divide factor 1.0
-            for m in parts:
-                for module in m.modules():
-                    if isinstance(module, FSDPModule):
-                        module.set_force_sum_reduction_for_comms(True)
+        if run == "fsdp2":
+            fsdp2_sums_on_gloo(parts)
         optimizer = torch.optim.SGD([p for m in parts for p in m.parameters()], lr=0.5, foreach=False)
         gen = torch.Generator().manual_seed(100 + dp_rank)
         losses, norms = [], []
