@@ -32,6 +32,24 @@ __all__ = ["ShardedGradScaler"]
 _API = "ShardedGradScaler"
 
 
+class _HostSafeReplicator(_MultiDeviceReplicator):
+    """Per-device copies of the scale or the inf flag, copied to the CPU synchronously.
+
+    torch's replicator copies with ``non_blocking=True``. From a GPU to the CPU that returns
+    before the bytes land, and the CPU kernels that use the copy run at once on the host: with
+    offloaded (CPU) gradients the unscale read a stale inverse scale and its inf flag was then
+    overwritten by the late copy, so an overflow went unseen whenever the GPU was busy.
+    """
+
+    def get(self, device: torch.device) -> torch.Tensor:
+        copy = self._per_device_tensors.get(device)
+        if copy is None:
+            to_host = device.type == "cpu" and self.master.device.type != "cpu"
+            copy = self.master.to(device=device, non_blocking=not to_host, copy=True)
+            self._per_device_tensors[device] = copy
+        return copy
+
+
 class ShardedGradScaler(GradScaler):
     """Dynamic loss scaling for fp16 training of sharded models, with the ``torch.amp.GradScaler`` interface.
 
@@ -138,8 +156,8 @@ class ShardedGradScaler(GradScaler):
         on the scale's device and all-reduced once there.
         """
         del allow_fp16  # fp16 gradients are the point of a sharded scaler (fp16 models)
-        inv = _MultiDeviceReplicator(inv_scale)
-        per_device_found = _MultiDeviceReplicator(found_inf)
+        inv = _HostSafeReplicator(inv_scale)
+        per_device_found = _HostSafeReplicator(found_inf)
         buckets: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
         with torch.no_grad():
             for group in optimizer.param_groups:

@@ -358,13 +358,18 @@ def test_offloaded_grads_with_a_gpu_loss_on_two_ranks() -> None:
 
 
 def _offloaded(rank: int, world_size: int) -> float:
-    """Scale on the GPU, gradients on the CPU, gloo across ranks; inf on rank 0 only."""
+    """Scale on the GPU, gradients on the CPU, gloo across ranks; inf on rank 0 only. The GPU
+    is kept busy as the step starts, so copies of the scale to the CPU that do not wait for the
+    GPU arrive after the CPU has used them (the inf went unseen, the gradients were unscaled by
+    whatever the buffer held)."""
     scaler = ShardedGradScaler(init_scale=2.0)
     scaler.scale(torch.ones((), device="cuda"))
     params = _params_with_grads([torch.tensor([math.inf if rank == 0 else 2.0]), torch.tensor([4.0])])
     opt = torch.optim.SGD(params, lr=1.0)
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued ahead of the scaler's copies
     with count_collectives() as comms:
         scaler.step(opt)
     assert comms.counts["all_reduce"] == 1 and params[1].item() == 0.0  # skipped
+    assert params[1].grad.item() == 2.0  # unscaled by 1/2 on every rank
     scaler.update()
     return scaler.get_scale()

@@ -82,5 +82,7 @@ def _train_on_gpus(rank: int, world: int, out: str) -> dict:
 @pytest.mark.parametrize("world", gpu_worlds(1, 2, 4))
 def test_gpu_moe_trains_with_the_defaults(world: int, tmp_path: Path) -> None:
     """Compiled (the default on CUDA), bf16, --cuda-graph auto: graphed on one GPU, eager
-    dispatch without a graph on 2 and 4."""
-    run_on_ranks(_train_on_gpus, world, str(tmp_path), backend="nccl", timeout=600)
+    dispatch without a graph on 2 and 4. Fresh workers, as a job starts: a worker that had run
+    the graphed one-GPU form hung in the two-rank form's first all-to-all (rank 0 in NCCL's
+    connection setup, rank 1 queued behind it), which the two-rank form alone never did."""
+    run_on_ranks(_train_on_gpus, world, str(tmp_path), backend="nccl", timeout=600, fresh=True)
