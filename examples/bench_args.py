@@ -69,7 +69,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--async-tp",
         action="store_true",
         help="--mesh tp: both contenders overlap the TP collectives with the matmuls (inductor's micro-pipeline "
-        "pass over symmetric memory; CUDA, compiled blocks)",
+        "pass over symmetric memory; CUDA, compiled blocks); turns on --fused-projections unless "
+        "--no-fused-projections",
+    )
+    p.add_argument(
+        "--fused-projections",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="--model own: every contender's blocks use one wqkv and one w13 linear instead of wq/wk/wv and "
+        "w1/w3 (under --mesh tp each backward reduce-scatter then follows one matmul, which async TP fuses); "
+        "default: on with --async-tp, else off",
     )
     p.add_argument(
         "--float8",
@@ -127,6 +136,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "--moe runs with --model own and --mesh dp (its own expert mesh), eagerly (no graphed runs: routing "
             f"syncs with the host) and without --float8; got --mesh {args.mesh}"
         )
+    if args.fused_projections is None:
+        # Async TP fuses a reduce-scatter only with a single producer matmul (parallel.tp_block_plan).
+        args.fused_projections = args.async_tp
+    if args.fused_projections and args.model != "own":
+        p.error(f"--fused-projections with --model {args.model}: the fused layout is examples/model.py's (--model own)")
     if args.model == "hf-llama" and not args.cpu_overhead and not hf_available():
         p.error(HF_MISSING)
     if args.float8 and not args.cpu_overhead and not float8_available():
@@ -167,4 +181,7 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
     """The preset, at `--seq-len`, with the width/depth flags applied."""
     width = width_overrides(args.preset, args.dim, args.n_heads, args.ffn_dim)
     moe = {"n_experts": MOE_EXPERTS} if getattr(args, "moe", False) else {}
-    return get_config(args.preset, max_seq_len=args.seq_len, n_layers=args.n_layers, **width, **moe)
+    fused = getattr(args, "fused_projections", None)
+    return get_config(
+        args.preset, max_seq_len=args.seq_len, n_layers=args.n_layers, fused_projections=fused, **width, **moe
+    )

@@ -9,9 +9,10 @@
   tensor-parallel on "tp" with train.py's recipe (examples/parallel.py's
   `apply_tensor_parallel`: sequence-parallel norms, embeddings and head included, the loss
   under `loss_parallel`), then fully_shard / FSDP2 shard over "dp"; on GPUs the blocks are
-  compiled unless `--no-compile`, and `--async-tp` turns on async TP for both contenders. The
-  ranks of one tp group train on the same tokens, so a GPU's share of a step is local batch x
-  seq / tp tokens.
+  compiled unless `--no-compile`, and `--async-tp` turns on async TP for both contenders (and
+  with it `--fused-projections`: the blocks' wqkv / w13, whose backward reduce-scatters async
+  TP can fuse with their one matmul). The ranks of one tp group train on the same tokens, so a
+  GPU's share of a step is local batch x seq / tp tokens.
 
 The floors stay one GPU's own full copy without communication on every mesh (the same number
 as with `dp`). `replicate` and `ddp` replicate over the whole world whatever the mesh, so they
@@ -144,13 +145,15 @@ def build_mesh(args: argparse.Namespace, device_type: str) -> BenchMesh:
 
 
 def describe_mesh(args: argparse.Namespace, world: int) -> str:
-    """`dp 4`, `hsdp 2 replicas x 2 shards`, `dp 2 x tp 2`: the mesh a table was measured on."""
+    """`dp 4`, `hsdp 2 replicas x 2 shards`, `dp 2 x tp 2`: the mesh a table was measured on,
+    with `, fused projections` after it under `--fused-projections` (it changes the TP plan)."""
     mesh = getattr(args, "mesh", "dp")
+    fused = ", fused projections" if getattr(args, "fused_projections", False) else ""
     if mesh == "hsdp":
-        return f"hsdp {args.dp_replicate} replicas x {world // args.dp_replicate} shards"
+        return f"hsdp {args.dp_replicate} replicas x {world // args.dp_replicate} shards{fused}"
     if mesh == "tp":
-        return f"dp {world // args.tp_size} x tp {args.tp_size}"
-    return f"dp {world}"
+        return f"dp {world // args.tp_size} x tp {args.tp_size}{fused}"
+    return f"dp {world}{fused}"
 
 
 def tensor_parallel(model: nn.Module, bench_mesh: BenchMesh) -> None:

@@ -9,6 +9,7 @@
     torchrun --nproc_per_node 4 examples/benchmark.py --preset 1b --batch-size 4 --mesh hsdp --dp-replicate 2
     torchrun --nproc_per_node 4 examples/benchmark.py --preset 1b --batch-size 4 --mesh tp --tp-size 2
     torchrun --nproc_per_node 4 examples/benchmark.py --preset 1b --batch-size 4 --mesh tp --tp-size 2 --async-tp
+    torchrun --nproc_per_node 4 examples/benchmark.py --preset 1b --batch-size 4 --mesh tp --tp-size 2 --fused-projections
     python examples/benchmark.py --cpu-overhead        # CPU cost of the hooks, no GPU needed
 
 Runs, one after the other in one process group, once per round: a no-communication floor
@@ -29,7 +30,8 @@ Their peaks count the graph's private memory pool (it is allocated memory).
 tokens/s per GPU, MFU, peak memory allocated and reserved) and the ratios ours/theirs.
 `--mesh hsdp` / `--mesh tp` put fully_shard and FSDP2 on a 2D mesh (HSDP, or TP x FSDP with
 train.py's TP recipe, compiled by default on GPUs, `--async-tp` for async TP; bench_mesh.py),
-beside the floors.
+beside the floors. `--fused-projections` (on by default with `--async-tp`) gives every
+contender's blocks one wqkv and one w13 linear instead of wq/wk/wv and w1/w3 (examples/model.py).
 Without a GPU it runs on the CPU with gloo (timings only; a smoke test of the wiring).
 MFU is always against the bf16 peak. How contenders are built: bench_build.py; the report: bench_report.py; `--cpu-overhead`:
 bench_overhead.py.

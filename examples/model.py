@@ -5,6 +5,10 @@ Written for data parallelism and tensor parallelism to be applied from outside:
 - attention and feed-forward use separate `nn.Linear`s (`wq`, `wk`, `wv`, `wo`, `w1`, `w2`,
   `w3`), so ColwiseParallel / RowwiseParallel shard them by name, and the head count per
   rank is read from the local width (`view(B, T, -1, head_dim)`), so TP needs no flag;
+- `fused_projections=True` fuses the linears that read the same input: `wqkv` (q, k, v) and
+  `w13` (w1, w3), one matmul each, with their rows ordered so that any contiguous split of
+  them over tp ranks (ColwiseParallel's `Shard(0)`) keeps whole heads / matching w1, w3 rows
+  together (`fuse_state_dict` converts an unfused model's weights);
 - the model can be built on the meta device and materialised later: `init_weights()`
   (re)initialises every parameter and recomputes the rotary tables (a non-persistent buffer).
 """
@@ -36,6 +40,10 @@ class ModelConfig:
     init_std: float = 0.02
     n_experts: int = 0  # > 0: every block's feed-forward is a mixture of experts (moe.py)
     top_k: int = 2  # experts per token
+    # One wqkv and one w13 linear instead of wq/wk/wv and w1/w3 (the MoE feed-forward keeps its
+    # experts): one matmul per shared input, whose input gradient under sequence-parallel TP
+    # is a single matmul that async TP can fuse with its reduce-scatter.
+    fused_projections: bool = False
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
@@ -112,17 +120,30 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.fused = cfg.fused_projections
+        if self.fused:
+            # Rows laid out (n_heads, 3, head_dim): a contiguous row chunk (ColwiseParallel's
+            # Shard(0)) holds whole heads, each with its q, k and v, for any tp dividing n_heads.
+            self.wqkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=False)
+        else:
+            self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
+            self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
+            self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
+
+    def in_weights(self) -> tuple[torch.Tensor, ...]:
+        """The input projections' weights: (wqkv,) when fused, else (wq, wk, wv)."""
+        return (self.wqkv.weight,) if self.fused else (self.wq.weight, self.wk.weight, self.wv.weight)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds n_heads / tp of them.
-        q = self.wq(x).view(B, T, -1, self.head_dim)
-        k = self.wk(x).view(B, T, -1, self.head_dim)
-        v = self.wv(x).view(B, T, -1, self.head_dim)
+        if self.fused:
+            q, k, v = self.wqkv(x).view(B, T, -1, 3, self.head_dim).unbind(3)
+        else:
+            q = self.wq(x).view(B, T, -1, self.head_dim)
+            k = self.wk(x).view(B, T, -1, self.head_dim)
+            v = self.wv(x).view(B, T, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
@@ -133,11 +154,25 @@ class FeedForward(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.fused = cfg.fused_projections
+        if self.fused:
+            # Rows interleaved (ffn_dim, 2): w1's row i, then w3's. A contiguous row chunk holds
+            # the matching w1 and w3 rows of the same hidden features (those w2's RowwiseParallel
+            # chunk of columns reads), for any tp dividing ffn_dim.
+            self.w13 = nn.Linear(cfg.dim, 2 * cfg.ffn_dim, bias=False)
+        else:
+            self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+            self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
+    def in_weights(self) -> tuple[torch.Tensor, ...]:
+        """The input projections' weights: (w13,) when fused, else (w1, w3)."""
+        return (self.w13.weight,) if self.fused else (self.w1.weight, self.w3.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            gate, up = self.w13(x).unflatten(-1, (-1, 2)).unbind(-1)
+            return self.w2(F.silu(gate) * up)
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
@@ -187,8 +222,9 @@ class Transformer(nn.Module):
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
         for block in self.layers:
             ff = block.feed_forward
-            ins = (ff.experts.w1, ff.experts.w3, ff.router.weight) if cfg.n_experts else (ff.w1.weight, ff.w3.weight)
-            for weight in (block.attention.wq.weight, block.attention.wk.weight, block.attention.wv.weight, *ins):
+            # Fused weights get the same elementwise distribution as the separate ones they stack.
+            ins = (ff.experts.w1, ff.experts.w3, ff.router.weight) if cfg.n_experts else ff.in_weights()
+            for weight in (*block.attention.in_weights(), *ins):
                 nn.init.trunc_normal_(weight, std=cfg.init_std, a=-3 * cfg.init_std, b=3 * cfg.init_std)
             for weight in (block.attention.wo.weight, ff.experts.w2 if cfg.n_experts else ff.w2.weight):
                 nn.init.trunc_normal_(weight, std=out_std, a=-3 * out_std, b=3 * out_std)
@@ -207,6 +243,22 @@ class Transformer(nn.Module):
         for block in self.layers:
             h = block(h, self.rope)
         return self.output(self.norm(h))
+
+
+def fuse_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """An unfused `Transformer(cfg)`'s state dict (full tensors) in the layout of
+    `fused_projections=True`: every block's wq/wk/wv become one wqkv with rows (n_heads, 3,
+    head_dim), and w1/w3 (unless MoE) one w13 with rows (ffn_dim, 2); the rest is kept. The
+    fused model loading it computes what the unfused one does."""
+    out = dict(state)
+    for i in range(cfg.n_layers):
+        attn, ff = f"layers.{i}.attention.", f"layers.{i}.feed_forward."
+        qkv = [out.pop(f"{attn}{n}.weight").unflatten(0, (cfg.n_heads, cfg.head_dim)) for n in ("wq", "wk", "wv")]
+        out[f"{attn}wqkv.weight"] = torch.stack(qkv, dim=1).flatten(0, 2)
+        if not cfg.n_experts:
+            w13 = (out.pop(f"{ff}w1.weight"), out.pop(f"{ff}w3.weight"))
+            out[f"{ff}w13.weight"] = torch.stack(w13, dim=1).flatten(0, 1)
+    return out
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -147,7 +147,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--async-tp",
         action="store_true",
         help="--parallel tp: overlap the TP collectives with the matmuls (inductor's micro-pipeline pass over "
-        "symmetric memory; needs CUDA and --compile)",
+        "symmetric memory; needs CUDA and --compile); turns on --fused-projections unless --no-fused-projections",
     )
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (stages of torch's pipelining)")
     p.add_argument("--pp-schedule", default="1F1B", help=f"--pp: torch's Schedule<NAME>, one of {', '.join(SCHEDULES)}")
@@ -169,6 +169,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"mixture-of-experts feed-forwards ({MOE_EXPERTS} experts, top 2): experts split over an expert-parallel "
         "dim and sharded over the rest (--parallel fsdp)",
     )
+    m.add_argument(
+        "--fused-projections",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="one wqkv and one w13 linear per block instead of wq/wk/wv and w1/w3 (model.py): under --parallel tp "
+        "each backward reduce-scatter then follows a single matmul, which --async-tp needs to fuse it "
+        "(default: on with --async-tp, else off)",
+    )
     m.add_argument("--vocab-size", type=int, help=f"at least {VOCAB_SIZE} (bytes)")
     m.add_argument("--tie-embeddings", action="store_true", default=None)
     p.add_argument(
@@ -181,6 +189,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--fault", default=None, help=argparse.SUPPRESS
     )  # tests: RANK:KILL|STOP|TERM|SEGV:STEP, a rank signals itself; RANK:EXITHANG:0, its teardown blocks
     args = p.parse_args(argv)
+    if args.fused_projections is None:
+        # Async TP fuses a reduce-scatter only with a single producer matmul (parallel.tp_block_plan).
+        args.fused_projections = args.async_tp
     problem = validate(args)
     if problem:
         p.error(problem)
@@ -274,6 +285,11 @@ def _tp_flags_problem(args: argparse.Namespace, cfg: ModelConfig, seq_len: int) 
             return problem
     if args.async_tp and args.pp > 1:
         return f"--async-tp with --pp {args.pp}: pipeline stages keep the textbook TP plan; drop one of them"
+    if args.parallel == "tp" and args.pp > 1 and args.fused_projections:
+        return (
+            f"--fused-projections with --parallel tp --pp {args.pp}: pipeline stages keep the textbook TP plan of "
+            "separate q/k/v and w1/w3; drop one of them"
+        )
     got = None if args.parallel == "tp" else f"--parallel {args.parallel}"
     compiled = args.compile is not False  # None: on with CUDA, which async TP needs anyway
     return async_tp_problem(args.async_tp, "--parallel tp", got, compiled, args.compile_backend)
@@ -351,6 +367,7 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
         vocab_size=args.vocab_size,
         tie_embeddings=args.tie_embeddings,
         n_experts=MOE_EXPERTS if getattr(args, "moe", False) else None,
+        fused_projections=getattr(args, "fused_projections", None),
     )
     if args.seq_len is not None and args.seq_len > cfg.max_seq_len:
         cfg = dataclasses.replace(cfg, max_seq_len=args.seq_len)

@@ -72,21 +72,27 @@ def sharding_units(model: Transformer) -> list[nn.Module]:
     return [*ends, *model.layers, model]
 
 
-def tp_plan() -> dict[str, ParallelStyle]:
+def colwise_names(fused: bool = False) -> tuple[str, ...]:
+    """A block's column-parallel linears: q/k/v and w1/w3, or with fused projections
+    (`ModelConfig.fused_projections`) wqkv and w13, whose row layouts keep a contiguous split
+    of them correct for any tp dividing the heads and the feed-forward width (model.py)."""
+    if fused:
+        return ("attention.wqkv", "feed_forward.w13")
+    return ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
+
+
+def tp_plan(fused: bool = False) -> dict[str, ParallelStyle]:
     """The textbook tensor-parallel plan of one block, without sequence parallelism: q/k/v and
-    w1/w3 split by output features (heads), wo/w2 by input features with an all-reduce after;
-    norms, embeddings and head replicated over tp. Pipeline stages (pipeline.py) keep it (the
-    activations they send between stages are whole sequences); `apply_tensor_parallel` is the
-    recipe train.py runs, and estimate_comm.py counts."""
-    plan: dict[str, ParallelStyle] = {
-        name: ColwiseParallel()
-        for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
-    }
+    w1/w3 (or `fused` wqkv and w13) split by output features (heads), wo/w2 by input features
+    with an all-reduce after; norms, embeddings and head replicated over tp. Pipeline stages
+    (pipeline.py) keep it (the activations they send between stages are whole sequences);
+    `apply_tensor_parallel` is the recipe train.py runs, and estimate_comm.py counts."""
+    plan: dict[str, ParallelStyle] = {name: ColwiseParallel() for name in colwise_names(fused)}
     plan.update({name: RowwiseParallel() for name in ("attention.wo", "feed_forward.w2")})
     return plan
 
 
-def tp_block_plan() -> dict[str, ParallelStyle]:
+def tp_block_plan(fused: bool = False) -> dict[str, ParallelStyle]:
     """torchtitan's tensor-parallel plan of one block, with sequence parallelism.
 
     Between the matmuls the residual stream is split over tp by sequence (`Shard(1)`): each
@@ -97,21 +103,23 @@ def tp_block_plan() -> dict[str, ParallelStyle]:
     communication), and wo/w2 (`RowwiseParallel`) reduce-scatter their partial sums back to
     sequence shards instead of all-reducing them. Per block and direction that is one
     all-gather and one reduce-scatter per sub-layer, the bytes of the textbook plan's one
-    all-reduce, with activations and norm work cut by tp."""
-    return {
+    all-reduce, with activations and norm work cut by tp.
+
+    `fused` (the model's `fused_projections`): wqkv and w13 instead of q/k/v and w1/w3. The
+    backward of each all-gather is a reduce-scatter of the gathered input's gradient, which
+    is then one matmul instead of a sum of two or three: the shape inductor's async TP pass
+    fuses (`--async-tp`)."""
+    plan: dict[str, ParallelStyle] = {
         "attention_norm": SequenceParallel(),
         # (x, rope): x arrives sequence-sharded, the rotary table is a plain buffer.
         "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
         "ffn_norm": SequenceParallel(),
         "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
     }
+    plan.update({name: ColwiseParallel() for name in colwise_names(fused)})
+    return plan
 
 
 def tp_ends_plan() -> dict[str, ParallelStyle]:
@@ -131,10 +139,11 @@ def tp_ends_plan() -> dict[str, ParallelStyle]:
 def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
     """The recipe (`tp_ends_plan`, `tp_block_plan` on every block) on `tp_mesh`, before any
     data-parallel API. Every rank of a tp group must feed the same tokens, and the sequence
-    length must be a multiple of the tp size (`tp_problem`)."""
+    length must be a multiple of the tp size (`tp_problem`). The block plan follows the
+    model's `fused_projections`."""
     parallelize_module(model, tp_mesh, tp_ends_plan())
     for block in model.layers:
-        parallelize_module(block, tp_mesh, tp_block_plan())
+        parallelize_module(block, tp_mesh, tp_block_plan(model.cfg.fused_projections))
 
 
 def tp_problem(tp: int, n_heads: int, ffn_dim: int, seq_len: int | None, flag: str = "--tp-size") -> str | None:

@@ -23,7 +23,8 @@ Parallelism (`--parallel`; parallel.py):
   replicate  replicate (DDP semantics) on the whole model
   tp         torchtitan's tensor-parallel recipe on mesh["tp"] (sequence-parallel norms, vocabulary-sharded
              head and loss_parallel, fused AdamW on CUDA), then fully_shard on mesh["dp"]; --async-tp
-             overlaps its collectives with the matmuls (CUDA, compiled blocks)
+             overlaps its collectives with the matmuls (CUDA, compiled blocks) and turns on
+             --fused-projections (one wqkv and one w13 linear per block, which its backward needs)
 `--pp N --pp-schedule NAME --microbatches M` (pipeline.py) splits the model into stages over a
 leading "pp" mesh dim, each stage parallelized as above, run by torch's Schedule<NAME>.
 

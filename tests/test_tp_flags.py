@@ -1,7 +1,8 @@
-"""The tensor-parallel recipe's flags in the main job (train.py `--parallel tp`, `--async-tp`)
-and the benchmark (`--mesh tp`, `--async-tp`, compile on by default on GPUs): each bad value
-refused at parse time with one line naming the flag and the value, and the main job training
-dp 2 x tp 2 with the recipe as dp 2 does without it."""
+"""The tensor-parallel recipe's flags in the main job (train.py `--parallel tp`, `--async-tp`,
+`--fused-projections`) and the benchmark (`--mesh tp`, `--async-tp`, `--fused-projections`,
+compile on by default on GPUs): each bad value refused at parse time with one line naming the
+flag and the value, `--async-tp` turning fused projections on unless told otherwise, and the
+main job training dp 2 x tp 2 with the recipe as dp 2 does without it, fused or not."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import benchmark  # noqa: E402
 import options  # noqa: E402
+from bench_mesh import describe_mesh  # noqa: E402
 from test_train_example import SMALL, _losses, _run  # noqa: E402 (its ranks and its small model)
 
 # SMALL's model: 2 heads, ffn 64, sequences of 32 tokens.
@@ -28,6 +30,10 @@ TRAIN_ERRORS = [
     (["--parallel", "tp", "--tp-size", "4"], "--tp-size 4 must divide n_heads (2): the recipe splits it evenly"),
     (["--parallel", "tp", "--n-heads", "4", "--ffn-dim", "66", "--tp-size", "4"], "must divide ffn_dim (66)"),
     (["--parallel", "tp", "--seq-len", "31"], "--tp-size 2 must divide the sequence length (31)"),
+    (
+        ["--parallel", "tp", "--fused-projections", "--pp", "2"],
+        "--fused-projections with --parallel tp --pp 2: pipeline stages keep the textbook TP plan",
+    ),
 ]
 
 
@@ -81,10 +87,34 @@ def test_benchmark_compiles_the_tp_mesh_by_default_on_gpus(
     assert "got --no-compile" in _error_line(capsys)
 
 
-def test_train_dp2_tp2_recipe_trains_as_dp2(tmp_path: Path) -> None:
+def test_fused_projections_follow_async_tp_by_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Off by default; on by flag; on with --async-tp unless --no-fused-projections; in the
+    model config both jobs build, and in the benchmark's mesh line. Refused for HF's model."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # what --async-tp needs
+    train = [*SMALL, "--out", str(tmp_path), "--parallel", "tp"]
+    for extra, fused in (([], False), (["--fused-projections"], True), (["--async-tp"], True)):
+        args = options.parse_args([*train, *extra])
+        assert args.fused_projections is fused and options.model_config(args).fused_projections is fused, extra
+    assert options.parse_args([*train, "--async-tp", "--no-fused-projections"]).fused_projections is False
+    bench = ["--mesh", "tp", "--preset", "tiny"]
+    for extra, fused in (([], False), (["--fused-projections"], True), (["--async-tp"], True)):
+        args = benchmark.parse_args([*bench, *extra])
+        assert args.fused_projections is fused and benchmark.model_config(args).fused_projections is fused, extra
+        assert describe_mesh(args, 4) == "dp 2 x tp 2" + (", fused projections" if fused else "")
+    assert benchmark.parse_args([*bench, "--async-tp", "--no-fused-projections"]).fused_projections is False
+    with pytest.raises(SystemExit):
+        benchmark.parse_args(["--model", "hf-llama", "--fused-projections"])
+    assert "--fused-projections with --model hf-llama: the fused layout is examples/model.py's" in _error_line(capsys)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
+def test_train_dp2_tp2_recipe_trains_as_dp2(fused: bool, tmp_path: Path) -> None:
     """train.py --parallel tp on 4 ranks (dp 2 x tp 2, the recipe) against --parallel fsdp on
-    2 (the same two data-parallel batches per step): the same losses to fp32 rounding."""
-    argv = [*SMALL, "--steps", "3", "--eval-every", "0", "--ckpt-every", "0"]
+    2 (the same two data-parallel batches per step): the same losses to fp32 rounding; with
+    --fused-projections in both (the fused model draws other initial weights)."""
+    argv = [*SMALL, "--steps", "3", "--eval-every", "0", "--ckpt-every", "0", *(["--fused-projections"] * fused)]
     got = _losses(_run([*argv, "--parallel", "tp", "--out", str(tmp_path / "tp")], world_size=4))
     expected = _losses(_run([*argv, "--out", str(tmp_path / "dp")], world_size=2))
     assert_close_tensors(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=1e-5)

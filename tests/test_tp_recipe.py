@@ -1,6 +1,8 @@
 """The tensor-parallel recipe of the examples (examples/parallel.py's `apply_tensor_parallel`:
 sequence-parallel norms, embeddings to sequence shards, head to vocabulary shards with the loss
-under `loss_parallel`) x fully_shard over dp, on a 2 x 2 (dp, tp) mesh of 4 gloo ranks.
+under `loss_parallel`) x fully_shard over dp, on a 2 x 2 (dp, tp) mesh of 4 gloo ranks; with
+fused projections (one wqkv and one w13 linear per block) also on 1 x 4, where each rank holds
+one head and a quarter of the feed-forward.
 
 - Against a single-process model trained on both dp ranks' rows: losses, every gradient (the
   sequence-parallel norms' included: replicated over tp, their `Partial` gradients are
@@ -13,6 +15,7 @@ under `loss_parallel`) x fully_shard over dp, on a 2 x 2 (dp, tp) mesh of 4 gloo
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import sys
 
@@ -32,7 +35,8 @@ from parallel import apply_tensor_parallel  # noqa: E402
 import composable  # noqa: E402
 
 CFG = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_dim=48, max_seq_len=16)
-SEQ = 8  # split 4 + 4 over tp
+FUSED_CFG = dataclasses.replace(CFG, fused_projections=True)
+SEQ = 8  # split 4 + 4 over tp (2 x 4 over tp 4)
 BATCH_PER_DP = 2
 STEPS = 3
 LR = 1e-2
@@ -59,9 +63,10 @@ def _parallelize(model: Transformer, mesh: DeviceMesh, api: str, bf16: bool) -> 
     return model
 
 
-def _tokens(step: int) -> torch.Tensor:
-    """Both dp ranks' rows; each rank of a tp group reads the same ones."""
-    return torch.randint(0, CFG.vocab_size, (2 * BATCH_PER_DP, SEQ + 1), generator=torch.Generator().manual_seed(step))
+def _tokens(step: int, dp_size: int = 2) -> torch.Tensor:
+    """Every dp rank's rows; each rank of a tp group reads the same ones."""
+    size = (dp_size * BATCH_PER_DP, SEQ + 1)
+    return torch.randint(0, CFG.vocab_size, size, generator=torch.Generator().manual_seed(step))
 
 
 def _step(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -80,17 +85,17 @@ def _grads(model: nn.Module) -> dict[str, DTensor]:
     return out
 
 
-def _recipe(rank: int, world: int, bf16: bool) -> None:
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+def _recipe(rank: int, world: int, bf16: bool, cfg: ModelConfig = CFG, tp: int = 2) -> None:
+    mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
     dp = mesh["dp"].get_local_rank()
-    ref = Transformer(CFG)  # the same seed on every rank: the same initial weights
+    ref = Transformer(cfg)  # the same seed on every rank: the same initial weights
     ours = _parallelize(copy.deepcopy(ref), mesh, "composable", bf16)
     theirs = _parallelize(copy.deepcopy(ref), mesh, "fsdp2", bf16)
     norm = dict(ours.named_parameters())["layers.0.attention_norm.weight"]
     assert norm.device_mesh.mesh_dim_names == ("dp", "tp") and norm.placements == (Shard(0), Replicate())
     opts = [torch.optim.AdamW(m.parameters(), lr=LR, eps=EPS) for m in (ours, theirs, ref)]
     for step in range(STEPS):
-        tokens = _tokens(step)
+        tokens = _tokens(step, world // tp)
         rows = tokens[dp * BATCH_PER_DP : (dp + 1) * BATCH_PER_DP]
         loss, their_loss = _step(ours, rows), _step(theirs, rows)
         assert torch.equal(loss, their_loss), f"step {step}: loss {loss} vs FSDP2's {their_loss}"
@@ -100,7 +105,7 @@ def _recipe(rank: int, world: int, bf16: bool) -> None:
         if not bf16:
             ref_loss = _step(ref, tokens)
             mean = loss.clone()
-            dist.all_reduce(mean)  # each dp rank's mean twice (its tp ranks): / 4 is the mean of both
+            dist.all_reduce(mean)  # each dp rank's mean tp times (its tp ranks): / world is the mean of all
             assert_close_tensors(mean / world, ref_loss, **TOL, msg=f"step {step}: loss")
             for name, r in ref.named_parameters():  # norms first among what could go wrong
                 assert_close_tensors(grads[name], r.grad, **TOL, msg=f"step {step}: grad of {name}")
@@ -117,3 +122,10 @@ def _recipe(rank: int, world: int, bf16: bool) -> None:
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 def test_recipe_matches_single_process_and_fsdp2(bf16: bool) -> None:
     run_on_ranks(_recipe, 4, bf16, timeout=300)
+
+
+@pytest.mark.parametrize("tp", [2, 4], ids=["dp2xtp2", "dp1xtp4"])
+def test_fused_projections_recipe_matches_single_process_and_fsdp2(tp: int) -> None:
+    """wqkv / w13 split over tp by contiguous rows (ColwiseParallel) against the same fused
+    model in one process (itself the unfused model's computation: test_fused_projections.py)."""
+    run_on_ranks(_recipe, 4, False, FUSED_CFG, tp, timeout=300)
