@@ -41,6 +41,12 @@ MODEL_FLAGS = {
     "ffn_dim": "--ffn-dim",
     "vocab_size": "--vocab-size",
     "tie_embeddings": "--tie-embeddings",
+    "fused_projections": "--fused-projections",
+}
+# Switches: how to ask for off (--tie-embeddings has no --no- form), and the checkpoint's in words.
+SWITCH_WORDS = {
+    "tie_embeddings": ("no --tie-embeddings", "tied", "untied"),
+    "fused_projections": ("--no-fused-projections", "fused", "separate"),
 }
 
 
@@ -56,14 +62,18 @@ def identity_differences(saved: dict[str, Any], current: dict[str, Any]) -> list
     diffs = []
     if saved.get("preset") != current["preset"]:
         diffs.append(f"--preset {current['preset']} (checkpoint: {saved.get('preset')})")
-    old, new = saved.get("model", {}), current["model"]
+    # A field the checkpoint lacks was added to ModelConfig after it was saved: that run had
+    # the field's default (e.g. separate q/k/v before fused projections existed).
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    old = {k: defaults.get(k) for k in current["model"]} | saved.get("model", {})
+    new = current["model"]
     for key in sorted(set(old) | set(new), key=lambda k: (k not in MODEL_FLAGS, k)):
         if old.get(key) == new.get(key):
             continue
-        if key == "tie_embeddings":
-            diffs.append(
-                f"{'' if new.get(key) else 'no '}--tie-embeddings (checkpoint: {'tied' if old.get(key) else 'untied'})"
-            )
+        if key in SWITCH_WORDS:
+            off_flag, on, off = SWITCH_WORDS[key]
+            flag = MODEL_FLAGS[key] if new.get(key) else off_flag
+            diffs.append(f"{flag} (checkpoint: {on if old.get(key) else off})")
         elif key in MODEL_FLAGS:
             diffs.append(f"{MODEL_FLAGS[key]} {new.get(key)} (checkpoint: {old.get(key)})")
         elif saved.get("preset") == current["preset"]:  # same preset name, other defaults: a changed preset

@@ -63,8 +63,9 @@ import torch.distributed as dist  # noqa: E402
 from checkpointing import checkpoint_dirs, load_newest_intact, rank0_then_broadcast, save_checkpoint  # noqa: E402
 from data import ByteCorpus, get_batch  # noqa: E402
 from launch import exit_process, run_rank, spawn_local  # noqa: E402
+from memory_check import check_memory, host_memory_bytes  # noqa: E402
 from model import ModelConfig, Transformer, count_parameters  # noqa: E402
-from options import FAULT, check_memory, cuda_graph_mode, host_memory_bytes, model_config, parse_args  # noqa: E402
+from options import FAULT, cuda_graph_mode, model_config, parse_args  # noqa: E402
 from parallel import UsageError, build_mesh  # noqa: E402
 from pipeline import build_parallel_model, build_pp_mesh  # noqa: E402
 from reporting import MetricsLog, memory_string, print_summary, steady_throughput, write_plot  # noqa: E402

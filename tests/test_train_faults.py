@@ -10,7 +10,9 @@ the two tests about real signals run the command line (a rank must really die or
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import dataclasses
 import errno
 import io
 import json
@@ -31,6 +33,7 @@ if str(EXAMPLES) not in sys.path:
     sys.path.insert(0, str(EXAMPLES))
 
 import checkpointing  # noqa: E402
+import memory_check  # noqa: E402
 import options  # noqa: E402
 import runs  # noqa: E402
 import train as train_script  # noqa: E402
@@ -109,6 +112,7 @@ def test_resume_refuses_another_model_or_seed_and_reshards_another_layout(tmp_pa
         (["--n-layers", "3"], "--n-layers 3 (checkpoint: 2)"),
         (["--n-heads", "4"], "--n-heads 4 (checkpoint: 2)"),
         (["--seed", "7"], "--seed 7 (checkpoint: 0)"),
+        (["--fused-projections"], "--fused-projections (checkpoint: separate)"),
         (["--steps", "2"], "--steps 2 is below the step of checkpoint"),
     ]:
         got = _try(argv + ["--resume", *flags])
@@ -124,6 +128,17 @@ def test_resume_refuses_another_model_or_seed_and_reshards_another_layout(tmp_pa
     assert _losses(first) == list(full[:3])
     again = _try(argv + ["--resume", "--mp", "bf16"])  # at step 6 = --steps: nothing to do, said so
     assert again["resumed_from"] == 6 and "nothing to train" in again["stderr"]
+
+
+def test_a_checkpoint_from_before_a_config_field_existed_resumes_with_its_default() -> None:
+    """A checkpoint saved before ModelConfig had a field (none then: the run had its default)
+    agrees with a job that keeps the default, and names the flag for one that does not."""
+    cfg = get_config("tiny")
+    current = runs.identity(argparse.Namespace(preset="tiny", seed=0), cfg)
+    saved = {**current, "model": {k: v for k, v in current["model"].items() if k != "fused_projections"}}
+    assert runs.identity_differences(saved, current) == []
+    fused = runs.identity(argparse.Namespace(preset="tiny", seed=0), dataclasses.replace(cfg, fused_projections=True))
+    assert runs.identity_differences(saved, fused) == ["--fused-projections (checkpoint: separate)"]
 
 
 def _attempt_with_unflattened_optimizer_state(rank: int, world_size: int, argv: list[str]) -> dict:
@@ -359,9 +374,9 @@ def test_a_batch_that_cannot_fit_in_memory_is_refused_before_training(tmp_path: 
     args = options.parse_args(["--seq-len", "1000000", "--batch-size", "64", "--out", str(tmp_path)])
     cfg = options.model_config(args)
     with pytest.raises(UsageError, match=r"--seq-len 1000000 with --batch-size 64 needs at least \d+"):
-        options.check_memory(args, cfg, 1_000_000, 2, 64 * 2**30, "this host has per rank (2 ranks)")
+        memory_check.check_memory(args, cfg, 1_000_000, 2, 64 * 2**30, "this host has per rank (2 ranks)")
     tiny = options.parse_args(["--out", str(tmp_path)])
-    options.check_memory(tiny, options.model_config(tiny), 256, 2, 2**30, "")  # the default run fits in 1 GiB
+    memory_check.check_memory(tiny, options.model_config(tiny), 256, 2, 2**30, "")  # the default run fits in 1 GiB
 
 
 # ----------------------------------------------------------------------------- 7: presets
