@@ -2,8 +2,9 @@
 
 The loop the parity tests share (ours against PyTorch FSDP2, or any model against another with
 the same parameters in the same order): after both have run backward, their gradients must
-match; each optimizer steps and zeroes; then the parameters must match. The test keeps what is
-its own (building the models, the batches, the losses)."""
+match (and their losses, when given); each optimizer steps and zeroes; then the parameters must
+match. The test keeps what is its own (building the models, the batches, the losses, any check
+of its own before or after)."""
 
 from __future__ import annotations
 
@@ -28,15 +29,21 @@ def step_and_match(
     param_tol: dict[str, float] | None = None,
     same_placements: bool = False,
     grad_word: str = "grad",
+    losses: tuple[torch.Tensor, torch.Tensor] | None = None,
+    set_to_none: bool = True,
 ) -> None:
     """Gradients of ``ours`` equal those of ``theirs`` (parameters paired in order, named by
     ``ours``), then every optimizer in ``opts`` steps and zeroes its gradients, then the
     parameters are equal. ``exact``: bit for bit (``assert_close_tensors``' ``exact``);
     otherwise ``grad_tol``/``param_tol`` (``rtol``/``atol``) or torch's default tolerance.
     ``same_placements``: the DTensor parameters and their gradients also have the same
-    placements on both sides. Messages read ``"{tag} {grad_word} {name}"`` and
-    ``"{tag} param {name}"``."""
-    pairs = list(zip(ours.named_parameters(), theirs.parameters()))
+    placements on both sides. ``losses``: (ours, theirs), compared first, as the gradients are.
+    ``set_to_none``: passed to each ``zero_grad``. Both models have as many parameters.
+    Messages read ``"{tag} loss"``, ``"{tag} {grad_word} {name}"`` and ``"{tag} param {name}"``."""
+    pairs = list(zip(ours.named_parameters(), theirs.parameters(), strict=True))
+    if losses is not None:
+        a, b = (loss.detach() for loss in losses)
+        assert_close_tensors(a, b, exact=exact, msg=f"{tag} loss", **_tol(exact, grad_tol))
     for (name, p), q in pairs:
         if same_placements:
             assert p.placements == q.placements, (name, p.placements, q.placements)
@@ -44,7 +51,7 @@ def step_and_match(
         assert_close_tensors(p.grad, q.grad, exact=exact, msg=f"{tag} {grad_word} {name}", **_tol(exact, grad_tol))
     for opt in opts:
         opt.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
     for (name, p), q in pairs:
         assert_close_tensors(p, q, exact=exact, msg=f"{tag} param {name}", **_tol(exact, param_tol))
 
