@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
-from _harness import assert_close_tensors, run_on_ranks, trace_collectives
+from _harness import run_on_ranks, step_and_match, trace_collectives
 from torch.distributed.device_mesh import init_device_mesh
 
 from composable import fully_shard
@@ -152,17 +152,10 @@ def _vs_fsdp2(rank: int, world: int, kind: str = "bf16") -> None:
         block = world * (8 // world + -(-(64 // world) * GATHER_BYTES[kind] // 4))
         assert len(gathers) == 3 and {r.dtype for r in gathers} == {torch.float32}, t.render()
         assert sum(r.numel == block for r in gathers) == 2, t.render()
-        losses = [our_loss, theirs(x).square().mean()]
-        for loss in losses:
+        their_loss = theirs(x).square().mean()
+        for loss in (our_loss, their_loss):
             loss.backward()
-        assert_close_tensors(losses[0].detach(), losses[1].detach(), exact=True, msg=f"step {step} loss")
-        for (name, a), (_, b) in zip(ours.named_parameters(), theirs.named_parameters()):
-            assert_close_tensors(a.grad.to_local(), b.grad.to_local(), exact=True, msg=f"step {step} grad {name}")
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-    for (name, a), (_, b) in zip(ours.named_parameters(), theirs.named_parameters()):
-        assert_close_tensors(a.full_tensor(), b.full_tensor(), exact=True, msg=f"param {name}")
+        step_and_match(ours, theirs, opts, f"step {step}", same_placements=True, losses=(our_loss, their_loss))
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from _harness import assert_close_tensors, count_collectives, run_on_ranks, trace_collectives
+from _harness import assert_close_tensors, count_collectives, run_on_ranks, step_and_match, trace_collectives
 from _models import TinyTransformer, batch_for, lm_loss
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -30,21 +30,17 @@ def _shard(model: TinyTransformer, **options: object) -> TinyTransformer:
     return model
 
 
-def _steps(models: list[nn.Module], rank: int, world: int, steps: int = 3, exact: bool = True) -> None:
-    """Train every model on the same data; losses, gradients and parameters agree each step."""
+def _steps(models: list[nn.Module], rank: int, world: int, steps: int = 3) -> None:
+    """Train both models on the same data; losses, gradients and parameters agree each step,
+    bit for bit."""
+    first, second = models
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
     for step in range(steps):
         tokens = batch_for(step, world, rank)
         losses = [lm_loss(m, tokens) for m in models]
         for loss in losses:
             loss.backward()
-        for other, loss in zip(models[1:], losses[1:]):
-            assert_close_tensors(loss.detach(), losses[0].detach(), exact=exact, msg=f"step {step} loss")
-            for (name, a), (_, b) in zip(other.named_parameters(), models[0].named_parameters()):
-                assert_close_tensors(a.grad.to_local(), b.grad.to_local(), exact=exact, msg=f"step {step} grad {name}")
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
+        step_and_match(second, first, opts, f"step {step}", same_placements=True, losses=(losses[1], losses[0]))
 
 
 # ----------------------------------------------------------------------------- int reshard_after_forward
