@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from _harness import assert_close_tensors, run_on_ranks
+from _harness import assert_close_tensors, run_on_ranks, step_and_match
 from torch.distributed.tensor import DTensor
 
 from composable import MixedPrecisionPolicy, ShardingStrategy, checkpoint, fully_shard, replicate
@@ -328,24 +328,16 @@ def _composed_parity(rank: int, world_size: int, name: str, set_to_none: bool) -
     model = Net()
     ref = copy.deepcopy(model)
     apply(model)
-    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    ref_optim = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref)]
     for step in range(STEPS):
         clear_logs(model)
         torch.manual_seed(10 * step + rank)
         loss = loss_fn(model, data(step, rank))
         loss.backward()
         ref_losses = _reference_step(ref, step, world_size)
-        assert torch.equal(loss.detach(), ref_losses[rank]), (step, loss.item(), ref_losses[rank].item())
-        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-            assert_close_tensors(p.grad, q.grad, exact=True, msg=f"grad {n} step {step}")
-        optim.step()
-        ref_optim.step()
-        optim.zero_grad(set_to_none=set_to_none)
-        ref_optim.zero_grad(set_to_none=set_to_none)
+        step_and_match(model, ref, opts, f"step {step}", losses=(loss, ref_losses[rank]), set_to_none=set_to_none)
         if not set_to_none:
             assert all(p.grad is not None for p in model.parameters())
-        assert_close_tensors(full_params(model), full_params(ref), exact=True, msg=f"step {step}")
         # Linears inside a checkpointed module ran twice (the second time in backward), the
         # others once.
         ckpt = [n for n, m in model.named_modules() if checkpoint.state(m) is not None]
@@ -437,12 +429,9 @@ def _mixed_precision(rank: int, world_size: int, where: str, set_to_none: bool) 
         same_loss = loss_fn(same, data(step, rank))
         same_loss.backward()
         plain_losses = _reference_step(plain, step, world_size)
-        assert torch.equal(loss, same_loss), (step, loss.item(), same_loss.item())
         torch.testing.assert_close(loss.detach(), plain_losses[rank], atol=5e-3, rtol=5e-3)
-        for opt in opts:
-            opt.step()
-            opt.zero_grad(set_to_none=set_to_none)
-        assert_close_tensors(full_params(model), full_params(same), exact=True, msg=f"step {step}")
+        # Bit for bit against the same model without checkpoint (every optimizer steps).
+        step_and_match(model, same, opts, f"step {step}", losses=(loss, same_loss), set_to_none=set_to_none)
         assert_close_tensors(full_params(model), full_params(plain), atol=5e-3, rtol=5e-3, msg=f"step {step}")
         for n, p in model.named_parameters():  # sharded parameters keep their own dtype
             assert p.dtype == torch.float32 and (p.grad is None or p.grad.dtype == torch.float32), n
