@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from _harness import assert_close_tensors, requires_gpus, run_on_ranks
+from _harness import assert_close_tensors, requires_gpus, run_on_ranks, step_and_match
 from _models import Block, TinyTransformer, batch_for, lm_loss
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
@@ -196,25 +196,13 @@ def _parity_with_torch_fsdp(rank: int, world: int, reshard_after_forward: bool |
         assert a.placements == b.placements and a.to_local().shape == b.to_local().shape, name
         assert_close_tensors(a.to_local(), b.to_local(), exact=True, msg=f"initial local shard of {name}")
 
-    our_opt = torch.optim.AdamW(ours.parameters(), lr=LR)
-    their_opt = torch.optim.AdamW(theirs.parameters(), lr=LR)
+    opts = [torch.optim.AdamW(m.parameters(), lr=LR) for m in (ours, theirs)]
     for step in range(STEPS):
         tokens = batch_for(step, world, rank)
         our_loss, their_loss = lm_loss(ours, tokens), lm_loss(theirs, tokens)
-        assert_close_tensors(our_loss.detach(), their_loss.detach(), exact=True, msg=f"step {step}: loss")
         our_loss.backward()
         their_loss.backward()
-        for (name, a), (_, b) in zip(ours.named_parameters(), theirs.named_parameters()):
-            assert a.grad.placements == b.grad.placements, name
-            assert_close_tensors(
-                a.grad.to_local(), b.grad.to_local(), exact=True, msg=f"step {step}: local grad of {name}"
-            )
-        our_opt.step()
-        their_opt.step()
-        our_opt.zero_grad()
-        their_opt.zero_grad()
-        for (name, a), (_, b) in zip(ours.named_parameters(), theirs.named_parameters()):
-            assert_close_tensors(a.to_local(), b.to_local(), exact=True, msg=f"step {step}: local shard of {name}")
+        step_and_match(ours, theirs, opts, f"step {step}", same_placements=True, losses=(our_loss, their_loss))
 
 
 @pytest.mark.parametrize("reshard_after_forward", [True, False])

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
-from _harness import assert_close_tensors, requires_gpus, run_on_ranks, trace_collectives
+from _harness import assert_close_tensors, requires_gpus, run_on_ranks, step_and_match, trace_collectives
 from _models import TinyTransformer, batch_for, lm_loss
 from _training import shard_transformer
 from torch.distributed.device_mesh import init_device_mesh
@@ -188,15 +188,9 @@ def _pure_fp16(
         assert {str(r.dtype) for r in t.records if r.kind == "all_gather"} == {gather_dtype}, t.render()
         assert {str(r.dtype) for r in t.records if r.kind == "reduce_scatter"} == {reduce_dtype_str}, t.render()
         ref_losses = _reference_step(ref, step, world_size, param_dtype, reduce_dtype)
-        assert_close_tensors(loss.detach(), ref_losses[rank], exact=True, msg=f"step {step} loss")
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        for name, p in model.named_parameters():
             assert isinstance(p.grad, DTensor) and p.grad.dtype == fp16, name
-            assert_close_tensors(p.grad, q.grad, exact=True, msg=f"step {step} grad {name}")
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            assert_close_tensors(p, q, exact=True, msg=f"step {step} param {name}")
+        step_and_match(model, ref, (opt, ref_opt), f"step {step}", losses=(loss, ref_losses[rank]))
 
 
 @pytest.mark.parametrize("when", ["before", "after"])
