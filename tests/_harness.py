@@ -2,40 +2,29 @@
 modules (here and in the ``_harness_*.py`` modules it re-exports, one concern each). Tests import
 it as ``from _harness import ...``.
 
-``run_on_ranks`` uses a persistent pool of spawned workers (a few hundredths of a second per
-call, where spawning per test costs 3.5-9 s on 2 cores); ``fake_process_group`` makes this
-process one rank of any world; ``count_collectives``/``trace_collectives`` record collectives.
+``run_on_ranks`` uses a persistent pool of spawned workers (``_harness_pool.py``; a few
+hundredths of a second per call, where spawning per test costs 3.5-9 s on 2 cores);
+``fake_process_group`` makes this process one rank of any world;
+``count_collectives``/``trace_collectives`` record collectives.
 
 A worker that dies (segfault, abort) is reported in a ``RankError`` with the C++ stacks of all
 its threads (the crashing one first) and its Python stacks; a worker's stderr goes to the file
-they are read from, not to the terminal.
+they are read from, not to the terminal. A worker killed by a signal gets its call rerun once in
+fresh workers (``run_on_ranks``'s ``retry_crash``).
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
-import faulthandler
-import gc
-import importlib
-import multiprocessing as mp
 import os
 import pickle
-import random
-import shutil
-import signal
 import sys
-import tempfile
 import time
-import traceback
 import warnings
 from collections.abc import Callable
-from datetime import timedelta
-from multiprocessing.connection import Connection, wait
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait
 from typing import Any
-
-import torch
-import torch.distributed as dist
 
 # Counting collectives is part of the harness's offer; the code lives in _comm_trace.py.
 from _comm_trace import Collective, CollectiveTracer, count_collectives, trace_collectives  # noqa: E402,F401
@@ -53,6 +42,7 @@ from _harness_gpu import gpu_worlds, on_gpus, requires_gpus  # noqa: F401
 
 # Stepping two models side by side and matching them: its own module.
 from _harness_parity import step_and_match  # noqa: F401
+from _harness_pool import Pool
 
 # One module object whichever way it is imported (`_harness` or `tests._harness`): two copies
 # would mean two worker pools and two distinct `RankError` classes.
@@ -61,6 +51,7 @@ sys.modules.setdefault("tests._harness", sys.modules[__name__])
 
 __all__ = [
     "RankError",
+    "WorkerCrashWarning",
     "run_on_ranks",
     "shutdown_pool",
     "fake_process_group",
@@ -77,227 +68,9 @@ __all__ = [
 ]
 
 FAILURE_GRACE_S = 5.0  # after one rank fails, how long the others get to finish or fail
-STARTUP_TIMEOUT_S = 180.0  # spawning + importing torch; generous for a loaded 2-core machine
-FAULT_TEXT_LIMIT = 200_000  # characters of a dead worker's fault file that go into the RankError
 
 
-# ----------------------------------------------------------------------------- worker side
-
-
-def _forget_sharding_cache() -> None:
-    """DTensor caches sharding propagation keyed by meshes that compare equal across process
-    groups (same ranks): in a persistent worker a later test's DTensor ops would return specs
-    holding this test's mesh, whose destroyed groups do not resolve ("Could not resolve the
-    process group", seen on torch 2.11 with NCCL)."""
-    with contextlib.suppress(Exception):
-        from torch.distributed.tensor import DTensor
-
-        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-    with contextlib.suppress(Exception):  # the redistribute planner caches per mesh as well
-        from torch.distributed.tensor import _redistribute
-
-        _redistribute._gen_transform_infos.cache_clear()
-    # And so does the C++ fast path of DTensor's dispatch (torch >= 2.11): missing this one made
-    # a later NCCL test's optimizer state carry an earlier test's mesh, whose group name ("1")
-    # no longer resolves once deep-copied (test_counters_on_mesh_with_fused_adamw_on_gpus).
-    clear_cpp_cache = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
-    if clear_cpp_cache is not None:
-        clear_cpp_cache()
-
-
-def _worker_main(conn: Connection, fault_path: str) -> None:
-    """Worker loop: receive a task, run it on a fresh process group, send back the outcome."""
-    # A segfault or abort leaves no traceback: faulthandler writes the Python stacks to a file
-    # that the parent puts into the RankError; on SIGUSR1 it dumps the stacks of a hung worker.
-    # The crash may be in a native thread with no Python frame (gloo runs async collectives on
-    # threads of its own): torch's fatal-signal handler prints every thread's C++ stack to
-    # stderr, then chains to faulthandler. So stderr goes to the same file (fd 2 itself, for
-    # native writers); the parent reads what each call added to it.
-    fault_file = open(fault_path, "w")  # noqa: SIM115 - open for the life of the worker
-    os.dup2(fault_file.fileno(), 2)
-    faulthandler.enable(fault_file, all_threads=True)
-    faulthandler.register(signal.SIGUSR1, fault_file, all_threads=True)
-    native_stacks = getattr(torch._C, "_set_print_stack_traces_on_fatal_signal", None)
-    if native_stacks is not None:  # installed after faulthandler's handler, so it chains to it
-        native_stacks(True)
-    # Ctrl-C is for the parent; it tears the pool down itself.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    with contextlib.suppress(Exception):  # die with the parent even if it is SIGKILLed
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if sys.platform.startswith("linux"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # no DNS, single host
-    torch.set_num_threads(1)  # 2 cores shared by all ranks: oversubscription is the killer
-    with contextlib.suppress(Exception):
-        importlib.import_module("torch.distributed.tensor")  # warm it once, not per test
-    # What startup made (torch's modules: ~300k objects) is never garbage: out of every
-    # collection, so that the collection after each call costs milliseconds, not ~0.3 s.
-    gc.collect()
-    gc.freeze()
-    stores: dict[int, dist.TCPStore] = {}
-    conn.send(("ready", os.getpid()))
-    while True:
-        try:
-            task = conn.recv()
-        except EOFError:  # the parent is gone
-            return
-        call_id, rank, world_size, port, backend, blob = task
-        ok, payload, in_fn = True, None, False
-        try:
-            sys_path, filters, fn, args, kwargs = pickle.loads(blob)
-            sys.path.extend(p for p in sys_path if p not in sys.path)
-            if port not in stores:
-                stores[port] = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-            # A fresh key space per call: the default group is always named "0", so keys
-            # from an earlier call would otherwise be found by this one's rendezvous.
-            store = dist.PrefixStore(f"call{call_id}/", stores[port])
-            if "nccl" in backend:
-                torch.cuda.set_device(rank)
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
-            # gloo's init is no barrier: a rank that finishes fn and destroys its group early
-            # would break a slow peer's connection handshake. Wait until all are connected.
-            if store.add("initialised", 1) == world_size:
-                store.set("all_initialised", "1")
-            store.wait(["all_initialised"])
-            torch.manual_seed(0)
-            random.seed(0)
-            torch.set_default_dtype(torch.float32)
-            with warnings.catch_warnings(), torch.enable_grad():
-                # The parent's filters (pytest's ini filters, -W error) apply here too.
-                if filters is not None:
-                    warnings.filters[:] = filters
-                    getattr(warnings, "_filters_mutated", lambda: None)()
-                in_fn = True
-                payload = fn(rank, world_size, *args, **kwargs)
-        except BaseException:  # noqa: BLE001 - everything goes back to the parent
-            ok, payload = False, traceback.format_exc()
-        healthy = in_fn  # a failed init/rendezvous may leave c10d state half made
-        try:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-            _forget_sharding_cache()
-            if ok:
-                # A model's hooks are bound methods of its state, so the model, its meshes and
-                # their process groups form reference cycles that outlive fn: a group's gloo
-                # threads and sockets then lived on until some collection inside a later call,
-                # which tore them down (joins, closed connections to peers) amid that call's
-                # own collectives. Torn down here instead, within the call that made them. Not
-                # after a failure: a peer may still be blocked in a collective of those groups.
-                gc.collect()
-                # What survives is what the call left for good (modules it imported: dynamo,
-                # inductor, transformers; caches): out of later collections, as startup's is,
-                # or each later call's collection costs ~0.1 s per worker instead of milliseconds.
-                gc.freeze()
-        except Exception:  # noqa: BLE001
-            healthy = False
-        try:
-            conn.send((call_id, ok, payload, healthy))
-        except Exception:  # noqa: BLE001 - an unpicklable return value
-            conn.send(
-                (call_id, False, f"return value of rank {rank} is not picklable:\n" + traceback.format_exc(), healthy)
-            )
-        if not healthy:
-            return  # the parent replaces this worker
-
-
-# ----------------------------------------------------------------------------- parent side
-
-
-class _Pool:
-    """Spawned workers (slot i runs rank i) plus a TCPStore server that lives in the parent."""
-
-    def __init__(self) -> None:
-        self.procs: list[mp.process.BaseProcess] = []
-        self.conns: list[Connection] = []
-        self.ready: list[bool] = []
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        self.call_id = 0
-        self.tmpdir = tempfile.mkdtemp(prefix="harness-")
-        self.fault_paths: list[str] = []
-        self.marks: list[int] = []  # size of each fault file when the slot's current call began
-
-    def start(self, slot: int) -> None:
-        """(Re)start the worker of ``slot`` without waiting: it imports torch meanwhile.
-        Not daemonic, so that a test may start processes of its own (DataLoader workers)."""
-        if slot < len(self.procs):  # stuck or dead: the others keep running
-            self.procs[slot].kill()
-            self.procs[slot].join(5)
-            self.conns[slot].close()
-        ctx = mp.get_context("spawn")  # fork deadlocks once OpenMP has run in the parent
-        parent, child = ctx.Pipe()
-        fault_path = os.path.join(self.tmpdir, f"worker{slot}-{time.monotonic_ns()}.txt")
-        p = ctx.Process(target=_worker_main, args=(child, fault_path), name=f"harness-worker-{slot}")
-        p.start()
-        child.close()
-        if slot == len(self.procs):
-            self.procs.append(p), self.conns.append(parent), self.ready.append(False)
-            self.fault_paths.append(fault_path)
-            self.marks.append(0)
-        else:
-            self.procs[slot], self.conns[slot], self.ready[slot] = p, parent, False
-            self.fault_paths[slot] = fault_path
-            self.marks[slot] = 0
-
-    def fault_size(self, slot: int) -> int:
-        with contextlib.suppress(OSError):
-            return os.path.getsize(self.fault_paths[slot])
-        return 0
-
-    def fault_text(self, slot: int, since: int = 0) -> str:
-        """What the worker of ``slot`` wrote to its fault file (faulthandler, stderr) from byte
-        ``since`` on."""
-        with contextlib.suppress(OSError), open(self.fault_paths[slot], "rb") as f:
-            f.seek(since)
-            return f.read().decode(errors="replace").strip()
-        return ""
-
-    def death_note(self, slot: int) -> str:
-        """Why the worker of ``slot`` died: what it wrote since its current (or last) call
-        began, native stacks (the crashing thread's first) and Python stacks, and the exit code."""
-        self.procs[slot].join(1.0)
-        text = crashing_thread_first(self.fault_text(slot, self.marks[slot]))
-        if len(text) > FAULT_TEXT_LIMIT:  # the head names the crash, the tail holds the Python stacks
-            half = FAULT_TEXT_LIMIT // 2
-            text = f"{text[:half]}\n[... {len(text) - 2 * half} characters left out ...]\n{text[-half:]}"
-        return f"{text}\nworker died (exit code {self.procs[slot].exitcode})"
-
-    def stacks(self, slots: list[int]) -> str:
-        """The Python stacks of hung workers, dumped by faulthandler on SIGUSR1."""
-        sizes = {i: self.fault_size(i) for i in slots}
-        for i in slots:
-            with contextlib.suppress(Exception):
-                os.kill(self.procs[i].pid, signal.SIGUSR1)
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline and not all(self.fault_size(i) > sizes[i] for i in slots):
-            time.sleep(0.05)
-        time.sleep(0.05)  # let a dump in progress finish
-        return "".join(f"\n----- stack of hung rank {i} -----\n{self.fault_text(i, sizes[i])}" for i in slots)
-
-    def wait_ready(self, n: int) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        for i in range(n):
-            if not self.ready[i]:
-                try:
-                    if not self.conns[i].poll(max(0.0, deadline - time.monotonic())):
-                        raise TimeoutError(f"harness worker {i} did not start")
-                    self.conns[i].recv()
-                except EOFError:
-                    raise RuntimeError(
-                        f"harness worker {i} failed to start; see its stderr\n" + self.death_note(i)
-                    ) from None
-                self.ready[i] = True
-
-    def shutdown(self) -> None:
-        for p, c in zip(self.procs, self.conns):  # idle workers hold nothing worth flushing
-            p.kill()
-            p.join(2.0)
-            c.close()
-        self.procs, self.conns, self.ready = [], [], []
-        shutil.rmtree(self.tmpdir, ignore_errors=True)
-
-
-_pool: _Pool | None = None
+_pool: Pool | None = None
 
 
 def shutdown_pool() -> None:
@@ -311,6 +84,21 @@ def shutdown_pool() -> None:
 atexit.register(shutdown_pool)
 
 
+class WorkerCrashWarning(UserWarning):
+    """A harness worker died of a signal during a call that then passed in fresh workers."""
+
+
+@dataclass
+class _Outcome:
+    """What one call of ``fn`` on the pool's workers gave."""
+
+    results: dict[int, Any] = field(default_factory=dict)
+    errors: dict[int, str] = field(default_factory=dict)
+    stuck: list[int] = field(default_factory=list)
+    stacks: str = ""
+    crashed: list[int] = field(default_factory=list)  # ranks whose worker died of a signal
+
+
 def run_on_ranks(
     fn: Callable[..., Any],
     world_size: int = 2,
@@ -318,6 +106,7 @@ def run_on_ranks(
     backend: str = "gloo",
     timeout: float = 120.0,
     fresh: bool = False,
+    retry_crash: bool = True,
     **kwargs: Any,
 ) -> list:
     """Run module-level ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks.
@@ -331,9 +120,15 @@ def run_on_ranks(
     memory keeps its pool's buffers registered to a group *name*, and every call's default group
     is named "0", so a worker that ran an earlier call skips the collective registration its
     fresh peers wait in (a hang).
+
+    A worker killed by a signal (a native crash: segfault, abort on heap corruption) is one
+    of a process that served many earlier calls, so the crash may be a leftover of any of them
+    or of torch's own native code. With ``retry_crash`` (the default) the call runs once more in
+    fresh workers: if that passes, the crash is reported as a ``WorkerCrashWarning`` carrying
+    its stacks (pytest lists it in the warnings summary) instead of failing the test; if it
+    fails again, that failure is raised. ``retry_crash=False`` raises the first crash.
     """
     __tracebackhide__ = True  # pytest: show the test and the remote traceback, not this
-    global _pool
     if world_size < 1:
         raise ValueError(f"run_on_ranks: world_size must be >= 1, got {world_size}")
     filters: list | None = list(warnings.filters)
@@ -347,8 +142,35 @@ def run_on_ranks(
         raise TypeError(
             f"run_on_ranks: fn {fn!r} and its arguments must be picklable (fn must be a module-level function): {e}"
         ) from e
+    name = getattr(fn, "__name__", repr(fn))
+    outcome = _call(blob, world_size, backend, timeout, fresh)
+    if outcome.crashed and retry_crash:
+        first = rank_error(outcome.errors, outcome.results, outcome.stuck, outcome.stacks, FAILURE_GRACE_S)
+        outcome = _call(blob, world_size, backend, timeout, fresh=True)
+        if not outcome.errors and not outcome.stuck:
+            warnings.warn(
+                WorkerCrashWarning(
+                    f"run_on_ranks({name}): the worker of rank(s) {sorted(first.errors)} died of a signal; "
+                    f"the call passed when run again in fresh workers. The crash:\n{first}"
+                ),
+                stacklevel=2,
+            )
+    if outcome.errors:
+        raise rank_error(outcome.errors, outcome.results, outcome.stuck, outcome.stacks, FAILURE_GRACE_S)
+    if outcome.stuck:
+        raise TimeoutError(
+            f"run_on_ranks({name}): ranks {outcome.stuck} of "
+            f"{world_size} did not finish within {timeout} s (killed){outcome.stacks}"
+        )
+    return [outcome.results[r] for r in range(world_size)]
+
+
+def _call(blob: bytes, world_size: int, backend: str, timeout: float, fresh: bool) -> _Outcome:
+    """Run the pickled call once on the pool's first ``world_size`` workers."""
+    __tracebackhide__ = True
+    global _pool
     if _pool is None:  # lazily: spawn copies sys.path, which pytest has set up by now
-        _pool = _Pool()
+        _pool = Pool()
     pool = _pool
     died_idle: dict[int, str] = {}
     for slot in range(world_size):  # grow the pool; replace workers that died meanwhile
@@ -372,8 +194,7 @@ def run_on_ranks(
         pool.marks[rank] = pool.fault_size(rank)
         pool.conns[rank].send((pool.call_id, rank, world_size, pool.store.port, backend, blob))
 
-    results: dict[int, Any] = {}
-    errors: dict[int, str] = {}
+    out = _Outcome()
     pending = {pool.conns[r]: r for r in range(world_size)}
     retire: list[int] = list(range(world_size)) if fresh else []  # dead, failed outside fn, or fresh: replace them
     deadline = time.monotonic() + timeout
@@ -386,24 +207,19 @@ def run_on_ranks(
                     assert call_id == pool.call_id, "stale message from a harness worker"
                 except EOFError:
                     ok, payload, healthy = False, pool.death_note(rank), False
+                    if (pool.procs[rank].exitcode or 0) < 0:
+                        out.crashed.append(rank)
                 if not healthy:
                     retire.append(rank)
-                (results if ok else errors)[rank] = payload
+                (out.results if ok else out.errors)[rank] = payload
                 if not ok:  # the others may wait forever in a collective it never joins
                     deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
     finally:  # also on KeyboardInterrupt: a worker still busy would answer the next call
-        stuck = sorted(pending.values())
-        stacks = pool.stacks(stuck) if stuck else ""
-        for slot in sorted(set(stuck + retire)):  # a wedged process group cannot be reused: fresh workers
+        out.stuck = sorted(pending.values())
+        out.stacks = pool.stacks(out.stuck) if out.stuck else ""
+        for slot in sorted(set(out.stuck + retire)):  # a wedged process group cannot be reused: fresh workers
             pool.start(slot)
-    if errors:
-        raise rank_error(errors, results, stuck, stacks, FAILURE_GRACE_S)
-    if stuck:
-        raise TimeoutError(
-            f"run_on_ranks({getattr(fn, '__name__', fn)}): ranks {stuck} of "
-            f"{world_size} did not finish within {timeout} s (killed){stacks}"
-        )
-    return [results[r] for r in range(world_size)]
+    return out
 
 
 # ----------------------------------------------------------------------------- misc
