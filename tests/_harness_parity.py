@@ -39,11 +39,17 @@ def step_and_match(
     ``same_placements``: the DTensor parameters and their gradients also have the same
     placements on both sides. ``losses``: (ours, theirs), compared first, as the gradients are.
     ``set_to_none``: passed to each ``zero_grad``. Both models have as many parameters.
+    A frozen parameter (``requires_grad`` False in ``ours``: quantized base weights) has no
+    gradient on either side and is not compared after the step, which does not train it.
     Messages read ``"{tag} loss"``, ``"{tag} {grad_word} {name}"`` and ``"{tag} param {name}"``."""
     pairs = list(zip(ours.named_parameters(), theirs.parameters(), strict=True))
     if losses is not None:
         a, b = (loss.detach() for loss in losses)
         assert_close_tensors(a, b, exact=exact, msg=f"{tag} loss", **_tol(exact, grad_tol))
+    frozen = [(name, p, q) for (name, p), q in pairs if not p.requires_grad]
+    for name, p, q in frozen:
+        assert p.grad is None and q.grad is None, f"{tag}: frozen {name} got a gradient"
+    pairs = [((name, p), q) for (name, p), q in pairs if p.requires_grad]
     for (name, p), q in pairs:
         if same_placements:
             assert p.placements == q.placements, (name, p.placements, q.placements)

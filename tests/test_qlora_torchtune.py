@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from _harness import assert_close_tensors, run_on_ranks
+from _harness import assert_close_tensors, run_on_ranks, step_and_match
 
 from composable import fully_shard
 
@@ -106,21 +106,13 @@ def _torchtune_qlora_vs_fsdp2(rank: int, world: int) -> None:
         losses = [_loss(m, x, y) for m in (ours, theirs)]
         for loss in losses:
             loss.backward()
-        assert_close_tensors(losses[0].detach(), losses[1].detach(), exact=True, msg=f"step {step} loss")
         batches = [_batch(step, r) for r in range(world)]
         single_loss = _loss(single, torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
         mean = losses[0].detach().clone()
         dist.all_reduce(mean)
         assert_close_tensors(mean / world, single_loss.detach(), rtol=1e-5, atol=1e-6, msg=f"step {step} single")
         single_loss.backward()
-        for (name, a), (_, b) in zip(ours.named_parameters(), theirs.named_parameters()):
-            if a.requires_grad:
-                assert_close_tensors(a.grad.to_local(), b.grad.to_local(), exact=True, msg=f"step {step} {name}")
-            else:
-                assert a.grad is None and b.grad is None, f"frozen {name} got a gradient"
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
+        step_and_match(ours, theirs, opts, f"step {step}", losses=(losses[0], losses[1]))
     trained = 0
     for (name, a), (_, b), (_, c) in zip(ours.named_parameters(), theirs.named_parameters(), single.named_parameters()):
         if a.requires_grad:
