@@ -1,6 +1,8 @@
 """The harness's persistent workers: the worker loop (one spawned process per rank slot, a fresh
 process group per call) and the parent's pool of them. `_harness.run_on_ranks` drives the pool;
-nothing else uses this module.
+nothing else uses this module. The workers keep DTensor's sharding answers and dynamo's trace
+rules from call to call (``_harness_sharding.py``; about a fifth of the time of the tests that
+run many calls), each call's answers naming its own meshes.
 
 A worker that dies (segfault, abort) leaves the C++ stacks of all its threads (the crashing one
 first) and its Python stacks in its fault file, which the pool reads into the `RankError`; a
@@ -30,6 +32,7 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 from _harness_errors import crashing_thread_first
+from _harness_sharding import forget_sharding_cache, remember_sharding
 
 STARTUP_TIMEOUT_S = 180.0  # spawning + importing torch; generous for a loaded 2-core machine
 FAULT_TEXT_LIMIT = 200_000  # characters of a dead worker's fault file that go into the RankError
@@ -38,25 +41,16 @@ FAULT_TEXT_LIMIT = 200_000  # characters of a dead worker's fault file that go i
 # ----------------------------------------------------------------------------- worker side
 
 
-def forget_sharding_cache() -> None:
-    """DTensor caches sharding propagation keyed by meshes that compare equal across process
-    groups (same ranks): in a persistent worker a later test's DTensor ops would return specs
-    holding this test's mesh, whose destroyed groups do not resolve ("Could not resolve the
-    process group", seen on torch 2.11 with NCCL)."""
-    with contextlib.suppress(Exception):
-        from torch.distributed.tensor import DTensor
+def _keep_trace_rules() -> None:
+    """From now on, keep dynamo's trace rules (which objects it puts in graphs, skips, inlines)
+    when a process group is made. init_process_group empties their caches for rules that may
+    have been built while torch.distributed was half imported; a process that makes one group
+    rebuilds them once, but a worker makes one per call, and composable's fully_shard asks
+    dynamo about each module's forward: ~20 ms of rebuilding in every call. Called once this
+    worker's first group is made, after that emptying."""
+    from torch._dynamo import trace_rules
 
-        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-    with contextlib.suppress(Exception):  # the redistribute planner caches per mesh as well
-        from torch.distributed.tensor import _redistribute
-
-        _redistribute._gen_transform_infos.cache_clear()
-    # And so does the C++ fast path of DTensor's dispatch (torch >= 2.11): missing this one made
-    # a later NCCL test's optimizer state carry an earlier test's mesh, whose group name ("1")
-    # no longer resolves once deep-copied (test_counters_on_mesh_with_fused_adamw_on_gpus).
-    clear_cpp_cache = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
-    if clear_cpp_cache is not None:
-        clear_cpp_cache()
+    trace_rules.clear_lru_cache = lambda: None
 
 
 def worker_main(conn: Connection, fault_path: str) -> None:
@@ -85,11 +79,15 @@ def worker_main(conn: Connection, fault_path: str) -> None:
     torch.set_num_threads(1)  # 2 cores shared by all ranks: oversubscription is the killer
     with contextlib.suppress(Exception):
         importlib.import_module("torch.distributed.tensor")  # warm it once, not per test
+        # Answers of sharding propagation outlive the call that computed them, rebound to each
+        # later call's meshes (DTensor's own caches are emptied after every call, below).
+        remember_sharding()
     # What startup made (torch's modules: ~300k objects) is never garbage: out of every
     # collection, so that the collection after each call costs milliseconds, not ~0.3 s.
     gc.collect()
     gc.freeze()
     stores: dict[int, dist.TCPStore] = {}
+    trace_rules_kept = False
     conn.send(("ready", os.getpid()))
     while True:
         try:
@@ -109,6 +107,9 @@ def worker_main(conn: Connection, fault_path: str) -> None:
             if "nccl" in backend:
                 torch.cuda.set_device(rank)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+            if not trace_rules_kept and "torch._dynamo" in sys.modules:
+                _keep_trace_rules()
+                trace_rules_kept = True
             # gloo's init is no barrier: a rank that finishes fn and destroys its group early
             # would break a slow peer's connection handshake. Wait until all are connected.
             if store.add("initialised", 1) == world_size:

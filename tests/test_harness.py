@@ -144,6 +144,21 @@ def _compare_shards(rank: int, world_size: int) -> str:
     return ""
 
 
+def _op_on_2d_mesh(rank: int, world_size: int, groups_before: int) -> tuple[bool, float]:
+    """A DTensor op on a 2D mesh of this call's subgroups, made after `groups_before` other
+    groups (which shifts the subgroups' names): whether its result names this call's mesh, and
+    the result's sum, gathered over the groups of the mesh it names."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    for _ in range(groups_before):
+        dist.new_group(list(range(world_size)))
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("a", "b"))
+    x = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0), Replicate()])
+    y = x * 2
+    return y.device_mesh is mesh, y.redistribute(y.device_mesh, [Replicate(), Shard(1)]).full_tensor().sum().item()
+
+
 def _nccl_all_reduce(rank: int, world_size: int) -> float:
     t = torch.ones(1, device="cuda")
     dist.all_reduce(t)
@@ -226,6 +241,13 @@ def test_process_groups_of_a_call_die_with_it() -> None:
     before = run_on_ranks(_thread_count, 2)
     run_on_ranks(_group_left_in_a_cycle, 2)
     assert run_on_ranks(_thread_count, 2) == before
+
+
+def test_sharding_answers_of_an_earlier_call_name_this_calls_mesh() -> None:
+    """The workers keep sharding propagation's answers from call to call: a later call's equal
+    ops get them with its own mesh, not the earlier call's (whose groups are destroyed)."""
+    for groups_before in (0, 1):
+        assert run_on_ranks(_op_on_2d_mesh, 4, groups_before) == [(True, 56.0)] * 4
 
 
 def test_failed_init_retires_the_workers() -> None:
