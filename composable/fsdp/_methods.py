@@ -237,7 +237,7 @@ def _check_comm(api: str, comm: Any) -> None:
 
 def _refuse_custom(api: str, group: "ParamGroup", gather_cls: type, reduce_cls: type) -> None:
     for current, own in (
-        (getattr(group, "all_gather_comm", None), gather_cls),
+        (group.all_gather_comm, gather_cls),
         (group.reducer.reduce_scatter_comm, reduce_cls),
     ):
         if current is not None and not isinstance(current, own):
