@@ -8,8 +8,8 @@ mesh. Against FSDP2's own `fully_shard` with the same function (torch >= 2.13): 
 shards, gradients and parameters over 3 AdamW steps equal bit for bit, and the same
 all-gathers / reduce-scatters / all-reduces per process group per step. On every torch the
 mean loss follows a single-process model trained on all ranks' batches. A second layout puts
-plain expert weights on an HSDP mesh with `Shard(1)`. State methods reach every group
-(dp_mesh_dims and errors: test_per_param_mesh_dims.py).
+plain expert weights on an HSDP mesh with `Shard(1)`. State methods and the knobs FSDP2's
+methods set reach every group (dp_mesh_dims and errors: test_per_param_mesh_dims.py).
 """
 
 from __future__ import annotations
@@ -255,6 +255,69 @@ def _methods(rank: int, world: int) -> None:
 
 def test_state_methods_reach_every_group() -> None:
     run_on_ranks(_methods, 4)
+
+
+class _UnusedComm:
+    """An FSDP2 `AllGather` / `ReduceScatter` that is set, never run."""
+
+    def allocate(self, size, *, dtype, device) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        raise AssertionError("not run in this test")
+
+
+def _knobs(rank: int, world: int) -> None:
+    """FSDP2's methods on a module of two meshes set their knob on each group; the module's group
+    reads back the value they share, and names a value each group holds its own of."""
+    from composable import share_comm_ctx
+    from composable.integrations.fsdp2_module import as_fsdp_module, restore_class
+
+    block, _ = _block(world)
+    state = fully_shard.state(block[0])
+    groups = state.group.members
+    assert len(groups) == 2 and groups[0].layout.shard_group is not groups[1].layout.shard_group
+    # Each group its own process group's allocator: no single one to read.
+    state.set_allocate_memory_from_process_group_for_comm(True)
+    assert all(g.all_gather_comm._group is g.layout.shard_group for g in groups)
+    for read in (lambda: state.group.all_gather_comm, lambda: state.group.reducer.reduce_scatter_comm):
+        with pytest.raises(NotImplementedError, match="live on 2 meshes .* each with its own '.*_comm'"):
+            read()
+    with pytest.raises(NotImplementedError, match="each with its own 'shard_group': this method is not supported"):
+        _ = state.group.layout.shard_group
+    with pytest.raises(AttributeError):
+        _ = state.group.flat_shard  # nothing is forwarded: a set offers only what it names
+    state.set_allocate_memory_from_process_group_for_comm(False)
+    gather, reduce, hook = _UnusedComm(), _UnusedComm(), lambda grads: None
+    state.set_custom_all_gather(gather)
+    state.set_custom_reduce_scatter(reduce)
+    state.set_keep_unsharded_storage(True, recurse=False)
+    state.set_force_sum_reduction_for_comms(True)
+    state.set_reduce_scatter_unused_params(True, recurse=False)
+    state.set_reduce_scatter_max_input_buffers(2, recurse=False)
+    state.set_requires_all_reduce(False, recurse=False)
+    state.set_gradient_divide_factor(3)
+    state.set_all_reduce_hook(hook)
+    state.set_separate_reduce_scatter_group(False, recurse=False)
+    share_comm_ctx([block])
+    as_fsdp_module(block[0])
+    for g in groups:
+        r = g.reducer
+        assert g.all_gather_comm is gather and r.reduce_scatter_comm is reduce and g.keep_unsharded_storage
+        assert r.force_sum and r.reduce_unused and r.max_input_buffers == 2 and not r.requires_all_reduce
+        assert r.divide_factor == 3.0 and r.all_reduce_hook is hook and r.all_reduce_hook_stream is None
+        assert r.reduce_scatter_group is None and g.streams is None and r.streams is None  # CPU: no streams
+        assert g.shows_unsharded_between_passes
+    group = state.group
+    assert group.all_gather_comm is gather and group.reducer.reduce_scatter_comm is reduce
+    assert group.reducer.divide_factor == 3.0 and group.reducer.requires_all_reduce is False
+    assert group.layout.sharded and group.layout.replicate_groups == ()
+    restore_class(block[0])
+    assert not any(g.shows_unsharded_between_passes for g in groups)
+
+
+def test_knobs_reach_every_group() -> None:
+    run_on_ranks(_knobs, 4)
 
 
 def _two_blocks(world: int, reshard: bool | int, prefetch: bool) -> nn.Sequential:

@@ -15,7 +15,8 @@ layout       the data-parallel layout (mesh, placements, shard/replicate groups,
 reduce       gradient reduction (reduce-scatter, all-reduce); buckets: replicate's buckets;
              no_sync: the sums no-sync micro-steps keep
 optim_state  optimizer step counters of managed parameters on their mesh (cheap DTensor steps)
-collectives  flat collectives that know nothing of modules; streams: CUDA streams/events
+collectives  flat collectives that know nothing of modules (over one rank: a copy, no collective);
+             streams: CUDA streams/events
 contract     how an API installs and finds its state; claim: which parameters a call manages
 mesh         mesh validation, the default mesh, the compute device
 """

@@ -4,6 +4,14 @@ All functions take plain tensors and process groups. Collectives are issued thro
 `torch.distributed` front end (so `CommDebugMode` and the fake process group see them),
 using the `*_single` names where this torch has them (the `*_into_tensor` names are
 deprecated from 2.13 on).
+
+A group of one rank (a world of one, or HSDP with one rank per shard group) has nothing to
+exchange: its all-gather output is its input, and so is its reduce-scatter output (the sum,
+and the average, over one rank). PyTorch FSDP2 issues neither there, so a single-GPU run costs
+no collective launches; the same here: `all_gather`, `all_gather_coalesced` and
+`reduce_scatter` copy (where output and input are not already the same memory) and return a
+finished `Done` work. A custom collective (`set_custom_all_gather` / `set_custom_reduce_scatter`)
+is skipped there too, as in FSDP2.
 """
 
 from __future__ import annotations
@@ -21,11 +29,35 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+class Done:
+    """The work of a collective that had nothing to exchange (a group of one rank): already complete."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _gather_over_one_rank(output: torch.Tensor, input: torch.Tensor) -> None:
+    """The all-gather over one rank: `output` holds `input`'s values (nothing to do where they
+    are the same memory)."""
+    same = output.data_ptr() == input.data_ptr() and output.numel() == input.numel()
+    if not same and output.numel():
+        # Refilling the gather output is no mutation autograd should see (as the collective's write).
+        with refilling(output):
+            output.view(-1).copy_(input.reshape(-1))
+
+
 def all_gather(
     output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool, custom: Any = None
-) -> dist.Work | None:
+) -> dist.Work | Done | None:
     """Gather every rank's 1D `input` into the 1D `output`, rank-major; through `custom` (an
-    FSDP2 `AllGather`: `custom(output, input, group, async_op)`) when given."""
+    FSDP2 `AllGather`: `custom(output, input, group, async_op)`) when given. Over one rank: a
+    copy, and `Done`."""
+    if group.size() == 1:
+        _gather_over_one_rank(output, input)
+        return Done()
     if custom is not None:
         return custom(output, input, group, async_op=async_op)
     return _all_gather_single(output, input, group=group, async_op=async_op)
@@ -37,7 +69,11 @@ def all_gather_coalesced(
     """Gather every rank's `inputs[i]` into `outputs[i]` (rank-major), all in one coalesced
     collective (one NCCL group launch) on the current stream. Issued on the process group
     itself: the front end offers it only through `_coalescing_manager`, whose bookkeeping
-    costs more than the call."""
+    costs more than the call. Over one rank: copies."""
+    if group.size() == 1:
+        for output, input in zip(outputs, inputs):
+            _gather_over_one_rank(output, input)
+        return
     opts = _AllgatherOptions()
     opts.asyncOp = False
     work = group.allgather_into_tensor_coalesced(list(outputs), list(inputs), opts)
@@ -70,10 +106,13 @@ def reduce_scatter(
     average: bool,
     async_op: bool,
     custom: Any = None,
-) -> dist.Work | None:
+) -> dist.Work | Done | None:
     """Sum (or, where `supports_average`, average) the 1D `input` over ranks; rank r keeps
     region r in `output`. Through `custom` (an FSDP2 `ReduceScatter`: `custom(output, input,
-    group, op, async_op)`) when given."""
+    group, op, async_op)`) when given. Over one rank: a copy, and `Done`."""
+    if group.size() == 1:
+        output.copy_(input)
+        return Done()
     if custom is not None:
         return custom(output, input, group, _op(average), async_op=async_op)
     return _reduce_scatter_single(output, input, op=_op(average), group=group, async_op=async_op)

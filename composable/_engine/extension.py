@@ -37,8 +37,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from . import alone, float8_cast
 from . import collectives as comm
+from . import float8_cast
 from .optim_state import track_for_optimizers
 from .param import ManagedParam, _contiguous_stride
 from .policies import MixedPrecisionPolicy
@@ -275,10 +275,10 @@ def _start_batched(
     with stream_context(gather_stream):
         batch.cast()
         if coalesced:
-            alone.all_gather_coalesced(batch.outputs, batch.inputs, group)  # waited on the gather stream
+            comm.all_gather_coalesced(batch.outputs, batch.inputs, group)  # waited on the gather stream
         else:
             for gather, out, slot in zip(batch.pending, batch.outputs, batch.inputs):
-                gather.works.append(alone.all_gather(out, slot, group, async_op=True))
+                gather.works.append(comm.all_gather(out, slot, group, async_op=True))
         if gather_stream is not None:
             batch.pending[0].works.append(gather_stream.record_event())  # `finish_gathers` waits on the current stream
     return batch.pending

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import alone
+from . import collectives as comm
 from .extension import PendingGather, _alloc, _outputs_fit, _pre_all_gather, _start_batched, prepare_batched, shard_mesh
 from .layout import DataParallelLayout
 from .param import ManagedParam
@@ -150,7 +150,7 @@ def _gather_bytes(batch: ExtensionBatch, group: dist.ProcessGroup, rank: int) ->
     slot = buffer.narrow(0, rank * n, n)  # in place: this rank's slot is the input
     batch.copy_in(slot)
     first = batch.pending[0]
-    first.works.append(alone.all_gather(buffer, slot, group, async_op=True))
+    first.works.append(comm.all_gather(buffer, slot, group, async_op=True))
     first.after = lambda: batch.copy_out(buffer.view(world, n))
     return batch.pending
 

@@ -22,6 +22,7 @@ import torch.distributed.fsdp as torch_fsdp
 
 from .contract import check_bool
 from .group import GroupState
+from .group_set import members
 
 # The states and root context of state.py (which imports this file): `ModuleState`, `RootContext`.
 ModuleState = Any
@@ -163,15 +164,15 @@ def _check_finalize(root: "ModuleState") -> None:
         group = state.group
         if group is None or not group.layout.replicate_groups:
             continue
-        reducer = group.reducer
         to_reduce = state.requires_gradient_sync and (state.finalize_pending or group.has_unsharded_grads())
-        deferred = to_reduce and not getattr(reducer, "requires_all_reduce", True)
-        if getattr(reducer, "_partial", None) is not None or deferred:
-            raise RuntimeError(
-                f"{api}: manual backward finalization does not support HSDP's deferred replica all-reduce "
-                f"(set_requires_all_reduce(False)) of module {_name(state)}; call set_requires_all_reduce(True) "
-                "before the backward passes, or use automatic finalization"
-            )
+        for reducer in (g.reducer for g in members(group)):  # per-parameter meshes: partial sums of each
+            deferred = to_reduce and not getattr(reducer, "requires_all_reduce", True)
+            if getattr(reducer, "_partial", None) is not None or deferred:
+                raise RuntimeError(
+                    f"{api}: manual backward finalization does not support HSDP's deferred replica all-reduce "
+                    f"(set_requires_all_reduce(False)) of module {_name(state)}; call set_requires_all_reduce(True) "
+                    "before the backward passes, or use automatic finalization"
+                )
 
 
 def _finish_groups(root: "ModuleState") -> None:

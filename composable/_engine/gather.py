@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.distributed as dist
 
-from . import alone
 from . import collectives as comm
 from .param import copy_out_params
 from .streams import CommStreams, current_stream, stream_context
@@ -65,7 +64,7 @@ class TailRiders(GatherRiders, Protocol):
 class PendingGather:
     """A launched all-gather: what `finish_gather` waits for and what it must keep alive."""
 
-    work: "dist.Work | torch.cuda.Event | None"
+    work: "dist.Work | comm.Done | torch.cuda.Event | None"
     direct: bool
     output: torch.Tensor | None  # flat way: the rank-major gather output
     input: torch.Tensor  # this rank's regions, cast; kept alive until the gather is done
@@ -134,7 +133,7 @@ def start_gather(
                 if riders is not None:
                     riders.cast()
                     outputs, inputs = outputs + riders.outputs, inputs + riders.inputs
-                work = alone.all_gather_coalesced(outputs, inputs, group) if travels else None
+                work = comm.all_gather_coalesced(outputs, inputs, group) if travels else None
             gather_in, gather_out = source, None
         else:
             # The riders' bytes, padded to whole elements, follow the region in each rank's row.
@@ -153,7 +152,7 @@ def start_gather(
             if riders is not None:
                 flat_riders.copy_in(_tail_bytes(gather_in.view(1, row), n, flat_riders).view(-1))
             # row == 0: only extension parameters, gathered on their own: nothing travels here
-            work = alone.all_gather(gather_out, gather_in, group, async_op, custom) if row else None
+            work = comm.all_gather(gather_out, gather_in, group, async_op, custom) if row else None
         if streams is not None and travels:
             work = streams.all_gather.record_event()
     if direct:

@@ -57,6 +57,7 @@ class ParamGroup:
     """Sharded storage and communication for a list of parameters of one module subtree."""
 
     shows_unsharded_between_passes = False  # see `register_sharded`
+    all_gather_comm: Any = None  # set_custom_all_gather (an FSDP2 `AllGather`) and kin: the flat way
 
     def __init__(self, params: list[ManagedParam], originals: list[torch.Tensor], config: GroupConfig) -> None:
         self.params = params
@@ -289,7 +290,7 @@ class ParamGroup:
             self._coalesced_gather_ok = streams is not None and comm.supports_coalesced_gather(
                 lay.shard_group, self.flat_shard
             )
-        custom = getattr(self, "all_gather_comm", None)  # set_custom_all_gather (an FSDP2 `AllGather`): flat way
+        custom = self.all_gather_comm
         ok = self._coalesced_gather_ok and not self.config.param_dtypes  # several dtypes: flat way (mixed_dtypes.py)
         direct = custom is None and gathers_directly(self.flat_params, ok, full_group=source is self.flat_shard)
         # The group's extension parameters ride in the flat parameters' collective, unless it

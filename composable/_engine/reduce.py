@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from . import alone
 from . import collectives as comm
 from .grad_dtype import default_reduce_dtype
 from .layout import DataParallelLayout
@@ -41,7 +40,7 @@ class _Reduction:
     present: list[bool]
     offsets: list[int]
     output: torch.Tensor  # 1D, reduce dtype
-    works: list[dist.Work] = field(default_factory=list)
+    works: list[dist.Work | comm.Done] = field(default_factory=list)
     all_reduced: bool = True  # False: HSDP partial, not yet reduced across replicas
     keep_alive: list[torch.Tensor] = field(default_factory=list)
     event: "torch.cuda.Event | None" = None  # CUDA: recorded on the reduce stream when done
@@ -252,7 +251,7 @@ class GradReducer(NoSyncSums, ReduceOptions):
             red.flags = (out, out.numel() - len(present))
             async_op = streams is None
             group = self.reduce_scatter_group or lay.shard_group
-            red.works.append(alone.reduce_scatter(out, flat_in, group, average, async_op, custom))
+            red.works.append(comm.reduce_scatter(out, flat_in, group, average, async_op, custom))
             if lay.replicate_groups:
                 if self.requires_all_reduce:
                     if async_op:

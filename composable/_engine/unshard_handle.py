@@ -4,13 +4,14 @@ started all-gather."""
 from __future__ import annotations
 
 from .group import GroupState, ParamGroup
+from .group_set import GroupSet
 
 
 class UnshardHandle:
     """What `unshard(async_op=True)` returns: `wait()` finishes the all-gather and registers
     the unsharded parameters (a no-op when there was nothing to gather or it already ran)."""
 
-    def __init__(self, group: ParamGroup | None) -> None:
+    def __init__(self, group: ParamGroup | GroupSet | None) -> None:
         self._group = group
 
     def wait(self) -> None:

@@ -15,17 +15,19 @@ import torch.distributed as dist
 
 from .._engine import custom_comms
 from .._engine.contract import check_bool
+from .._engine.group_set import members
 from .._engine.reset import reset_iteration
 from .strategy import ShardingStrategy
 
 if TYPE_CHECKING:
     from .._engine.group import ParamGroup
+    from .._engine.group_set import GroupSet
 
 
 class FSDP2Methods:
     """Mixed into `FSDPState`; see `_state.py` for the attributes it reads."""
 
-    group: "ParamGroup | None"
+    group: "ParamGroup | GroupSet | None"
     strategy: ShardingStrategy
     unshard_in_backward: bool
 
@@ -188,9 +190,9 @@ class FSDP2Methods:
             raise ValueError(f"{api}: 'max_input_buffers' must be >= 1, got {max_input_buffers}")
         check_bool(api, "recurse", recurse)
         states = [s for s in self._fsdp_states(recurse) if s.group is not None]
-        for state in states:
+        for group in (g for s in states for g in members(s.group)):  # per-parameter meshes: each its own comm
             if max_input_buffers > 1 and isinstance(
-                state.group.reducer.reduce_scatter_comm, custom_comms.SymmMemReduceScatter
+                group.reducer.reduce_scatter_comm, custom_comms.SymmMemReduceScatter
             ):
                 raise ValueError(
                     f"{api}: a symmetric-memory reduce-scatter keeps one input buffer, got {max_input_buffers}"
@@ -222,7 +224,7 @@ class FSDP2Methods:
                 )
             reducer.reduce_scatter_group = made[ranks]
 
-    def _sharded_group(self, api: str) -> "ParamGroup | None":
+    def _sharded_group(self, api: str) -> "ParamGroup | GroupSet | None":
         if self.strategy is ShardingStrategy.NO_SHARD:
             raise NotImplementedError(f"{api}: a NO_SHARD module neither all-gathers nor reduce-scatters")
         return self.group  # None: no parameters here, nothing to set
@@ -237,7 +239,7 @@ def _check_comm(api: str, comm: Any) -> None:
 
 def _refuse_custom(api: str, group: "ParamGroup", gather_cls: type, reduce_cls: type) -> None:
     for current, own in (
-        (getattr(group, "all_gather_comm", None), gather_cls),
+        (group.all_gather_comm, gather_cls),
         (group.reducer.reduce_scatter_comm, reduce_cls),
     ):
         if current is not None and not isinstance(current, own):
