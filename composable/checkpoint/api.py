@@ -129,7 +129,7 @@ def checkpoint(
 
     # Eager even when the module is compiled: the checkpoint context wraps the compiled forward.
     keep_hooks_outside_graphs(module, api)
-    route_forward_through_checkpoint(module, state)
+    route_forward_through_checkpoint(module)
     register_outermost_pre_hook(module, run_eagerly(pre_hook))
     module.register_forward_hook(run_eagerly(post_hook), prepend=True, always_call=True)
     install_state(module, api, state)

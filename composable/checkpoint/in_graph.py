@@ -24,13 +24,13 @@ import torch
 import torch.nn as nn
 
 from .._engine.compile_boundary import with_own_code
+from .._engine.contract import get_state
 from .state import CheckpointState
 
 # The module's forward before checkpoint took it over: (function, bound). `bound` means the
 # function takes the module as its first argument (a forward method set on the instance,
 # rebound to a copy by `copy.deepcopy` because it is kept unbound here); None: the class's.
 _INNER_FORWARD_KEY = "_composable_checkpoint_inner_forward"
-_STATE_KEY = "_composable_checkpoint_state"
 
 
 def is_compiled_in_place(module: nn.Module) -> bool:
@@ -46,7 +46,7 @@ def _run_inner_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    state: CheckpointState = self.__dict__[_STATE_KEY]
+    state: CheckpointState = get_state(self, "checkpoint")  # as every API's state is found
     if not state.in_graph:
         return _run_inner_forward(self, *args, **kwargs)
 
@@ -82,17 +82,16 @@ def _forward_copy_for(original: Any) -> Any:
     return _FORWARD_COPIES[original]
 
 
-def route_forward_through_checkpoint(module: nn.Module, state: CheckpointState) -> None:
-    """Replace `module.forward` by one that checkpoints the original forward whenever
-    `state.in_graph` is set (the pre-hook sets it for calls of a module compiled in place) and
-    calls it plainly otherwise."""
+def route_forward_through_checkpoint(module: nn.Module) -> None:
+    """Replace `module.forward` by one that checkpoints the original forward whenever the
+    module's checkpoint state has `in_graph` set (the pre-hook sets it for calls of a module
+    compiled in place) and calls it plainly otherwise."""
     forward = module.__dict__.get("forward")
     if isinstance(forward, types.MethodType) and forward.__self__ is module:
         inner: tuple[Any, bool] = (forward.__func__, True)
     else:  # None (the class's forward) or a plain callable set on the instance
         inner = (forward, False)
     module.__dict__[_INNER_FORWARD_KEY] = inner
-    module.__dict__[_STATE_KEY] = state
     # A bound method (not a closure), so `copy.deepcopy` rebinds it to the copy.
     original = inner[0] if inner[0] is not None else type(module).forward
     module.forward = types.MethodType(_forward_copy_for(original), module)
