@@ -91,6 +91,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="mixture-of-experts feed-forwards (examples/moe.py, --model own): fully_shard and FSDP2 split the experts "
         "over an expert-parallel dim and shard them over the rest (examples/parallel.py's shard_experts)",
     )
+    p.add_argument(
+        "--moe-capacity-factor",
+        type=float,
+        help="with --moe: fixed expert capacity (train.py's flag of the same name); default: no token dropped",
+    )
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend for --compile")
     p.add_argument(
         "--ac",
@@ -131,6 +136,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"--warmup must be >= 2 with --runs {graphed[0]} (graphed_step's eager warm-up, then the capture, "
             f"so that every timed step is a replay), got {args.warmup}"
         )
+    if args.moe_capacity_factor is not None and (not args.moe or not args.moe_capacity_factor > 0):
+        p.error(f"--moe-capacity-factor {args.moe_capacity_factor:g} needs --moe and a value > 0")
     if args.moe and (graphed or args.float8 or args.model != "own" or args.mesh != "dp"):
         p.error(
             "--moe runs with --model own and --mesh dp (its own expert mesh), eagerly (no graphed runs: routing "
@@ -181,6 +188,8 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
     """The preset, at `--seq-len`, with the width/depth flags applied."""
     width = width_overrides(args.preset, args.dim, args.n_heads, args.ffn_dim)
     moe = {"n_experts": MOE_EXPERTS} if getattr(args, "moe", False) else {}
+    if moe and getattr(args, "moe_capacity_factor", None):
+        moe["moe_capacity_factor"] = args.moe_capacity_factor
     fused = getattr(args, "fused_projections", None)
     return get_config(
         args.preset, max_seq_len=args.seq_len, n_layers=args.n_layers, fused_projections=fused, **width, **moe

@@ -40,6 +40,9 @@ class ModelConfig:
     init_std: float = 0.02
     n_experts: int = 0  # > 0: every block's feed-forward is a mixture of experts (moe.py)
     top_k: int = 2  # experts per token
+    # > 0: each rank sends each expert at most this many times an even share of its routed rows
+    # (the rest are dropped): fixed shapes, no host synchronisation (moe.py). 0: no token dropped.
+    moe_capacity_factor: float = 0.0
     # One wqkv and one w13 linear instead of wq/wk/wv and w1/w3 (the MoE feed-forward keeps its
     # experts): one matmul per shared input, whose input gradient under sequence-parallel TP
     # is a single matmul that async TP can fuse with its reduce-scatter.
@@ -52,6 +55,10 @@ class ModelConfig:
             raise ValueError(f"ModelConfig: head dim {self.dim // self.n_heads} must be even (rotary pairs)")
         if self.n_experts and not 0 < self.top_k <= self.n_experts:
             raise ValueError(f"ModelConfig: top_k {self.top_k} must be in 1..n_experts ({self.n_experts})")
+        if self.moe_capacity_factor < 0 or (self.moe_capacity_factor and not self.n_experts):
+            raise ValueError(
+                f"ModelConfig: moe_capacity_factor {self.moe_capacity_factor} must be 0, or > 0 with n_experts > 0"
+            )
 
     @property
     def head_dim(self) -> int:

@@ -24,12 +24,21 @@ collectives, never an AsyncCollectiveTensor crossing the compiled graph's bounda
 step cannot be captured in a CUDA graph (`NOT_CAPTURABLE`, which train.py's `--cuda-graph`
 reports).
 
+Fixed capacity (`ModelConfig.moe_capacity_factor` > 0, as Switch Transformer and GShard train):
+each rank sends each expert at most `expert_capacity` of its routed rows, in token order; the
+rest are dropped (that expert adds nothing to the token, which keeps its residual and its other
+experts). Every shape is then fixed: the all-to-alls have equal splits known before the step, so
+nothing is read on the host and the step can be captured in a CUDA graph. Without expert
+parallelism the same rows are dropped, so a model means the same on any number of ranks.
+
 Load balancing: `MoEFeedForward` adds the sequence-wise auxiliary loss of DeepSeek-V3
 (`load_balance_loss`) to the gradients, not to the returned value (`_AddAuxGrad`), so the
 model's interface and the reported loss stay the language-model loss.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -105,6 +114,24 @@ def _counts(ids: torch.Tensor, n: int) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
 
 
+def expert_capacity(routed_rows: int, n_experts: int, factor: float) -> int:
+    """Rows each expert takes from one rank's `routed_rows` (tokens x top_k) at capacity
+    `factor`: `factor` times an even share, rounded up (at least one)."""
+    return max(1, math.ceil(factor * routed_rows / n_experts))
+
+
+def capacity_slots(ids: torch.Tensor, n: int, capacity: int) -> torch.Tensor:
+    """Each routed row's slot in a buffer of `n * capacity` rows laid out expert by expert:
+    `ids[r] * capacity` plus the number of earlier rows routed to the same expert, or
+    `n * capacity` (one past the end: dropped) where that number reaches `capacity`. Fixed
+    shapes, no host synchronisation."""
+    counts = _counts(ids, n)
+    order = ids.argsort(stable=True)  # rows of expert 0 in row order, then expert 1, ...
+    place_sorted = torch.arange(len(ids), device=ids.device) - (counts.cumsum(0) - counts)[ids[order]]
+    place = torch.empty_like(place_sorted).scatter_(0, order, place_sorted)
+    return torch.where(place < capacity, ids * capacity + place, n * capacity)
+
+
 def use_grouped_mm(rows: torch.Tensor, w1: torch.Tensor) -> bool:
     """Whether `experts_forward` runs `torch._grouped_mm`: on CUDA in bf16, where the matrices'
     rows are 16-byte aligned (dim and ffn multiples of 8)."""
@@ -154,12 +181,13 @@ class GroupedExperts(nn.Module):
     """`n` SwiGLU experts; `forward(tokens (N, dim), weights (N, k), experts (N, k))` -> (N, dim):
     each token's chosen experts' outputs summed with its weights."""
 
-    def __init__(self, n: int, dim: int, ffn_dim: int) -> None:
+    def __init__(self, n: int, dim: int, ffn_dim: int, capacity_factor: float = 0.0) -> None:
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(n, ffn_dim, dim))
         self.w3 = nn.Parameter(torch.empty(n, ffn_dim, dim))
         self.w2 = nn.Parameter(torch.empty(n, dim, ffn_dim))
         self.n_experts = n
+        self.capacity_factor = capacity_factor  # > 0: fixed capacity per expert (module docstring)
         self.ep_group: dist.ProcessGroup | None = None  # expert parallelism over > 1 rank: see `split`
 
     @torch.no_grad()
@@ -177,12 +205,20 @@ class GroupedExperts(nn.Module):
 
     def forward(self, tokens: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         w1, w3, w2 = (_local(w) for w in (self.w1, self.w3, self.w2))
-        k = experts.shape[-1]
+        k, ids = experts.shape[-1], experts.flatten()
+        if self.capacity_factor:
+            capacity = expert_capacity(len(ids), self.n_experts, self.capacity_factor)
+            slots = capacity_slots(ids, self.n_experts, capacity)
+            if self.ep_group is not None:
+                out = _expert_parallel_fixed(tokens, slots, w1, w3, w2, self.n_experts * capacity, self.ep_group)
+                return (out.view(-1, k, out.shape[-1]) * weights.unsqueeze(-1).to(out.dtype)).sum(1)
+            # One rank: the same rows dropped, as a zero weight.
+            weights = weights * (slots < self.n_experts * capacity).view_as(weights)
         if self.ep_group is not None:
-            out = _expert_parallel(tokens, experts.flatten(), w1, w3, w2, self.n_experts, self.ep_group)
+            out = _expert_parallel(tokens, ids, w1, w3, w2, self.n_experts, self.ep_group)
         else:  # token t's k rows are rows t*k .. t*k+k-1
             rows = tokens.unsqueeze(1).expand(-1, k, -1).reshape(-1, tokens.shape[-1])
-            out = experts_forward(rows, experts.flatten(), w1, w3, w2)
+            out = experts_forward(rows, ids, w1, w3, w2)
         return (out.view(-1, k, out.shape[-1]) * weights.unsqueeze(-1).to(out.dtype)).sum(1)
 
 
@@ -215,6 +251,36 @@ def _expert_parallel(
     return back.new_empty(back.shape).index_copy(0, order, back)
 
 
+@torch.compiler.disable  # plain c10d all-to-alls, between compiled graphs (as `_expert_parallel`)
+def _expert_parallel_fixed(
+    tokens: torch.Tensor,
+    slots: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    buffer_rows: int,
+    group: dist.ProcessGroup,
+) -> torch.Tensor:
+    """`_expert_parallel` at fixed capacity: routed row r (token r // k) goes to slot
+    `slots[r]` of a buffer of `buffer_rows` (= experts x capacity) rows laid out expert by
+    expert, so rank j's experts are the buffer's j-th equal part; one all-to-all with equal
+    splits sends each part to its rank, the local experts run on the received rows (empty
+    slots are zero rows, whose outputs are zero), and the reverse all-to-all brings the outputs
+    back to the same slots. Dropped rows (slot `buffer_rows`) get zero."""
+    size, k = dist.get_world_size(group), len(slots) // len(tokens)
+    part = buffer_rows // size  # one rank's experts' slots
+    rows = tokens.repeat_interleave(k, dim=0)
+    # One spare row past the end takes the dropped rows (summed there, then cut off).
+    send = rows.new_zeros((buffer_rows + 1, rows.shape[-1])).index_add(0, slots, rows)[:buffer_rows]
+    splits = [part] * size
+    received = _AllToAll.apply(send, splits, splits, group)  # from each rank: its rows for my experts
+    local, capacity = w1.shape[0], part // w1.shape[0]
+    local_ids = torch.arange(local, device=slots.device).repeat_interleave(capacity).repeat(size)
+    w1, w3, w2 = (_ScaleGrad.apply(w, 1.0 / size) for w in (w1, w3, w2))
+    back = _AllToAll.apply(experts_forward(received, local_ids, w1, w3, w2), splits, splits, group)
+    return torch.cat([back, back.new_zeros((1, back.shape[-1]))]).index_select(0, slots)
+
+
 def load_balance_loss(scores: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance loss, averaged over sequences: for each sequence,
     sum over experts of f_e * P_e, where f_e is the fraction of its routed slots that chose
@@ -236,7 +302,7 @@ class MoEFeedForward(nn.Module):
         super().__init__()
         self.top_k = cfg.top_k
         self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
-        self.experts = GroupedExperts(cfg.n_experts, cfg.dim, cfg.ffn_dim)
+        self.experts = GroupedExperts(cfg.n_experts, cfg.dim, cfg.ffn_dim, cfg.moe_capacity_factor)
         self.aux_loss_coef = AUX_LOSS_COEF
         self.aux_grad_scale: float | torch.Tensor = 1.0
 

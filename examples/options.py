@@ -170,6 +170,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "dim and sharded over the rest (--parallel fsdp)",
     )
     m.add_argument(
+        "--moe-capacity-factor",
+        type=float,
+        help="with --moe: each rank sends each expert at most this many times an even share of its routed tokens "
+        "(the rest are dropped, as Switch Transformer): fixed shapes, no host synchronisation, a step a CUDA graph "
+        "can capture (default: no token dropped)",
+    )
+    m.add_argument(
         "--fused-projections",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -240,10 +247,13 @@ def validate(args: argparse.Namespace) -> str | None:
         ("max_norm", 0.0, False),
         ("weight_decay", 0.0, False),
         ("timeout", 0.0, True),
+        ("moe_capacity_factor", 0.0, True),
     ):
         value = getattr(args, name)
         if value is not None and (not math.isfinite(value) or value < low or (strict and value == low)):
             return f"{_flag(name)} must be a finite number {'>' if strict else '>='} {low:g}, got {value}"
+    if args.moe_capacity_factor is not None and not args.moe:
+        return f"--moe-capacity-factor {args.moe_capacity_factor:g} needs --moe"
     if args.vocab_size is not None and args.vocab_size < VOCAB_SIZE:
         return f"--vocab-size must be >= {VOCAB_SIZE} for byte-level data, got {args.vocab_size}"
     pp_problem = validate_pp(args)
@@ -305,9 +315,14 @@ def cuda_graph_unsupported(args: argparse.Namespace, device_type: str) -> str | 
         return "--cpu-offload steps the optimizer on the CPU, which a CUDA graph cannot hold"
     if getattr(args, "pp", 1) > 1:
         return "--pp: a pipeline schedule's step (its sends and receives) is not captured"
-    if getattr(args, "moe", False) and math.gcd(_world_size(args), MOE_EXPERTS) > 1:  # parallel.expert_mesh's ep
+    if _moe_expert_parallel(args) and not getattr(args, "moe_capacity_factor", None):
         return MOE_NOT_CAPTURABLE
     return None
+
+
+def _moe_expert_parallel(args: argparse.Namespace) -> bool:
+    """Whether --moe splits the experts over more than one rank (parallel.expert_mesh's ep)."""
+    return getattr(args, "moe", False) and math.gcd(_world_size(args), MOE_EXPERTS) > 1
 
 
 def _world_size(args: argparse.Namespace) -> int:
@@ -335,6 +350,11 @@ def cuda_graph_mode(args: argparse.Namespace, device_type: str) -> tuple[bool, s
         return False, unsupported
     if args.mp == "fp16":
         return False, "--mp fp16: not yet proven under a graph; --cuda-graph on to try"
+    if _moe_expert_parallel(args):
+        return (
+            False,
+            "--moe-capacity-factor with expert parallelism: not yet proven under a graph; --cuda-graph on to try",
+        )
     return True, "auto"
 
 
@@ -367,6 +387,7 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
         vocab_size=args.vocab_size,
         tie_embeddings=args.tie_embeddings,
         n_experts=MOE_EXPERTS if getattr(args, "moe", False) else None,
+        moe_capacity_factor=getattr(args, "moe_capacity_factor", None),
         fused_projections=getattr(args, "fused_projections", None),
     )
     if args.seq_len is not None and args.seq_len > cfg.max_seq_len:

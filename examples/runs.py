@@ -42,6 +42,7 @@ MODEL_FLAGS = {
     "vocab_size": "--vocab-size",
     "tie_embeddings": "--tie-embeddings",
     "fused_projections": "--fused-projections",
+    "moe_capacity_factor": "--moe-capacity-factor",
 }
 # Switches: how to ask for off (--tie-embeddings has no --no- form), and the checkpoint's in words.
 SWITCH_WORDS = {
