@@ -125,11 +125,16 @@ def capacity_slots(ids: torch.Tensor, n: int, capacity: int) -> torch.Tensor:
     `ids[r] * capacity` plus the number of earlier rows routed to the same expert, or
     `n * capacity` (one past the end: dropped) where that number reaches `capacity`. Fixed
     shapes, no host synchronisation."""
-    counts = _counts(ids, n)
+    place = _place_in_expert(ids, _counts(ids, n))
+    return torch.where(place < capacity, ids * capacity + place, n * capacity)
+
+
+def _place_in_expert(ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """For each row, how many earlier rows (in row order) chose the same expert; `counts` is
+    `_counts(ids, n)`. Fixed shapes, no host synchronisation."""
     order = ids.argsort(stable=True)  # rows of expert 0 in row order, then expert 1, ...
     place_sorted = torch.arange(len(ids), device=ids.device) - (counts.cumsum(0) - counts)[ids[order]]
-    place = torch.empty_like(place_sorted).scatter_(0, order, place_sorted)
-    return torch.where(place < capacity, ids * capacity + place, n * capacity)
+    return torch.empty_like(place_sorted).scatter_(0, order, place_sorted)
 
 
 def use_grouped_mm(rows: torch.Tensor, w1: torch.Tensor) -> bool:
@@ -166,10 +171,7 @@ def experts_forward(
     counts = _counts(ids, n)
     padded = (counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
     ends = padded.cumsum(0)
-    order = ids.argsort(stable=True)  # rows of expert 0, then 1, ...
-    first_of_sorted = (counts.cumsum(0) - counts)[ids[order]]  # in the sorted rows
-    slot = torch.arange(len(ids), device=ids.device) - first_of_sorted + (ends - padded)[ids[order]]
-    dest = torch.empty_like(slot).scatter_(0, order, slot)  # row i's slot in the padded groups
+    dest = _place_in_expert(ids, counts) + (ends - padded)[ids]  # row i's slot in the padded groups
     buf = rows.new_zeros((len(ids) + n * GROUP_ALIGN, rows.shape[-1])).index_copy(0, dest, rows)
     offs = ends.to(torch.int32)
     h = F.silu(torch._grouped_mm(buf, w1.transpose(-2, -1), offs=offs))
@@ -206,17 +208,17 @@ class GroupedExperts(nn.Module):
     def forward(self, tokens: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         w1, w3, w2 = (_local(w) for w in (self.w1, self.w3, self.w2))
         k, ids = experts.shape[-1], experts.flatten()
+        slots, buffer_rows = None, 0
         if self.capacity_factor:
-            capacity = expert_capacity(len(ids), self.n_experts, self.capacity_factor)
-            slots = capacity_slots(ids, self.n_experts, capacity)
-            if self.ep_group is not None:
-                out = _expert_parallel_fixed(tokens, slots, w1, w3, w2, self.n_experts * capacity, self.ep_group)
-                return (out.view(-1, k, out.shape[-1]) * weights.unsqueeze(-1).to(out.dtype)).sum(1)
-            # One rank: the same rows dropped, as a zero weight.
-            weights = weights * (slots < self.n_experts * capacity).view_as(weights)
-        if self.ep_group is not None:
+            buffer_rows = self.n_experts * expert_capacity(len(ids), self.n_experts, self.capacity_factor)
+            slots = capacity_slots(ids, self.n_experts, buffer_rows // self.n_experts)
+        if self.ep_group is not None and slots is not None:
+            out = _expert_parallel_fixed(tokens, slots, w1, w3, w2, buffer_rows, self.ep_group)
+        elif self.ep_group is not None:
             out = _expert_parallel(tokens, ids, w1, w3, w2, self.n_experts, self.ep_group)
         else:  # token t's k rows are rows t*k .. t*k+k-1
+            if slots is not None:  # at fixed capacity the same rows are dropped, as a zero weight
+                weights = weights * (slots < buffer_rows).view_as(weights)
             rows = tokens.unsqueeze(1).expand(-1, k, -1).reshape(-1, tokens.shape[-1])
             out = experts_forward(rows, ids, w1, w3, w2)
         return (out.view(-1, k, out.shape[-1]) * weights.unsqueeze(-1).to(out.dtype)).sum(1)
