@@ -15,7 +15,6 @@ proven under a graph) and `on` takes it; on GPUs `--cuda-graph on` captures and 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import io
@@ -37,6 +36,8 @@ import moe  # noqa: E402
 import train as train_script  # noqa: E402
 from model import get_config  # noqa: E402
 from options import cuda_graph_mode, parse_args  # noqa: E402
+from test_moe_train import SMALL as MOE_SMALL  # noqa: E402
+from test_moe_train import _args as moe_args  # noqa: E402
 from test_train_example import SMALL, _losses, _run  # noqa: E402
 
 CFG = get_config("tiny", dim=32, n_layers=2, n_heads=2, ffn_dim=48, n_experts=4)
@@ -143,25 +144,18 @@ def test_the_main_job_trains_at_fixed_capacity(tmp_path: Path) -> None:
     assert len(losses) == 3 and all(math.isfinite(v) for v in losses), losses
 
 
-def _graph_args(world: int, mode: str) -> argparse.Namespace:
-    return argparse.Namespace(
-        cuda_graph=mode, parallel="fsdp", cpu_offload=False, mp="bf16", moe=True, moe_capacity_factor=1.25, nproc=world
-    )
-
-
 def test_auto_keeps_the_expert_parallel_step_eager_and_on_takes_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     why = "--moe-capacity-factor with expert parallelism: not yet proven under a graph; --cuda-graph on to try"
-    assert cuda_graph_mode(_graph_args(4, "auto"), "cuda") == (False, why)
-    assert cuda_graph_mode(_graph_args(4, "on"), "cuda") == (True, "--cuda-graph on")
-    assert cuda_graph_mode(_graph_args(1, "auto"), "cuda") == (True, "auto")  # no expert parallelism
+    capped = "moe_capacity_factor=1.25"
+    assert cuda_graph_mode(moe_args("4", capped), "cuda") == (False, why)
+    assert cuda_graph_mode(moe_args("4", capped, "cuda_graph=on"), "cuda") == (True, "--cuda-graph on")
+    assert cuda_graph_mode(moe_args("1", capped), "cuda") == (True, "auto")  # no expert parallelism
 
 
 def _graphed_on_gpus(rank: int, world: int, out: str) -> dict:
     torch.cuda.set_device(rank)
-    flags = ["--preset", "tiny", "--dim", "64", "--n-layers", "2", "--n-heads", "2", "--ffn-dim", "128"]
-    flags += ["--seq-len", "64", "--batch-size", "4", "--lr", "1e-2", "--warmup-steps", "2", "--eval-batches", "1"]
-    flags += ["--eval-every", "0", "--ckpt-every", "0", "--moe", "--moe-capacity-factor", "1.25", "--cuda-graph", "on"]
+    flags = [*MOE_SMALL, "--moe-capacity-factor", "1.25", "--cuda-graph", "on"]
     with contextlib.redirect_stdout(io.StringIO()):
         result = train_script.train(parse_args([*flags, "--steps", "6", "--out", out]))
     assert result["cuda_graph"] is True, result["cuda_graph"]
