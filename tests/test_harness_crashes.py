@@ -12,22 +12,12 @@ from pathlib import Path
 
 import _harness
 import pytest
-import torch
 import torch.distributed as dist
 from _harness import RankError, WorkerCrashWarning, run_on_ranks
+from test_harness import _all_reduce_ranks, _noop, _pid  # the plain rank functions
 
 # ----------------------------------------------------------------------------- rank functions
 # Module level, so that the workers can unpickle them.
-
-
-def _all_reduce_ranks(rank: int, world_size: int) -> float:
-    t = torch.tensor([float(rank + 1)])
-    dist.all_reduce(t)
-    return t.item()
-
-
-def _noop(rank: int, world_size: int) -> None:
-    pass
 
 
 def _rank1_segfaults(rank: int, world_size: int) -> None:
@@ -121,7 +111,3 @@ def _rank1_raises_once(rank: int, world_size: int, marker: str) -> None:
     if rank == 1 and not os.path.exists(marker):
         Path(marker).touch()
         raise RuntimeError("once")
-
-
-def _pid(rank: int, world_size: int) -> int:
-    return os.getpid()
