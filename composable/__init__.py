@@ -5,9 +5,9 @@ returns the same module: `fully_shard` (FSDP), `replicate` (DDP) and `checkpoint
 (activation checkpointing) compose freely on one module tree.
 """
 
-from ._engine.placement_result import ShardPlacementResult
-from ._engine.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from ._engine.spmd import DataParallelMeshDims
+from ._engine.dtypes.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._engine.params.placement_result import ShardPlacementResult
+from ._engine.params.spmd import DataParallelMeshDims
 from .accumulate import no_sync, set_requires_gradient_sync
 from .checkpoint import checkpoint
 from .clip_grad import clip_grad_norm_

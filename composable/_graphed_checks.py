@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ._engine.contract import PARAM_OWNING_APIS, get_state
+from ._engine.hooks.contract import PARAM_OWNING_APIS, get_state
 
 _API = "graphed_step"
 FLOAT8_SCALE = "_precomputed_scale"  # torchao's float8 weights keep the scale of their next cast here

@@ -7,7 +7,7 @@ from typing import ContextManager, Iterator
 
 import torch.nn as nn
 
-from ._engine.contract import check_bool, check_module, param_states
+from ._engine.hooks.contract import check_bool, check_module, param_states
 
 
 def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:

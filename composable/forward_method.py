@@ -7,7 +7,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from ._engine.contract import PARAM_OWNING_APIS, check_module, get_state
+from ._engine.hooks.contract import PARAM_OWNING_APIS, check_module, get_state
 
 _WRAPPED_ATTR = "_composable_forward_method"
 

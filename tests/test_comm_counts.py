@@ -288,7 +288,7 @@ def test_when_collectives_average(
 ) -> None:
     """Which reductions use ReduceOp.AVG instead of SUM and a division (only the decision:
     CI has no NCCL; the GPU suite checks the numbers against references)."""
-    from composable._engine import collectives as _collectives
+    from composable._engine.comm import collectives as _collectives
 
     monkeypatch.setattr(_collectives.dist, "get_backend", lambda group=None: backend)
     assert _collectives.supports_average(object(), torch.device(device), dtype) is expected

@@ -24,7 +24,7 @@ from _models import TinyTransformer, batch_for, lm_loss
 from torch.distributed.device_mesh import init_device_mesh
 
 from composable import CPUOffloadPolicy, OffloadPolicy, ShardingStrategy, fully_shard, no_sync, replicate
-from composable._engine import collectives as comm
+from composable._engine.comm import collectives as comm
 
 
 class _Tracked:

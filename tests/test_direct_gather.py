@@ -1,4 +1,4 @@
-"""`fully_shard` on CUDA all-gathers straight into the parameters' storages (`_engine/gather.py`).
+"""`fully_shard` on CUDA all-gathers straight into the parameters' storages (`_engine/unshard/gather.py`).
 
 - Every parameter sharded on dim 0: one coalesced all-gather per unshard, whose outputs are the
   padded unsharded storages (no gather buffer, no copy-out); a parameter on another dim, or

@@ -106,7 +106,8 @@ def test_cycle_finder_finds_cycles() -> None:
     assert _package_of("composable.accumulate") == "composable"
     assert _package_of("composable.fsdp") == "composable.fsdp"
     assert _package_of("composable.fsdp.api") == "composable.fsdp"
-    assert _package_of("composable._engine.state") == "composable._engine"
+    assert _package_of("composable._engine") == "composable._engine"
+    assert _package_of("composable._engine.module_state.state") == "composable._engine.module_state"
 
 
 def test_import_graph_has_no_cycles() -> None:
@@ -147,8 +148,38 @@ def test_front_ends_do_not_import_each_other() -> None:
 
 
 def test_collectives_know_nothing_of_modules() -> None:
-    deps = _graph()["composable._engine.collectives"]
+    deps = _graph()["composable._engine.comm.collectives"]
     assert not deps, f"collectives import {sorted(deps)}"
+
+
+# The engine's folders from the top floor down: each imports only folders after it in this list
+# (composable/_engine/__init__.py draws the same map).
+ENGINE_FLOORS = ("module_state", "groups", "unshard", "grads", "params", "dtypes", "hooks", "meshes", "comm")
+
+
+def test_engine_folders_import_only_the_floors_below() -> None:
+    floor = {f"composable._engine.{name}": i for i, name in enumerate(ENGINE_FLOORS)}
+    engine = {p for p in _package_graph() if p.startswith("composable._engine.")}
+    assert engine == set(floor), f"engine folders not in ENGINE_FLOORS: {sorted(engine ^ set(floor))}"
+    upward = {
+        (pkg, dep) for pkg in engine for dep in _package_graph()[pkg] if dep in floor and floor[dep] <= floor[pkg]
+    }
+    assert not upward, f"engine folders importing a floor above (or beside) them: {sorted(upward)}"
+
+
+def test_engine_files_live_in_its_folders() -> None:
+    # A newcomer finds a file by its concern: nothing but the map stands in _engine/ itself.
+    loose = sorted(p.name for p in (ROOT / "_engine").glob("*.py") if p.name != "__init__.py")
+    assert not loose, f"engine files outside a concern's folder: {loose}"
+    unmapped = set()
+    for pkg in (ROOT / "_engine").iterdir():
+        if (pkg / "__init__.py").exists():
+            mapped = ast.get_docstring(ast.parse((pkg / "__init__.py").read_text())) or ""
+            words = {line.split()[0] for line in mapped.splitlines() if line.strip()}
+            unmapped |= {
+                f"{pkg.name}/{p.name}" for p in pkg.glob("*.py") if p.name != "__init__.py" and p.stem not in words
+            }
+    assert not unmapped, f"files their folder's docstring does not map: {sorted(unmapped)}"
 
 
 def test_no_file_over_400_lines() -> None:

@@ -2,7 +2,7 @@
 
 `convert_to_float8_training(..., Float8LinearConfig(enable_fsdp_float8_all_gather=True))` makes
 each linear weight a `WeightWithDynamicFloat8CastTensor`, which all-gathers its float8 data
-through FSDP2's all-gather extension (engine: _engine/extension.py). Checked:
+through FSDP2's all-gather extension (engine: _engine/unshard/extension.py). Checked:
 - shapes on a fake 2-rank world: a model built on the meta device (`to_empty` after the call)
   gathers weights of their own size (it once gathered `world` whole weights and crashed);
 - numerics on gloo against PyTorch's FSDP2 + torchao on the same model and data, step by step
@@ -274,7 +274,7 @@ def _train(
 def _model_graphs(stats: Any) -> int:
     """Graphs dynamo compiled, less those of the engine's fused float8 cast (compiled on CUDA
     at the first batched gather, once per group layout: not a recompile of the model)."""
-    from composable._engine import float8_cast
+    from composable._engine.dtypes import float8_cast
 
     cast = torch._dynamo.eval_frame._debug_get_cache_entry_list(float8_cast._cast_each.__code__)
     return stats["unique_graphs"] - len(cast)
@@ -354,7 +354,7 @@ def test_fused_cast_gives_up_one_way_at_a_time(monkeypatch: pytest.MonkeyPatch) 
     failure of that moves to the eager kernels, with one warning that names the error."""
     import warnings
 
-    from composable._engine import float8_cast
+    from composable._engine.dtypes import float8_cast
 
     monkeypatch.setattr(float8_cast, "_FUSED", {})
     first = float8_cast._fused_cast()

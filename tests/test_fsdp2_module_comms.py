@@ -22,9 +22,9 @@ from test_fsdp2_module_methods import EmbedNet, loss_of, sharded_pair, step
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-import composable._engine.collectives as collectives
+import composable._engine.comm.collectives as collectives
 from composable import ShardingStrategy, fully_shard
-from composable._engine import custom_comms
+from composable._engine.comm import custom_comms
 from composable.integrations.fsdp2_module import as_fsdp_modules
 
 

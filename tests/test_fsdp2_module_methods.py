@@ -25,7 +25,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from composable import fully_shard
-from composable._engine.group import GroupState
+from composable._engine.groups.group import GroupState
 from composable.fsdp._state import FSDPState
 from composable.integrations.fsdp2_module import UNSUPPORTED_METHODS, ComposableFSDPModule, as_fsdp_modules
 

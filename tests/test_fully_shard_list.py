@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from composable import clip_grad_norm_, fully_shard, no_sync, register_forward_method, replicate
-from composable._engine.group import GroupState
+from composable._engine.groups.group import GroupState
 
 
 class Head(nn.Linear):
@@ -349,7 +349,7 @@ def test_tuple_is_returned_as_given_and_state_dedupes() -> None:
         assert fully_shard(pair) is pair
         assert fully_shard.state(model.tok).param_names == ["0.weight"]  # tied: one parameter
         fully_shard(model)
-        from composable._engine.contract import param_states
+        from composable._engine.hooks.contract import param_states
 
         states = param_states(model)
         assert len(states) == len({id(s) for s in states}) == 2

@@ -27,8 +27,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.utils import _apply_to_tensors
 
 import composable
-from composable._engine import collectives, streams
-from composable._engine.autograd import map_tensors, tensors_in
+from composable._engine.comm import collectives, streams
+from composable._engine.hooks.autograd import map_tensors, tensors_in
 
 Pair = collections.namedtuple("Pair", "a b")
 
@@ -200,7 +200,7 @@ def _assert_same_float8(ours: torch.Tensor, reference: torch.Tensor) -> None:
 @pytest.mark.parametrize("source", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("target", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_one_launch_float8_cast_is_the_eager_arithmetic(source: torch.dtype, target: torch.dtype) -> None:
-    from composable._engine import float8_kernel
+    from composable._engine.dtypes import float8_kernel
 
     device = torch.device("cuda", torch.cuda.current_device())
     hps, scales, slots = _cast_inputs(source, target, device)
@@ -222,7 +222,7 @@ def test_one_launch_float8_cast_is_the_eager_arithmetic(source: torch.dtype, tar
 def test_one_launch_float8_cast_replays_in_a_cuda_graph(monkeypatch: pytest.MonkeyPatch) -> None:
     """Captured after it ran outside a capture, the cast replays with each replay's values; a
     kernel that has not run yet is not compiled inside a capture (the caller casts another way)."""
-    from composable._engine import float8_kernel
+    from composable._engine.dtypes import float8_kernel
 
     device = torch.device("cuda", torch.cuda.current_device())
     target = torch.float8_e4m3fn
@@ -258,7 +258,7 @@ def test_float8_cast_without_the_one_launch_kernel_warns_once_and_casts_the_same
     the same bytes."""
     import warnings
 
-    from composable._engine import float8_cast, float8_kernel
+    from composable._engine.dtypes import float8_cast, float8_kernel
 
     def no_triton() -> None:
         raise ImportError("No module named 'triton'")

@@ -145,7 +145,7 @@ def _lifetimes_at_reduce_scatter_output(monkeypatch: pytest.MonkeyPatch) -> list
     gradients it reduces (copied into its input by then) or its unsharded parameters."""
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-    from composable._engine.reduce import GradReducer
+    from composable._engine.grads.reduce import GradReducer
     from composable.integrations.fsdp2_module import as_fsdp_modules
 
     taken: list[tuple[list, list[weakref.ref]]] = []  # (params, gradients) of each reduction

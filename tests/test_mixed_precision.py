@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from composable import MixedPrecisionPolicy, fully_shard
-from composable._engine.grad_dtype import FOLLOWS_GRAD_DTYPE
+from composable._engine.grads.grad_dtype import FOLLOWS_GRAD_DTYPE
 
 bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
 

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from composable import CPUOffloadPolicy, MixedPrecisionPolicy
-from composable._engine.grad_dtype import FOLLOWS_GRAD_DTYPE, default_reduce_dtype
+from composable._engine.grads.grad_dtype import FOLLOWS_GRAD_DTYPE, default_reduce_dtype
 
 bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
 STEPS = 3

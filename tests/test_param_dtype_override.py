@@ -21,7 +21,7 @@ from _training import shard_transformer
 from torch.distributed.device_mesh import init_device_mesh
 
 from composable import MixedPrecisionPolicy, fully_shard, replicate
-from composable._engine.grad_dtype import FOLLOWS_GRAD_DTYPE, default_reduce_dtype
+from composable._engine.grads.grad_dtype import FOLLOWS_GRAD_DTYPE, default_reduce_dtype
 
 bf16, fp32 = torch.bfloat16, torch.float32
 STEPS = 3

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from composable import MixedPrecisionPolicy, fully_shard, no_sync, replicate
-from composable._engine.grad_dtype import default_reduce_dtype
+from composable._engine.grads.grad_dtype import default_reduce_dtype
 
 STEPS = 4
 

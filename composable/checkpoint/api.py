@@ -25,9 +25,9 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import _checkpoint_without_reentrant_generator, noop_context_fn
 
-from .._engine.autograd import run_eagerly
-from .._engine.compile_boundary import keep_hooks_outside_graphs
-from .._engine.contract import (
+from .._engine.hooks.autograd import run_eagerly
+from .._engine.hooks.compile_boundary import keep_hooks_outside_graphs
+from .._engine.hooks.contract import (
     check_bool,
     check_module,
     check_not_applied,

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .._engine.compile_boundary import with_own_code
-from .._engine.contract import get_state
+from .._engine.hooks.compile_boundary import with_own_code
+from .._engine.hooks.contract import get_state
 from .state import CheckpointState
 
 # The module's forward before checkpoint took it over: (function, bound). `bound` means the

@@ -1,6 +1,6 @@
 """FSDP2's expert methods on `fully_shard.state(module)`: the same names, arguments and meaning
 as `torch.distributed.fsdp.FSDPModule`'s (torch 2.11-2.15), over composable's engine.
-(torch 2.15's manual backward finalization is the engine's own: `_engine/finalize.py`.)
+(torch 2.15's manual backward finalization is the engine's own: `_engine/module_state/finalize.py`.)
 
 Each sets a field of the group's reducer or gatherer that the engine reads once per collective;
 left at its default, a knob costs one attribute read per reduction or gather.
@@ -13,15 +13,15 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.distributed as dist
 
-from .._engine import custom_comms
-from .._engine.contract import check_bool
-from .._engine.group_set import members
-from .._engine.reset import reset_iteration
+from .._engine.comm import custom_comms
+from .._engine.groups.group_set import members
+from .._engine.hooks.contract import check_bool
+from .._engine.module_state.reset import reset_iteration
 from .strategy import ShardingStrategy
 
 if TYPE_CHECKING:
-    from .._engine.group import ParamGroup
-    from .._engine.group_set import GroupSet
+    from .._engine.groups.group import ParamGroup
+    from .._engine.groups.group_set import GroupSet
 
 
 class FSDP2Methods:

@@ -8,11 +8,11 @@ from typing import Callable, Iterable
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._engine.contract import check_bool, get_state
-from .._engine.group import ParamGroup
-from .._engine.group_set import GroupSet, members
-from .._engine.policies import MixedPrecisionPolicy, OffloadPolicy
-from .._engine.state import ModuleState
+from .._engine.dtypes.policies import MixedPrecisionPolicy, OffloadPolicy
+from .._engine.groups.group import ParamGroup
+from .._engine.groups.group_set import GroupSet, members
+from .._engine.hooks.contract import check_bool, get_state
+from .._engine.module_state.state import ModuleState
 from ._methods import FSDP2Methods
 from .strategy import ShardingStrategy, check_reshard_type, normalize_reshard
 

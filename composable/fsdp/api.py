@@ -9,18 +9,18 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from .._engine.build import GroupOptions, ListedModules, build_group
-from .._engine.contract import check_composable, check_module, install_state, owning_api, state_of
-from .._engine.group_set import members
-from .._engine.mesh import check_mesh, default_mesh
-from .._engine.policies import (
+from .._engine.dtypes.policies import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
     OffloadPolicy,
     check_policies,
     param_dtype_resolver,
 )
-from .._engine.spmd import DataParallelMeshDims
+from .._engine.groups.build import GroupOptions, ListedModules, build_group
+from .._engine.groups.group_set import members
+from .._engine.hooks.contract import check_composable, check_module, install_state, owning_api, state_of
+from .._engine.meshes.mesh import check_mesh, default_mesh
+from .._engine.params.spmd import DataParallelMeshDims
 from ._state import FSDPState
 from .strategy import ShardingStrategy, normalize_reshard, resolve_strategy, spmd_strategy
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from .._engine.contract import get_state
+from .._engine.hooks.contract import get_state
 
 
 def share_comm_ctx(modules: list[nn.Module]) -> None:

@@ -6,8 +6,8 @@ import enum
 
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._engine.mesh import check_mesh
-from .._engine.spmd import SpmdDims, resolve_dp_mesh_dims
+from .._engine.meshes.mesh import check_mesh
+from .._engine.params.spmd import SpmdDims, resolve_dp_mesh_dims
 
 
 class ShardingStrategy(enum.Enum):

@@ -25,7 +25,7 @@ from torch.distributed.fsdp import FSDPModule
 
 import composable
 from composable import fully_shard
-from composable._engine.policies import check_policies
+from composable._engine.dtypes.policies import check_policies
 
 __all__ = [
     "ComposableFSDPModule",

@@ -4,11 +4,11 @@
 torch's pipeline stage recognises data parallelism by class (`DistributedDataParallel`,
 `FSDPModule`); a composable stage module keeps its own class, so a plain `PipelineStage`
 would run each microbatch's backward as a full training backward and reduce gradients once
-per microbatch (the engine refuses that at the first forward, `_engine/pipeline_guard.py`).
+per microbatch (the engine refuses that at the first forward, `_engine/hooks/pipeline_guard.py`).
 `ComposablePipelineStage` (built by `pipeline_stage`) tells composable what the schedule knows,
 as torch 2.15 does for FSDP2, on every torch:
 
-- every microbatch's backward runs under manual backward finalization (`_engine/finalize.py`)
+- every microbatch's backward runs under manual backward finalization (`_engine/module_state/finalize.py`)
   with gradient sync off and reshard-after-backward off: unsharded gradients accumulate
   locally, the gathered parameters stay for the next microbatch (no all-gather per microbatch);
 - after the last microbatch's backward of the step (or at the schedule's REDUCE_GRAD action),
@@ -46,9 +46,9 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 
-from .._engine.contract import param_states
-from .._engine.reset import finish_backward
-from .._engine.state import ModuleState
+from .._engine.hooks.contract import param_states
+from .._engine.module_state.reset import finish_backward
+from .._engine.module_state.state import ModuleState
 from ..clip_grad import clip_grads_with_norm_, get_total_norm
 
 __all__ = ["ComposablePipelineStage", "pipeline_stage", "clip_grad_norm_"]
@@ -60,7 +60,7 @@ class ComposablePipelineStage(PipelineStage):
     not once per microbatch. Takes `PipelineStage`'s arguments; the stage module is not
     wrapped, swapped or copied."""
 
-    # The engine lets a stage with this marker run composable modules (`_engine/pipeline_guard.py`).
+    # The engine lets a stage with this marker run composable modules (`_engine/hooks/pipeline_guard.py`).
     _composable_reduces_once_per_step = True
 
     def __init__(self, submodule: nn.Module, *args: Any, **kwargs: Any) -> None:

@@ -7,7 +7,7 @@ import weakref
 
 import torch
 
-from .._engine.state import ModuleState
+from .._engine.module_state.state import ModuleState
 
 
 class ReplicateState(ModuleState):

@@ -6,18 +6,18 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._engine.build import GroupOptions, build_group
-from .._engine.claim import check_ignored
-from .._engine.contract import check_composable, check_module, install_state, state_of
-from .._engine.mesh import check_mesh, default_mesh, infer_device_type, mesh_from_process_group
-from .._engine.policies import (
+from .._engine.dtypes.policies import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
     OffloadPolicy,
     check_policies,
     param_dtype_resolver,
 )
-from .._engine.spmd import DataParallelMeshDims, resolve_dp_mesh_dims
+from .._engine.groups.build import GroupOptions, build_group
+from .._engine.hooks.contract import check_composable, check_module, install_state, state_of
+from .._engine.meshes.mesh import check_mesh, default_mesh, infer_device_type, mesh_from_process_group
+from .._engine.params.claim import check_ignored
+from .._engine.params.spmd import DataParallelMeshDims, resolve_dp_mesh_dims
 from ._state import ReplicateState
 
 

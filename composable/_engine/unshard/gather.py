@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.distributed as dist
 
-from . import collectives as comm
-from .param import copy_out_params
-from .streams import CommStreams, current_stream, stream_context
+from ..comm import collectives as comm
+from ..comm.streams import CommStreams, current_stream, stream_context
+from ..params.param import copy_out_params
 
 if TYPE_CHECKING:
-    from .param import ManagedParam
+    from ..params.param import ManagedParam
 
 
 class GatherRiders(Protocol):

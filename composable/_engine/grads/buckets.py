@@ -12,13 +12,13 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .annotated import untyped
-from .profiling import labelled
+from ..comm.profiling import labelled
+from ..comm.streams import CommStreams
+from ..params.annotated import untyped
 from .reduce import GradReducer, ReduceSpec, _offsets, _Reduction
-from .streams import CommStreams
 
 if TYPE_CHECKING:
-    from .param import ManagedParam
+    from ..params.param import ManagedParam
 
 FIRST_BUCKET_CAP_BYTES = 1 << 20  # as DDP's first bucket
 

@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .layout import DataParallelLayout, LayoutKind
+from ..meshes.layout import DataParallelLayout, LayoutKind
 from .param import DTensorSpecLite, ManagedParam, ParamLayout
 
 try:  # the class torch's FSDP2 takes (torch >= 2.13): one object works with both libraries

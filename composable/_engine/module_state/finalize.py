@@ -20,9 +20,9 @@ from typing import Any
 import torch
 import torch.distributed.fsdp as torch_fsdp
 
-from .contract import check_bool
-from .group import GroupState
-from .group_set import members
+from ..groups.group import GroupState
+from ..groups.group_set import members
+from ..hooks.contract import check_bool
 
 # The states and root context of state.py (which imports this file): `ModuleState`, `RootContext`.
 ModuleState = Any

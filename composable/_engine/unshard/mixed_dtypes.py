@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.nn as nn
 
-from . import collectives as comm
+from ..comm import collectives as comm
+from ..comm.streams import CommStreams, current_stream
 from .gather import finish_gather
-from .streams import CommStreams, current_stream
 
 if TYPE_CHECKING:
+    from ..params.param import ManagedParam
     from .gather import PendingGather
-    from .param import ManagedParam
 
 
 def resolve_param_dtypes(

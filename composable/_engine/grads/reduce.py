@@ -19,17 +19,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from . import collectives as comm
+from ..comm import collectives as comm
+from ..comm.streams import CommStreams, current_stream, stream_context
+from ..meshes.layout import DataParallelLayout
+from ..meshes.shard_dims import full_to_regions
+from ..params.spmd import grad_to_local
 from .grad_dtype import default_reduce_dtype
-from .layout import DataParallelLayout
 from .no_sync import NoSyncSums
 from .reduce_options import ReduceOptions
-from .shard_dims import full_to_regions
-from .spmd import grad_to_local
-from .streams import CommStreams, current_stream, stream_context
 
 if TYPE_CHECKING:
-    from .param import ManagedParam
+    from ..params.param import ManagedParam
 
 
 @dataclass

@@ -17,19 +17,19 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import collectives as comm
-from . import extension, extension_batch
-from .buckets import BucketedReducer
-from .claim import mark_replaced
-from .gather import PendingGather, free_storages, gathers_directly, start_gather
-from .layout import DataParallelLayout
-from .mixed_dtypes import finish_gather_mixed
-from .optim_state import track_for_optimizers
-from .param import ManagedParam, is_freed, raise_still_on_meta
-from .policies import MixedPrecisionPolicy
-from .profiling import labelled
-from .reduce import GradReducer, GroupDtypes, ReduceSpec
-from .streams import streams_for
+from ..comm import collectives as comm
+from ..comm.profiling import labelled
+from ..comm.streams import streams_for
+from ..dtypes.policies import MixedPrecisionPolicy
+from ..grads.buckets import BucketedReducer
+from ..grads.reduce import GradReducer, GroupDtypes, ReduceSpec
+from ..meshes.layout import DataParallelLayout
+from ..params.claim import mark_replaced
+from ..params.optim_state import track_for_optimizers
+from ..params.param import ManagedParam, is_freed, raise_still_on_meta
+from ..unshard import extension, extension_batch
+from ..unshard.gather import PendingGather, free_storages, gathers_directly, start_gather
+from ..unshard.mixed_dtypes import finish_gather_mixed
 
 
 class GroupState(Enum):

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from .layout import DataParallelLayout
+from ..meshes.layout import DataParallelLayout
 from .spmd import SpmdDims, resolve_dp_mesh_dims
 
 try:  # torch >= 2.13: FSDP2's own class, so one shard_placement_fn serves both libraries

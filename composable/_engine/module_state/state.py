@@ -24,22 +24,22 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 
+from ..comm.profiling import labelled
+from ..comm.streams import CommStreams
+from ..dtypes.policies import MixedPrecisionPolicy
+from ..grads.grad_dtype import set_unsharded_grad_dtypes
+from ..groups.group import ParamGroup
+from ..groups.group_set import GroupSet, members
+from ..hooks.autograd import any_requires_grad, attach_post_backward, attach_pre_backward, cast_floating, run_eagerly
+from ..hooks.compile_boundary import keep_hooks_outside_graphs
+from ..hooks.contract import check_bool, keep_post_hook_last, param_states, register_api_pre_hook
+from ..hooks.pipeline_guard import check_pipeline_stage
+from ..hooks.wrappers import offset_free_state_dict
+from ..params.annotated import restore_annotations, resumed, untyped
+from ..params.late_params import check_no_late_params
 from . import finalize
-from .annotated import restore_annotations, resumed, untyped
-from .autograd import any_requires_grad, attach_post_backward, attach_pre_backward, cast_floating, run_eagerly
-from .compile_boundary import keep_hooks_outside_graphs
-from .contract import check_bool, keep_post_hook_last, param_states, register_api_pre_hook
-from .grad_dtype import set_unsharded_grad_dtypes
-from .group import ParamGroup
-from .group_set import GroupSet, members
-from .late_params import check_no_late_params
-from .pipeline_guard import check_pipeline_stage
-from .policies import MixedPrecisionPolicy
-from .profiling import labelled
 from .root_context import RootContext, TrainingState
-from .streams import CommStreams
 from .unshard_handle import UnshardHandle
-from .wrappers import offset_free_state_dict
 
 
 class ModuleState(finalize.BackwardFinalization):

@@ -14,20 +14,20 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .annotated import Annotation, is_annotated, to_storage
-from .claim import check_same_device, claim_parameters, mark_managed, mark_replaced
-from .extension import has_extension
+from ..meshes.layout import DataParallelLayout
+from ..meshes.mesh import compute_device
+from ..params.annotated import Annotation, is_annotated, to_storage
+from ..params.claim import check_same_device, claim_parameters, mark_managed, mark_replaced
+from ..params.late_params import watch_subtree
+from ..params.optim_state import install_step_hook
+from ..params.param import DTensorSpecLite, ManagedParam, ParamLayout
+from ..params.placement_result import layout_key, own_spmd_dims, placement_of
+from ..params.replicas import check_same_model, sync_replicas
+from ..params.spmd import SpmdDims, check_spmd_param, make_spmd_param
+from ..unshard.extension import has_extension
+from ..unshard.mixed_dtypes import check_mixed_group, resolve_param_dtypes
 from .group import GroupConfig, ParamGroup
 from .group_set import GroupSet
-from .late_params import watch_subtree
-from .layout import DataParallelLayout
-from .mesh import compute_device
-from .mixed_dtypes import check_mixed_group, resolve_param_dtypes
-from .optim_state import install_step_hook
-from .param import DTensorSpecLite, ManagedParam, ParamLayout
-from .placement_result import layout_key, own_spmd_dims, placement_of
-from .replicas import check_same_model, sync_replicas
-from .spmd import SpmdDims, check_spmd_param, make_spmd_param
 
 
 @dataclass(frozen=True)

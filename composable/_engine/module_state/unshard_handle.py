@@ -3,8 +3,8 @@ started all-gather."""
 
 from __future__ import annotations
 
-from .group import GroupState, ParamGroup
-from .group_set import GroupSet
+from ..groups.group import GroupState, ParamGroup
+from ..groups.group_set import GroupSet
 
 
 class UnshardHandle:

@@ -21,7 +21,7 @@ import torch
 from torch.distributed.tensor import Replicate
 
 if TYPE_CHECKING:
-    from .param import ManagedParam
+    from ..params.param import ManagedParam
 
 
 def _fsdp2_follows_grad_dtype() -> bool:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .contract import iter_param_states
+from ..hooks.contract import iter_param_states
 
 # Set on every sharded parameter a parameter-owning API registers (`mark_managed`): a
 # parameter that carries it and is not claimed by a descendant is managed by an ancestor.

@@ -26,12 +26,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import collectives as comm
+from ..comm import collectives as comm
+from ..comm.streams import current_stream
+from ..dtypes.policies import MixedPrecisionPolicy
+from ..meshes.layout import DataParallelLayout
+from ..params.param import ManagedParam
 from .extension import PendingGather, _alloc, _outputs_fit, _pre_all_gather, _start_batched, prepare_batched, shard_mesh
-from .layout import DataParallelLayout
-from .param import ManagedParam
-from .policies import MixedPrecisionPolicy
-from .streams import current_stream
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:

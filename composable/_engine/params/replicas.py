@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import collectives as comm
-from .contract import get_state
+from ..comm import collectives as comm
+from ..hooks.contract import get_state
 
 Entry = tuple[str, str, tuple[int, ...], str, bool, bool]  # kind, fqn, shape, dtype, on meta, requires grad
 Param = tuple[str, torch.Tensor, bool]  # fqn, local tensor, requires_grad of the parameter

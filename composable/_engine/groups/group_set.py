@@ -28,8 +28,8 @@ from typing import Any, NoReturn
 
 import torch.distributed as dist
 
+from ..params.param import ManagedParam
 from .group import GroupState, ParamGroup
-from .param import ManagedParam
 
 
 def per_mesh_error(meshes: int, name: str) -> NotImplementedError:

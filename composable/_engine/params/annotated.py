@@ -158,7 +158,7 @@ def _start_watching(spmd: Any) -> None:
     local one and hooks pause typechecking."""
     if _SEEN[0]:
         return
-    from .autograd import PostBackward
+    from ..hooks.autograd import PostBackward
 
     spmd.register_local_autograd_function(PostBackward)
     _SEEN[0] = True

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.distributed as dist
 
-from .streams import stream_context
+from ..comm.streams import stream_context
 
 if TYPE_CHECKING:
-    from .param import ManagedParam
+    from ..params.param import ManagedParam
 
 
 class ReduceOptions:

@@ -37,12 +37,12 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from . import collectives as comm
-from . import float8_cast
-from .optim_state import track_for_optimizers
-from .param import ManagedParam, _contiguous_stride
-from .policies import MixedPrecisionPolicy
-from .streams import current_stream, stream_context
+from ..comm import collectives as comm
+from ..comm.streams import current_stream, stream_context
+from ..dtypes import float8_cast
+from ..dtypes.policies import MixedPrecisionPolicy
+from ..params.optim_state import track_for_optimizers
+from ..params.param import ManagedParam, _contiguous_stride
 
 HOOKS = ("fsdp_pre_all_gather", "fsdp_post_all_gather")
 

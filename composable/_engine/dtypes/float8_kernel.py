@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .streams import current_stream
+from ..comm.streams import current_stream
 
 _BLOCK = 2048  # elements per program and loop step: 16 per thread at 4 warps
 _MAX_PROGRAMS = 1024  # per weight; larger weights loop (a grid-stride loop)
