@@ -6,5 +6,4 @@ autograd          the function whose backward ends a module's backward, the pre-
                   traversal and casting of nested inputs and outputs, `run_eagerly`
 compile_boundary  torch.compile's graph starts at `forward`, after the eager hooks
 pipeline_guard    refuses a pipeline stage that would reduce once per microbatch
-wrappers          cheap, picklable DTensor wrappers around the engine's local tensors
 """

@@ -8,4 +8,5 @@ placement_result  `shard_placement_fn` results (`Shard`, None, FSDP2's `ShardPla
 replicas          every rank built the same model; `replicate` broadcasts rank 0's values
 late_params       parameters registered on a managed module after the call are refused by name
 optim_state       optimizer step pre-hook: step counters on the parameters' mesh, no replaced parameters
+wrappers          cheap, picklable DTensor wrappers around local shards; state_dict values re-wrapped
 """

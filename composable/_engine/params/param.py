@@ -37,8 +37,8 @@ from torch.distributed.tensor import DTensor, Placement
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ..comm import collectives as comm
-from ..hooks.wrappers import new_dtensor, offset_free
 from ..meshes.shard_dims import full_to_regions, regions_to_full
+from .wrappers import new_dtensor, offset_free
 
 
 @dataclass
