@@ -8,6 +8,7 @@ including those under `if TYPE_CHECKING:`), so this runs without importing anyth
 from __future__ import annotations
 
 import ast
+import functools
 import os
 from pathlib import Path
 
@@ -54,6 +55,7 @@ def _exists(module: str) -> bool:
     return (ROOT / rel).with_suffix(".py").exists() or (ROOT / rel / "__init__.py").exists()
 
 
+@functools.cache  # the source does not change during a run; read it once
 def _graph() -> dict[str, set[str]]:
     return {_module_name(p): _imports(p) for p in ROOT.rglob("*.py")}
 
@@ -68,6 +70,7 @@ def _package_of(module: str) -> str:
     raise AssertionError(f"{module} is in no package")
 
 
+@functools.cache
 def _package_graph() -> dict[str, set[str]]:
     """Package A -> package B when some module of A imports some module of B (A != B)."""
     graph: dict[str, set[str]] = {}
@@ -159,11 +162,10 @@ ENGINE_FLOORS = ("module_state", "groups", "unshard", "grads", "params", "dtypes
 
 def test_engine_folders_import_only_the_floors_below() -> None:
     floor = {f"composable._engine.{name}": i for i, name in enumerate(ENGINE_FLOORS)}
-    engine = {p for p in _package_graph() if p.startswith("composable._engine.")}
+    graph = _package_graph()
+    engine = {p for p in graph if p.startswith("composable._engine.")}
     assert engine == set(floor), f"engine folders not in ENGINE_FLOORS: {sorted(engine ^ set(floor))}"
-    upward = {
-        (pkg, dep) for pkg in engine for dep in _package_graph()[pkg] if dep in floor and floor[dep] <= floor[pkg]
-    }
+    upward = {(pkg, dep) for pkg in engine for dep in graph[pkg] if dep in floor and floor[dep] <= floor[pkg]}
     assert not upward, f"engine folders importing a floor above (or beside) them: {sorted(upward)}"
 
 
