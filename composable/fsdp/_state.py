@@ -17,6 +17,17 @@ from ._methods import FSDP2Methods
 from .strategy import ShardingStrategy, check_reshard_type, normalize_reshard
 
 
+def make_post_forward_groups(api: str, reshard: bool | int, group: ParamGroup | GroupSet | None) -> None:
+    """For an int `reshard_after_forward`: make the process groups backward all-gathers within,
+    on each parameter group (each mesh of per-parameter meshes) whose shard world it splits.
+    Creating process groups is collective: called at the same point on every rank."""
+    if isinstance(reshard, bool):
+        return
+    for member in members(group):
+        if normalize_reshard(api, reshard, member.layout.shard_world) not in (True, False):
+            member.layout.post_forward_group(reshard)
+
+
 class FSDPState(FSDP2Methods, ModuleState):
     """What `fully_shard.state(module)` returns.
 
@@ -92,10 +103,7 @@ class FSDPState(FSDP2Methods, ModuleState):
             if state.strategy is ShardingStrategy.NO_SHARD:
                 continue  # nothing sharded: nothing to reshard
             value = normalize_reshard(api, reshard_after_forward, state.mesh.size(state.mesh.ndim - 1))
-            if not isinstance(value, bool):
-                for group in members(state.group):  # each of per-parameter meshes
-                    if normalize_reshard(api, value, group.layout.shard_world) not in (True, False):
-                        group.layout.post_forward_group(value)
+            make_post_forward_groups(api, value, state.group)
             state.reshard_after_forward = value
             state._reshard_is_default = False
 

@@ -17,11 +17,10 @@ from .._engine.dtypes.policies import (
     param_dtype_resolver,
 )
 from .._engine.groups.build import GroupOptions, ListedModules, build_group
-from .._engine.groups.group_set import members
 from .._engine.hooks.contract import check_composable, check_module, install_state, owning_api, state_of
 from .._engine.meshes.mesh import check_mesh, default_mesh
 from .._engine.params.spmd import DataParallelMeshDims
-from ._state import FSDPState
+from ._state import FSDPState, make_post_forward_groups
 from .strategy import ShardingStrategy, normalize_reshard, resolve_strategy, spmd_strategy
 
 Policy = set[type[nn.Module]] | Callable[[nn.Module], bool]
@@ -125,10 +124,7 @@ def fully_shard(
         param_dtype_for=param_dtype_resolver(api, mp_policy),
     )
     group = build_group(api, module if isinstance(module, nn.Module) else modules, mesh, ignored, options)
-    if not isinstance(reshard, bool):
-        for member in members(group):  # each mesh of per-parameter meshes: its own groups
-            if normalize_reshard(api, reshard, member.layout.shard_world) not in (True, False):
-                member.layout.post_forward_group(reshard)  # collective: made here, on every rank alike
+    make_post_forward_groups(api, reshard, group)
     state = FSDPState(
         module if isinstance(module, nn.Module) else modules,
         group,

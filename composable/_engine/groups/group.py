@@ -251,7 +251,11 @@ class ParamGroup:
     def reshard_to(self, size: int) -> None:
         """End of forward with `reshard_after_forward=size`: keep only this rank's 1/`size` of
         the unsharded parameters (a slice of the all-gather output), so backward all-gathers
-        within `size` ranks instead of the whole shard group; free the rest."""
+        within `size` ranks instead of the whole shard group; free the rest. A `size` of the
+        whole shard group (or more) reshards fully: one of per-parameter meshes may be that narrow."""
+        if size >= self.layout.shard_world:
+            self.reshard()
+            return
         if self.state is GroupState.UNSHARDING:
             self.wait_for_unshard()
         full = self.extension_params or self._unsharded_aliases_shard or self.config.param_dtypes

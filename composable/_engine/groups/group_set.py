@@ -159,10 +159,7 @@ class GroupSet:
         """`reshard_after_forward=size`: each member keeps 1/size where its mesh is wider, and
         reshards fully where `size` is its whole shard world (as FSDP2 per group)."""
         for g in self.members:
-            if size >= g.layout.shard_world:
-                g.reshard()
-            else:
-                g.reshard_to(size)
+            g.reshard_to(size)
 
     def refresh_sharded_params(self) -> None:
         for g in self.members:
