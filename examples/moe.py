@@ -210,8 +210,9 @@ class GroupedExperts(nn.Module):
         k, ids = experts.shape[-1], experts.flatten()
         slots, buffer_rows = None, 0
         if self.capacity_factor:
-            buffer_rows = self.n_experts * expert_capacity(len(ids), self.n_experts, self.capacity_factor)
-            slots = capacity_slots(ids, self.n_experts, buffer_rows // self.n_experts)
+            capacity = expert_capacity(len(ids), self.n_experts, self.capacity_factor)
+            buffer_rows = self.n_experts * capacity
+            slots = capacity_slots(ids, self.n_experts, capacity)
         if self.ep_group is not None and slots is not None:
             out = _expert_parallel_fixed(tokens, slots, w1, w3, w2, buffer_rows, self.ep_group)
         elif self.ep_group is not None:

@@ -20,6 +20,7 @@ import copy
 import io
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -45,9 +46,7 @@ CFG = get_config("tiny", dim=32, n_layers=2, n_heads=2, ffn_dim=48, n_experts=4)
 
 def _layer(factor: float, seed: int = 0) -> moe.MoEFeedForward:
     torch.manual_seed(seed)
-    layer = moe.MoEFeedForward(
-        get_config("tiny", dim=32, ffn_dim=48, n_heads=2, n_experts=4, moe_capacity_factor=factor)
-    )
+    layer = moe.MoEFeedForward(replace(CFG, moe_capacity_factor=factor))
     for w in (layer.experts.w1, layer.experts.w3, layer.experts.w2):
         torch.nn.init.normal_(w, std=0.1)
     return layer
