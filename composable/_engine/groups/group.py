@@ -253,13 +253,10 @@ class ParamGroup:
         the unsharded parameters (a slice of the all-gather output), so backward all-gathers
         within `size` ranks instead of the whole shard group; free the rest. A `size` of the
         whole shard group (or more) reshards fully: one of per-parameter meshes may be that narrow."""
-        if size >= self.layout.shard_world:
-            self.reshard()
-            return
         if self.state is GroupState.UNSHARDING:
             self.wait_for_unshard()
         full = self.extension_params or self._unsharded_aliases_shard or self.config.param_dtypes
-        if self.state is GroupState.SHARDED or full:
+        if self.state is GroupState.SHARDED or full or size >= self.layout.shard_world:
             self.reshard()  # (all-gather extensions decide what travels: they regather fully)
             return
         _, rank = self.layout.post_forward_group(size)
