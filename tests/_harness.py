@@ -68,6 +68,13 @@ __all__ = [
 ]
 
 FAILURE_GRACE_S = 5.0  # after one rank fails, how long the others get to finish or fail
+# A call past its timeout whose ranks still use CPU is slow (a loaded machine: CI runs two suites
+# side by side, among other tenants' jobs), not hung: hung ranks wait in a collective or a sleep.
+# It gets PROGRESS_WINDOW_S more at a time while its ranks used PROGRESS_MIN_CPU_S of CPU in the
+# last window, up to LOADED_TIMEOUT_FACTOR times its timeout.
+PROGRESS_WINDOW_S = 30.0
+PROGRESS_MIN_CPU_S = 0.05
+LOADED_TIMEOUT_FACTOR = 4.0
 
 
 _pool: Pool | None = None
@@ -97,6 +104,7 @@ class _Outcome:
     stuck: list[int] = field(default_factory=list)
     stacks: str = ""
     crashed: list[int] = field(default_factory=list)  # ranks whose worker died of a signal
+    waited: float = 0.0  # seconds the call ran before it finished or was stopped
 
 
 def run_on_ranks(
@@ -115,7 +123,8 @@ def run_on_ranks(
     rank (``torch.manual_seed(0)``, ``random.seed(0)``). Returns the ranks' (picklable)
     return values in rank order. Raises ``RankError`` naming the failing ranks with their
     tracebacks, or ``TimeoutError`` naming the ranks that did not finish in ``timeout`` s;
-    stuck or dead workers are killed and replaced. ``fresh=True`` runs ``fn`` in workers started
+    stuck or dead workers are killed and replaced. Past ``timeout``, a call whose ranks still
+    use CPU runs on, up to ``LOADED_TIMEOUT_FACTOR`` times ``timeout`` (slow, not hung). ``fresh=True`` runs ``fn`` in workers started
     for this call alone, for state a process keeps past its destroyed groups: torch's symmetric
     memory keeps its pool's buffers registered to a group *name*, and every call's default group
     is named "0", so a worker that ran an earlier call skips the collective registration its
@@ -159,8 +168,8 @@ def run_on_ranks(
         raise rank_error(outcome.errors, outcome.results, outcome.stuck, outcome.stacks, FAILURE_GRACE_S)
     if outcome.stuck:
         raise TimeoutError(
-            f"run_on_ranks({name}): ranks {outcome.stuck} of "
-            f"{world_size} did not finish within {timeout} s (killed){outcome.stacks}"
+            f"run_on_ranks({name}): ranks {outcome.stuck} of {world_size} did not finish within "
+            f"{timeout} s (killed after {outcome.waited:.0f} s){outcome.stacks}"
         )
     return [outcome.results[r] for r in range(world_size)]
 
@@ -197,10 +206,24 @@ def _call(blob: bytes, world_size: int, backend: str, timeout: float, fresh: boo
     out = _Outcome()
     pending = {pool.conns[r]: r for r in range(world_size)}
     retire: list[int] = list(range(world_size)) if fresh else []  # dead, failed outside fn, or fresh: replace them
-    deadline = time.monotonic() + timeout
+    ranks = list(range(world_size))
+    start = time.monotonic()
+    deadline, last_deadline = start + timeout, start + LOADED_TIMEOUT_FACTOR * timeout
+    window = min(timeout, PROGRESS_WINDOW_S)
+    cpu_seen = pool.cpu_seconds(ranks)
+    failed = False
     try:
-        while pending and time.monotonic() < deadline:
-            for conn in wait(list(pending), timeout=max(0.0, deadline - time.monotonic())):
+        while pending:
+            now = time.monotonic()
+            if now >= deadline:  # past the timeout: a call still computing is slow, not hung
+                cpu = pool.cpu_seconds(ranks)
+                if failed or now >= last_deadline or cpu is None or cpu_seen is None:
+                    break
+                if cpu - cpu_seen < PROGRESS_MIN_CPU_S:
+                    break
+                cpu_seen, deadline = cpu, min(last_deadline, now + window)
+                continue
+            for conn in wait(list(pending), timeout=deadline - now):
                 rank = pending.pop(conn)
                 try:
                     call_id, ok, payload, healthy = conn.recv()
@@ -213,8 +236,9 @@ def _call(blob: bytes, world_size: int, backend: str, timeout: float, fresh: boo
                     retire.append(rank)
                 (out.results if ok else out.errors)[rank] = payload
                 if not ok:  # the others may wait forever in a collective it never joins
-                    deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+                    deadline, failed = min(deadline, time.monotonic() + FAILURE_GRACE_S), True
     finally:  # also on KeyboardInterrupt: a worker still busy would answer the next call
+        out.waited = time.monotonic() - start
         out.stuck = sorted(pending.values())
         out.stacks = pool.stacks(out.stuck) if out.stuck else ""
         for slot in sorted(set(out.stuck + retire)):  # a wedged process group cannot be reused: fresh workers

@@ -35,6 +35,7 @@ from _harness_errors import crashing_thread_first
 from _harness_sharding import forget_sharding_cache, remember_sharding
 
 STARTUP_TIMEOUT_S = 180.0  # spawning + importing torch; generous for a loaded 2-core machine
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 FAULT_TEXT_LIMIT = 200_000  # characters of a dead worker's fault file that go into the RankError
 
 
@@ -228,6 +229,19 @@ class Pool:
             time.sleep(0.05)
         time.sleep(0.05)  # let a dump in progress finish
         return "".join(f"\n----- stack of hung rank {i} -----\n{self.fault_text(i, sizes[i])}" for i in slots)
+
+    def cpu_seconds(self, slots: list[int]) -> float | None:
+        """CPU time (user + system) the workers of ``slots`` have used so far; None where the
+        platform has no /proc to read it from."""
+        total = 0.0
+        for i in slots:
+            try:
+                with open(f"/proc/{self.procs[i].pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+            except (OSError, IndexError):
+                return None
+            total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
+        return total
 
     def wait_ready(self, n: int) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S

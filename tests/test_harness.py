@@ -82,6 +82,13 @@ def _rank1_skips_collective_and_hangs(rank: int, world_size: int) -> None:
         time.sleep(60)
 
 
+def _busy_for(rank: int, world_size: int, seconds: float) -> int:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+    return rank
+
+
 def _thread_count(rank: int, world_size: int) -> int:
     return len(os.listdir("/proc/self/task"))
 
@@ -228,6 +235,23 @@ def test_hang_times_out_and_pool_recovers() -> None:
     assert "stack of hung rank 1" in str(info.value)
     assert time.monotonic() - start < 10
     assert run_on_ranks(_all_reduce_ranks, 2) == [3.0, 3.0]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads the workers' CPU time in /proc")
+def test_a_call_still_computing_past_its_timeout_is_slow_not_hung(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a loaded machine a call may outrun its timeout while its ranks compute: it runs on.
+    Any CPU the ranks used counts as progress here, so that the test holds at any load."""
+    monkeypatch.setattr(_harness, "PROGRESS_MIN_CPU_S", 0.0)
+    assert run_on_ranks(_busy_for, 2, 2.5, timeout=1.0) == [0, 1]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads the workers' CPU time in /proc")
+def test_a_call_computing_forever_stops_at_its_loaded_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_harness, "PROGRESS_MIN_CPU_S", 0.0)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"did not finish within 1.0 s \(killed after [4-6] s\)"):
+        run_on_ranks(_busy_for, 2, 60.0, timeout=1.0)
+    assert time.monotonic() - start < 15
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
