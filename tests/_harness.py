@@ -68,10 +68,11 @@ __all__ = [
 ]
 
 FAILURE_GRACE_S = 5.0  # after one rank fails, how long the others get to finish or fail
-# A call past its timeout whose ranks still use CPU is slow (a loaded machine: CI runs two suites
-# side by side, among other tenants' jobs), not hung: hung ranks wait in a collective or a sleep.
-# It gets PROGRESS_WINDOW_S more at a time while its ranks used PROGRESS_MIN_CPU_S of CPU in the
-# last window, up to LOADED_TIMEOUT_FACTOR times its timeout.
+# A gloo call past its timeout whose ranks still use CPU is slow (a loaded machine: CI runs two
+# suites side by side, among other tenants' jobs), not hung: hung gloo ranks wait in a collective
+# or a sleep, using none. It gets PROGRESS_WINDOW_S more at a time while its ranks used
+# PROGRESS_MIN_CPU_S of CPU in the last window, up to LOADED_TIMEOUT_FACTOR times its timeout.
+# Not on GPUs: a rank waiting there spins its host thread in the CUDA driver.
 PROGRESS_WINDOW_S = 30.0
 PROGRESS_MIN_CPU_S = 0.05
 LOADED_TIMEOUT_FACTOR = 4.0
@@ -123,8 +124,8 @@ def run_on_ranks(
     rank (``torch.manual_seed(0)``, ``random.seed(0)``). Returns the ranks' (picklable)
     return values in rank order. Raises ``RankError`` naming the failing ranks with their
     tracebacks, or ``TimeoutError`` naming the ranks that did not finish in ``timeout`` s;
-    stuck or dead workers are killed and replaced. Past ``timeout``, a call whose ranks still
-    use CPU runs on, up to ``LOADED_TIMEOUT_FACTOR`` times ``timeout`` (slow, not hung). ``fresh=True`` runs ``fn`` in workers started
+    stuck or dead workers are killed and replaced. Past ``timeout``, a gloo call whose ranks
+    still use CPU runs on, up to ``LOADED_TIMEOUT_FACTOR`` times ``timeout`` (slow, not hung). ``fresh=True`` runs ``fn`` in workers started
     for this call alone, for state a process keeps past its destroyed groups: torch's symmetric
     memory keeps its pool's buffers registered to a group *name*, and every call's default group
     is named "0", so a worker that ran an earlier call skips the collective registration its
@@ -217,7 +218,7 @@ def _call(blob: bytes, world_size: int, backend: str, timeout: float, fresh: boo
             now = time.monotonic()
             if now >= deadline:  # past the timeout: a call still computing is slow, not hung
                 cpu = pool.cpu_seconds(ranks)
-                if failed or now >= last_deadline or cpu is None or cpu_seen is None:
+                if failed or backend != "gloo" or now >= last_deadline or cpu is None or cpu_seen is None:
                     break
                 if cpu - cpu_seen < PROGRESS_MIN_CPU_S:
                     break
