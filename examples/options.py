@@ -335,9 +335,9 @@ def _world_size(args: argparse.Namespace) -> int:
 def cuda_graph_mode(args: argparse.Namespace, device_type: str) -> tuple[bool, str]:
     """(whether train.py runs its step through composable.graphed_step, why) for --cuda-graph
     on this rank's device, e.g. (True, "auto"), (False, "--parallel tp is not supported ...").
-    `auto` graphs one rank and several alike (measured on one GPU and on two: BENCHMARKS.md)
-    and leaves fp16 eager (its ShardedGradScaler step is not yet proven inside train.py's
-    graph). UsageError for `on` with a run graphs do not support (validate catches the cases
+    `auto` graphs one rank and several alike (measured on one GPU and on two: BENCHMARKS.md),
+    expert parallelism at a fixed capacity too (measured on four), and leaves fp16 eager (its
+    ShardedGradScaler step is not yet proven inside train.py's graph). UsageError for `on` with a run graphs do not support (validate catches the cases
     known before the ranks start; a run on gloo despite a GPU is found here)."""
     if args.cuda_graph == "off":
         return False, "--cuda-graph off"
@@ -350,11 +350,6 @@ def cuda_graph_mode(args: argparse.Namespace, device_type: str) -> tuple[bool, s
         return False, unsupported
     if args.mp == "fp16":
         return False, "--mp fp16: not yet proven under a graph; --cuda-graph on to try"
-    if _moe_expert_parallel(args):
-        return (
-            False,
-            "--moe-capacity-factor with expert parallelism: not yet proven under a graph; --cuda-graph on to try",
-        )
     return True, "auto"
 
 

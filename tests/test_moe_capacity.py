@@ -9,8 +9,8 @@ gradients the ranks' mean of the unsplit layer's; the forward issues two all-to-
 out and back, equal splits) and no exchange of counts, so nothing is read on the host.
 
 The main job's `--moe-capacity-factor`: refused without `--moe` or at a value not above 0, one
-line; trains on 2 gloo ranks; `--cuda-graph auto` keeps the expert-parallel step eager (not yet
-proven under a graph) and `on` takes it; on GPUs `--cuda-graph on` captures and trains.
+line; trains on 2 gloo ranks; `--cuda-graph auto` graphs the expert-parallel step (dropless
+expert parallelism stays eager); on GPUs `--cuda-graph on` captures and trains.
 """
 
 from __future__ import annotations
@@ -143,13 +143,15 @@ def test_the_main_job_trains_at_fixed_capacity(tmp_path: Path) -> None:
     assert len(losses) == 3 and all(math.isfinite(v) for v in losses), losses
 
 
-def test_auto_keeps_the_expert_parallel_step_eager_and_on_takes_it(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_graphs_the_expert_parallel_step_at_fixed_capacity(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fixed capacity makes the all-to-all's splits known without the host: the step is one
+    graph under `auto`; dropless expert parallelism reads its splits on the host and stays eager."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    why = "--moe-capacity-factor with expert parallelism: not yet proven under a graph; --cuda-graph on to try"
     capped = "moe_capacity_factor=1.25"
-    assert cuda_graph_mode(moe_args("4", capped), "cuda") == (False, why)
+    assert cuda_graph_mode(moe_args("4", capped), "cuda") == (True, "auto")
     assert cuda_graph_mode(moe_args("4", capped, "cuda_graph=on"), "cuda") == (True, "--cuda-graph on")
     assert cuda_graph_mode(moe_args("1", capped), "cuda") == (True, "auto")  # no expert parallelism
+    assert cuda_graph_mode(moe_args("4"), "cuda")[0] is False
 
 
 def _graphed_on_gpus(rank: int, world: int, out: str) -> dict:
