@@ -248,10 +248,10 @@ def test_a_call_still_computing_past_its_timeout_is_slow_not_hung(monkeypatch: p
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads the workers' CPU time in /proc")
 def test_a_call_computing_forever_stops_at_its_loaded_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_harness, "PROGRESS_MIN_CPU_S", 0.0)
-    start = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"did not finish within 1.0 s \(killed after [4-6] s\)"):
+    with pytest.raises(TimeoutError, match=r"did not finish within 1.0 s \(killed after \d+ s\)") as info:
         run_on_ranks(_busy_for, 2, 60.0, timeout=1.0)
-    assert time.monotonic() - start < 15
+    waited = int(str(info.value).split("killed after ")[1].split(" s")[0])
+    assert 4 <= waited < 30, waited  # LOADED_TIMEOUT_FACTOR x 1.0 s, and far from the 60 s the ranks wanted
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")

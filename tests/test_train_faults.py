@@ -186,7 +186,7 @@ def test_a_stopped_rank_surfaces_within_the_timeout_naming_it() -> None:
     ), proc.stderr
     assert any("rank 1 (pid" in ln and "was stopped" in ln for ln in lines), proc.stderr
     assert "Traceback" not in proc.stderr
-    assert elapsed < 150  # not torch's 30 minutes (startup on a loaded 2-core machine is most of it)
+    assert elapsed < 600  # not torch's 30 minutes (startup on a loaded 2-core machine is most of it)
 
 
 def test_watchdog_names_a_silent_rank_on_another_host() -> None:
