@@ -337,8 +337,9 @@ def cuda_graph_mode(args: argparse.Namespace, device_type: str) -> tuple[bool, s
     on this rank's device, e.g. (True, "auto"), (False, "--parallel tp is not supported ...").
     `auto` graphs one rank and several alike (measured on one GPU and on two: BENCHMARKS.md),
     expert parallelism at a fixed capacity too (measured on four), and leaves fp16 eager (its
-    ShardedGradScaler step is not yet proven inside train.py's graph). UsageError for `on` with a run graphs do not support (validate catches the cases
-    known before the ranks start; a run on gloo despite a GPU is found here)."""
+    ShardedGradScaler step is not yet proven inside train.py's graph). UsageError for `on` with
+    a run graphs do not support (validate catches the cases known before the ranks start; a run
+    on gloo despite a GPU is found here)."""
     if args.cuda_graph == "off":
         return False, "--cuda-graph off"
     unsupported = cuda_graph_unsupported(args, device_type)

@@ -125,11 +125,11 @@ def run_on_ranks(
     return values in rank order. Raises ``RankError`` naming the failing ranks with their
     tracebacks, or ``TimeoutError`` naming the ranks that did not finish in ``timeout`` s;
     stuck or dead workers are killed and replaced. Past ``timeout``, a gloo call whose ranks
-    still use CPU runs on, up to ``LOADED_TIMEOUT_FACTOR`` times ``timeout`` (slow, not hung). ``fresh=True`` runs ``fn`` in workers started
-    for this call alone, for state a process keeps past its destroyed groups: torch's symmetric
-    memory keeps its pool's buffers registered to a group *name*, and every call's default group
-    is named "0", so a worker that ran an earlier call skips the collective registration its
-    fresh peers wait in (a hang).
+    still use CPU runs on, up to ``LOADED_TIMEOUT_FACTOR`` times ``timeout`` (slow, not hung).
+    ``fresh=True`` runs ``fn`` in workers started for this call alone, for state a process keeps
+    past its destroyed groups: torch's symmetric memory keeps its pool's buffers registered to a
+    group *name*, and every call's default group is named "0", so a worker that ran an earlier
+    call skips the collective registration its fresh peers wait in (a hang).
 
     A worker killed by a signal (a native crash: segfault, abort on heap corruption) is one
     of a process that served many earlier calls, so the crash may be a leftover of any of them
@@ -211,16 +211,16 @@ def _call(blob: bytes, world_size: int, backend: str, timeout: float, fresh: boo
     start = time.monotonic()
     deadline, last_deadline = start + timeout, start + LOADED_TIMEOUT_FACTOR * timeout
     window = min(timeout, PROGRESS_WINDOW_S)
-    cpu_seen = pool.cpu_seconds(ranks)
+    cpu_seen = pool.cpu_seconds(ranks) if backend == "gloo" else None  # None: no running on past timeout
     failed = False
     try:
         while pending:
             now = time.monotonic()
             if now >= deadline:  # past the timeout: a call still computing is slow, not hung
-                cpu = pool.cpu_seconds(ranks)
-                if failed or backend != "gloo" or now >= last_deadline or cpu is None or cpu_seen is None:
+                if failed or cpu_seen is None or now >= last_deadline:
                     break
-                if cpu - cpu_seen < PROGRESS_MIN_CPU_S:
+                cpu = pool.cpu_seconds(ranks)
+                if cpu is None or cpu - cpu_seen < PROGRESS_MIN_CPU_S:
                     break
                 cpu_seen, deadline = cpu, min(last_deadline, now + window)
                 continue
