@@ -16,8 +16,8 @@
 
 The floors stay one GPU's own full copy without communication on every mesh (the same number
 as with `dp`). `replicate` and `ddp` replicate over the whole world whatever the mesh, so they
-are measured with `--mesh dp` only; the graphed fully_shard runs likewise (composable's CUDA
-graph of an HSDP or TP step is not measured). `--model hf-llama` and `--float8` stay with
+are measured with `--mesh dp` only. `fully_shard_graphed` runs on every mesh: under `tp` its graph
+holds the tensor-parallel collectives too (`graphed_step` captures a 2D step). `--model hf-llama` and `--float8` stay with
 `dp` and `hsdp` (the TP plan is our model's; torchao's float8 needs its own TP styles).
 """
 
@@ -37,8 +37,8 @@ DEFAULT_SECOND_DIM = 2  # --dp-replicate / --tp-size when the mesh needs them an
 # The runs each mesh measures: the floors (no mesh at all) and the FSDP-style contenders.
 MESH_RUNS = {
     "dp": None,  # every run
-    "hsdp": ("floor", "fully_shard", "fsdp2", "floor_graphed"),
-    "tp": ("floor", "fully_shard", "fsdp2", "floor_graphed"),
+    "hsdp": ("floor", "fully_shard", "fsdp2", "floor_graphed", "fully_shard_graphed"),
+    "tp": ("floor", "fully_shard", "fsdp2", "floor_graphed", "fully_shard_graphed"),
 }
 MESH_DEFAULT_RUNS = ("floor", "fully_shard", "fsdp2")  # `--runs`' default on a 2D mesh
 
@@ -109,7 +109,7 @@ def mesh_errors(
         if refused:
             return (
                 f"--runs {refused[0]} with --mesh {args.mesh}: only {', '.join(allowed)} run on a 2D mesh "
-                f"(replicate and ddp replicate over the whole world, graphed fully_shard is measured on dp); "
+                f"(replicate and ddp replicate over the whole world); "
                 f"measure {refused[0]} with --mesh dp"
             )
     if args.mesh == "tp":

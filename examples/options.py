@@ -27,7 +27,7 @@ from pipeline import SCHEDULES, validate_pp
 
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 FAULT = re.compile(r"(\d+):(KILL|STOP|TERM|SEGV|EXITHANG):(\d+)")  # EXITHANG: the teardown blocks
-CUDA_GRAPH_PARALLEL = ("fsdp", "hsdp", "replicate")  # what --cuda-graph supports
+CUDA_GRAPH_PARALLEL = ("fsdp", "hsdp", "replicate", "tp")  # what --cuda-graph supports
 
 
 class _Parser(argparse.ArgumentParser):
@@ -315,6 +315,8 @@ def cuda_graph_unsupported(args: argparse.Namespace, device_type: str) -> str | 
         return "--cpu-offload steps the optimizer on the CPU, which a CUDA graph cannot hold"
     if getattr(args, "pp", 1) > 1:
         return "--pp: a pipeline schedule's step (its sends and receives) is not captured"
+    if getattr(args, "async_tp", False):
+        return "--async-tp: its GEMMs on symmetric memory are not proven inside a captured step"
     if _moe_expert_parallel(args) and not getattr(args, "moe_capacity_factor", None):
         return MOE_NOT_CAPTURABLE
     return None

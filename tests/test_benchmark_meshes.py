@@ -71,14 +71,16 @@ def test_mesh_flags_are_refused_where_they_do_not_fit(
     assert message in err[-1] and ": error: " in err[-1], err
 
 
-def test_graphed_fully_shard_is_refused_on_a_2d_mesh(
+def test_graphed_fully_shard_runs_on_a_2d_mesh_and_graphed_replicate_does_not(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(benchmark.torch.cuda, "is_available", lambda: True)  # graphed runs parse only with CUDA
+    for mesh in ("hsdp", "tp"):
+        runs = "floor_graphed,fully_shard_graphed,fsdp2"
+        assert benchmark.parse_args(["--mesh", mesh, "--runs", runs]).runs == runs
     with pytest.raises(SystemExit):
-        benchmark.parse_args(["--mesh", "hsdp", "--runs", "floor_graphed,fully_shard_graphed"])
-    assert "--runs fully_shard_graphed with --mesh hsdp" in capsys.readouterr().err
-    assert benchmark.parse_args(["--mesh", "hsdp", "--runs", "floor_graphed,fully_shard"]).mesh == "hsdp"
+        benchmark.parse_args(["--mesh", "tp", "--runs", "fully_shard_graphed,replicate_graphed"])
+    assert "--runs replicate_graphed with --mesh tp" in capsys.readouterr().err
 
 
 def test_build_refuses_a_run_its_mesh_does_not_measure() -> None:
