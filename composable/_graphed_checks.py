@@ -28,11 +28,14 @@ class Recorder:
         self.kv_cache_users: list[str] = []  # models whose forward returned a KV cache
 
     def __enter__(self) -> None:
-        # Global module hooks run inside compiled blocks: traced, the recorder's growing dict
-        # would be guarded on and every block recompiled (past the recompile limit: eager).
+        # Global module hooks also run inside compiled blocks, where dynamo traces them. They
+        # return at once there (no graph break, nothing of the recorder guarded on), so the
+        # blocks' compiled graphs stay those of the eager steps: a graph break or recompile here
+        # changed a compiled tensor-parallel block's backward (its tangents' subclass) and
+        # failed it. The modules a compiled forward ran are found under the recorded ones.
         self._handles = [
-            register_module_forward_pre_hook(torch._dynamo.disable(self._on_forward)),
-            register_module_forward_hook(torch._dynamo.disable(self._on_output)),
+            register_module_forward_pre_hook(self._on_forward),
+            register_module_forward_hook(self._on_output),
             register_optimizer_step_pre_hook(self._on_step),
         ]
 
@@ -41,9 +44,13 @@ class Recorder:
             handle.remove()
 
     def _on_forward(self, module: nn.Module, _args: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
         self.modules.setdefault(id(module), weakref.ref(module))
 
     def _on_output(self, module: nn.Module, _args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
         # HuggingFace models return their KV cache as `past_key_values` (a ModelOutput field).
         if getattr(output, "past_key_values", None) is not None:
             self.kv_cache_users.append(type(module).__name__)
@@ -52,7 +59,15 @@ class Recorder:
         self.optimizers.setdefault(id(optimizer), weakref.ref(optimizer))
 
     def live_modules(self) -> list[nn.Module]:
-        return [m for ref in self.modules.values() if (m := ref()) is not None]
+        """The modules whose forward ran eagerly, each with every module under it (a compiled
+        forward runs its submodules inside the graph, where the hooks record nothing)."""
+        found: dict[int, nn.Module] = {}
+        for ref in self.modules.values():
+            module = ref()
+            if module is not None:
+                for sub in module.modules():
+                    found.setdefault(id(sub), sub)
+        return list(found.values())
 
     def live_optimizers(self) -> list[torch.optim.Optimizer]:
         return [o for ref in self.optimizers.values() if (o := ref()) is not None]

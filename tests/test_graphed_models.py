@@ -321,28 +321,47 @@ class _Block(nn.Module):
         return torch.relu(self.proj(x)) + x
 
 
-def test_recording_does_not_recompile_compiled_blocks() -> None:
-    """The recorder's global module hooks run inside compiled blocks: traced, each block's
-    call grew the recorded dict and failed a guard on its length, recompiling every block past
-    dynamo's limit (then eager, also in the captured graph: float8 ran 3x slower than eager)."""
+def test_recording_neither_recompiles_nor_breaks_compiled_blocks() -> None:
+    """The recorder's global module hooks run inside compiled blocks. Traced, each block's call
+    grew the recorded dict and failed a guard on its length, recompiling every block past
+    dynamo's limit (then eager, also in the captured graph: float8 ran 3x slower than eager);
+    kept eager, they broke each block's graph at every submodule, which changed a compiled
+    tensor-parallel block's backward and failed the recording step. They record nothing inside
+    a graph; the modules under an eagerly called one are recorded with it."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     blocks = [_Block() for _ in range(12)]
     for block in blocks:
         block.compile(backend="eager")
+    chain = _Chain(blocks)
     x = torch.randn(2, 8)
 
     def run_all() -> int:
         before = counters["stats"]["unique_graphs"]
-        for block in blocks:
-            block(x)
+        chain(x)
         return counters["stats"]["unique_graphs"] - before
 
-    assert run_all() == 1
+    assert run_all() <= 2  # the first block's input needs no grad, the others' do
+    assert run_all() == 0
+    breaks = sum(counters["graph_break"].values())
     recorder = Recorder()
     with recorder:
         recorded = run_all()
-    assert len(recorder.live_modules()) == 12
+    assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])
+    assert len(recorder.live_modules()) == 26  # the chain, its ModuleList, each block and its projection
     assert recorded <= 2, f"{recorded} graphs compiled while recording"
     assert run_all() == 0
+
+
+class _Chain(nn.Module):
+    """Compiled blocks called one after the other by an eager module (the model around them)."""
+
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x

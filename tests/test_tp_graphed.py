@@ -3,7 +3,8 @@
 loss under `loss_parallel`) x `fully_shard` over dp, bf16 compute / fp32 reduction, fused
 capturable AdamW. The whole step (forward with its tp all-gathers and reduce-scatters,
 backward, dp reduce-scatters, optimizer) is captured once and replayed, and trains exactly as
-the same step run eagerly: losses and every local shard bit for bit. On 2 GPUs (dp 1 x tp 2)
+the same step run eagerly: losses and every local shard bit for bit, with the blocks eager and
+compiled (`block.compile()`, as the examples run them on GPUs). On 2 GPUs (dp 1 x tp 2)
 and 4 (dp 2 x tp 2); skipped with fewer (`pytest -m gpu` selects them).
 """
 
@@ -30,11 +31,14 @@ SEQ, BATCH, STEPS, WARMUP = 16, 4, 6, 2
 TP = 2
 
 
-def _build(world: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _build(world: int, compiled: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
     mesh = init_device_mesh("cuda", (world // TP, TP), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = Transformer(CFG)
+    if compiled:
+        for block in model.layers:
+            block.compile()
     apply_tensor_parallel(model, mesh["tp"])
     mp = composable.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for module in (model.tok_embeddings, model.output, *model.layers, model):
@@ -43,11 +47,11 @@ def _build(world: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=lr, fused=True, capturable=True)
 
 
-def _train(rank: int, world: int) -> None:
+def _train(rank: int, world: int, compiled: bool) -> None:
     dp_rank = rank // TP  # tp is the inner mesh dimension: a tp group reads the same rows
     results = {}
     for mode in ("eager", "graphed"):
-        model, opt = _build(world)
+        model, opt = _build(world, compiled)
 
         def step(tokens: torch.Tensor) -> torch.Tensor:
             loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
@@ -72,6 +76,7 @@ def _train(rank: int, world: int) -> None:
         assert torch.equal(shard, graph_shards[name]), f"{name}: the graphed step's shard differs after {STEPS} steps"
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager_blocks", "compiled_blocks"])
 @pytest.mark.parametrize("world", gpu_worlds(2, 4))
-def test_gpu_graphed_2d_step_trains_like_eager(world: int) -> None:
-    run_on_ranks(_train, world, backend="nccl", timeout=600)
+def test_gpu_graphed_2d_step_trains_like_eager(world: int, compiled: bool) -> None:
+    run_on_ranks(_train, world, compiled, backend="nccl", timeout=600)
