@@ -336,9 +336,10 @@ def _world_size(args: argparse.Namespace) -> int:
 
 def cuda_graph_mode(args: argparse.Namespace, device_type: str) -> tuple[bool, str]:
     """(whether train.py runs its step through composable.graphed_step, why) for --cuda-graph
-    on this rank's device, e.g. (True, "auto"), (False, "--parallel tp is not supported ...").
+    on this rank's device, e.g. (True, "auto"), (False, "--pp: a pipeline schedule's step ...").
     `auto` graphs one rank and several alike (measured on one GPU and on two: BENCHMARKS.md),
-    expert parallelism at a fixed capacity too (measured on four), and leaves fp16 eager (its
+    expert parallelism at a fixed capacity and the 2D tensor-parallel step too (measured on
+    four: the eager 2D step is bound by the host), and leaves fp16 eager (its
     ShardedGradScaler step is not yet proven inside train.py's graph). UsageError for `on` with
     a run graphs do not support (validate catches the cases known before the ranks start; a run
     on gloo despite a GPU is found here)."""
