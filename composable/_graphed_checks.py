@@ -99,6 +99,14 @@ class Recorder:
                         f"{_API}: {type(opt).__name__}'s param_groups[{i}] has capturable=False; build the "
                         f"optimizer with capturable=True to step it inside a CUDA graph"
                     )
+                # Also where no module was recorded (a model compiled as a whole, in place, runs
+                # every module inside its graph, where the recorder's hooks see none of them).
+                off = next((_local(p).device for p in group["params"] if _local(p).device.type != "cuda"), None)
+                if off is not None:
+                    raise ValueError(
+                        f"{_API}: {type(opt).__name__}'s param_groups[{i}] steps a parameter on {off} (CPU "
+                        "offload?): work outside the GPU is not captured in a CUDA graph, so it would never be replayed"
+                    )
 
 
 # Settings of a fully_shard/replicate state that change what a step does.

@@ -189,6 +189,21 @@ def test_parameters_off_the_gpu_are_refused_before_capture(world2: Any) -> None:
         recorder.check_capturable()
 
 
+def test_parameters_off_the_gpu_are_refused_from_the_optimizer_too() -> None:
+    """A model compiled as a whole in place runs its modules inside the graph, where the
+    recorder records none: the parameters the optimizer steps are checked as well."""
+    weight = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([weight], lr=0.1)
+    weight.grad = torch.ones(2)
+    recorder = _Recorder()
+    with recorder:
+        opt.step()
+    with pytest.raises(
+        ValueError, match=r"graphed_step: SGD's param_groups\[0\] steps a parameter on cpu \(CPU offload\?\): "
+    ):
+        recorder.check_capturable()
+
+
 # ------------------------------------------------------------------------------- GPUs (NCCL)
 
 STEPS = 6
