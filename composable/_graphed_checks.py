@@ -16,6 +16,7 @@ from ._engine.hooks.contract import PARAM_OWNING_APIS, get_state
 
 _API = "graphed_step"
 FLOAT8_SCALE = "_precomputed_scale"  # torchao's float8 weights keep the scale of their next cast here
+_OFF_GPU = "(CPU offload?): work outside the GPU is not captured in a CUDA graph, so it would never be replayed"
 
 
 class Recorder:
@@ -64,9 +65,8 @@ class Recorder:
         found: dict[int, nn.Module] = {}
         for ref in self.modules.values():
             module = ref()
-            if module is not None:
-                for sub in module.modules():
-                    found.setdefault(id(sub), sub)
+            if module is not None and id(module) not in found:  # found: its whole subtree is too
+                found.update((id(sub), sub) for sub in module.modules())
         return list(found.values())
 
     def live_optimizers(self) -> list[torch.optim.Optimizer]:
@@ -89,8 +89,7 @@ class Recorder:
                 local = _local(p) if p is not None else None
                 if local is not None and local.device.type != "cuda":
                     raise ValueError(
-                        f"{_API}: parameter {name} of {type(module).__name__} is on {local.device} (CPU offload?): "
-                        "work outside the GPU is not captured in a CUDA graph, so it would never be replayed"
+                        f"{_API}: parameter {name} of {type(module).__name__} is on {local.device} {_OFF_GPU}"
                     )
         for opt in self.live_optimizers():
             for i, group in enumerate(opt.param_groups):
@@ -104,8 +103,7 @@ class Recorder:
                 off = next((_local(p).device for p in group["params"] if _local(p).device.type != "cuda"), None)
                 if off is not None:
                     raise ValueError(
-                        f"{_API}: {type(opt).__name__}'s param_groups[{i}] steps a parameter on {off} (CPU "
-                        "offload?): work outside the GPU is not captured in a CUDA graph, so it would never be replayed"
+                        f"{_API}: {type(opt).__name__}'s param_groups[{i}] steps a parameter on {off} {_OFF_GPU}"
                     )
 
 

@@ -16,9 +16,10 @@
 
 The floors stay one GPU's own full copy without communication on every mesh (the same number
 as with `dp`). `replicate` and `ddp` replicate over the whole world whatever the mesh, so they
-are measured with `--mesh dp` only. `fully_shard_graphed` runs on every mesh: under `tp` its graph
-holds the tensor-parallel collectives too (`graphed_step` captures a 2D step). `--model hf-llama` and `--float8` stay with
-`dp` and `hsdp` (the TP plan is our model's; torchao's float8 needs its own TP styles).
+are measured with `--mesh dp` only. `fully_shard_graphed` runs on every mesh: under `tp` its
+graph holds the tensor-parallel collectives too (`graphed_step` captures a 2D step).
+`--model hf-llama` and `--float8` stay with `dp` and `hsdp` (the TP plan is our model's;
+torchao's float8 needs its own TP styles).
 """
 
 from __future__ import annotations
