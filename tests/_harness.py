@@ -255,3 +255,10 @@ def env_without_launcher() -> dict[str, str]:
     it runs as if started by hand (the main job then spawns its own ranks)."""
     launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     return {k: v for k, v in os.environ.items() if k not in launcher}
+
+
+def torchrun_argv(nproc: int, script: str) -> list[str]:
+    """The command that starts ``script`` on ``nproc`` local ranks under torchrun, standalone: its
+    rendezvous takes a free port, so launches running side by side (the GPU suite's shards, two
+    test runs on one machine) never meet on torchrun's default port."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), script]

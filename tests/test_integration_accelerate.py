@@ -110,12 +110,12 @@ def test_accelerate_script_on_gpus() -> None:
     """The real launch: `torchrun` on 2 GPUs with NCCL, composable against FSDP2 (losses printed)."""
     import subprocess
 
-    from _harness import env_without_launcher
+    from _harness import env_without_launcher, torchrun_argv
 
     script = os.path.join(EXAMPLES, "accelerate_train.py")
     outputs = []
     for flag in (["--composable"], []):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", script, "--steps", "6", *flag]
+        cmd = [*torchrun_argv(2, script), "--steps", "6", *flag]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env_without_launcher())
         assert done.returncode == 0, done.stderr[-4000:]
         outputs.append([float(line.split()[-1]) for line in done.stdout.splitlines() if " loss " in line])

@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -117,13 +116,13 @@ def test_torchtitan_trainer_on_gpus(model: str, tmp_path) -> None:
     """torchtitan's own Trainer (its loop, loss, optimizer, checkpointing) on 2 GPUs. The wheel
     ships no data or tokenizer: TORCHTITAN_REPO names a torchtitan source checkout (tag v0.2.2)
     whose tests/assets (c4_test, tokenizer) it trains on."""
-    from _harness import env_without_launcher
+    from _harness import env_without_launcher, torchrun_argv
 
     repo = os.environ.get("TORCHTITAN_REPO")
     if not repo:
         pytest.skip("set TORCHTITAN_REPO to a torchtitan v0.2.2 source checkout (for tests/assets)")
     script = os.path.abspath(os.path.join(EXAMPLES, "torchtitan_train.py"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", script, "--model.name", model]
+    cmd = [*torchrun_argv(2, script), "--model.name", model]
     cmd += ["--model.flavor", "debugmodel", "--model.hf_assets_path", "tests/assets/tokenizer"]
     cmd += ["--training.steps", "10", "--training.dataset", "c4_test", "--debug.seed", "0"]
     cmd += ["--checkpoint.enable", "--checkpoint.interval", "5", "--job.dump_folder", str(tmp_path)]

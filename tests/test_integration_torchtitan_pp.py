@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -139,13 +138,13 @@ def test_torchtitan_pipelined_trainer_on_gpus(model: str, tmp_path) -> None:
     """torchtitan's own Trainer with pipeline parallelism on 4 GPUs: pp 2 x dp 2, interleaved
     schedule, checkpointing. TORCHTITAN_REPO names a torchtitan v0.2.2 source checkout (its
     tests/assets: c4_test data, tokenizer)."""
-    from _harness import env_without_launcher
+    from _harness import env_without_launcher, torchrun_argv
 
     repo = os.environ.get("TORCHTITAN_REPO")
     if not repo:
         pytest.skip("set TORCHTITAN_REPO to a torchtitan v0.2.2 source checkout (for tests/assets)")
     script = os.path.abspath(os.path.join(EXAMPLES, "torchtitan_train.py"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", script, "--model.name", model]
+    cmd = [*torchrun_argv(4, script), "--model.name", model]
     cmd += ["--model.flavor", "debugmodel", "--model.hf_assets_path", "tests/assets/tokenizer"]
     cmd += ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]
     cmd += ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]
