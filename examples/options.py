@@ -315,8 +315,6 @@ def cuda_graph_unsupported(args: argparse.Namespace, device_type: str) -> str | 
         return "--cpu-offload steps the optimizer on the CPU, which a CUDA graph cannot hold"
     if getattr(args, "pp", 1) > 1:
         return "--pp: a pipeline schedule's step (its sends and receives) is not captured"
-    if getattr(args, "async_tp", False):
-        return "--async-tp: its GEMMs on symmetric memory are not proven inside a captured step"
     if _moe_expert_parallel(args) and not getattr(args, "moe_capacity_factor", None):
         return MOE_NOT_CAPTURABLE
     return None
@@ -338,8 +336,9 @@ def cuda_graph_mode(args: argparse.Namespace, device_type: str) -> tuple[bool, s
     """(whether train.py runs its step through composable.graphed_step, why) for --cuda-graph
     on this rank's device, e.g. (True, "auto"), (False, "--pp: a pipeline schedule's step ...").
     `auto` graphs one rank and several alike (measured on one GPU and on two: BENCHMARKS.md),
-    expert parallelism at a fixed capacity and the 2D tensor-parallel step too (measured on
-    four: the eager 2D step is bound by the host), and leaves fp16 eager (its
+    expert parallelism at a fixed capacity and the 2D tensor-parallel step too, async TP's
+    symmetric-memory GEMMs included (measured on four: the eager 2D step is bound by the host,
+    and async TP gains only inside the graph), and leaves fp16 eager (its
     ShardedGradScaler step is not yet proven inside train.py's graph). UsageError for `on` with
     a run graphs do not support (validate catches the cases known before the ranks start; a run
     on gloo despite a GPU is found here)."""

@@ -38,7 +38,7 @@ from _harness_compare import assert_close_tensors  # noqa: F401
 # What a failed call raises, torch's fake process group and the GPU marks: modules of their own.
 from _harness_errors import RankError, crashing_thread_first, rank_error  # noqa: F401
 from _harness_fake import fake_process_group, register_fake_backend  # noqa: F401
-from _harness_gpu import gpu_worlds, on_gpus, requires_gpus  # noqa: F401
+from _harness_gpu import async_tp_restored, gpu_worlds, on_gpus, requires_gpus  # noqa: F401
 
 # Stepping two models side by side and matching them: its own module.
 from _harness_parity import step_and_match  # noqa: F401

@@ -81,10 +81,6 @@ def test_main_on_without_cuda_fails_before_spawning(
             ["--parallel", "replicate", "--pp", "2"],
             "--pp: a pipeline schedule's step (its sends and receives) is not captured",
         ),
-        (
-            ["--parallel", "tp", "--async-tp"],
-            "--async-tp: its GEMMs on symmetric memory are not proven inside a captured step",
-        ),
         (["--cpu-offload"], "--cpu-offload steps the optimizer on the CPU, which a CUDA graph cannot hold"),
     ],
 )
@@ -111,6 +107,7 @@ def _args(*flags: str) -> argparse.Namespace:
         ((), "cuda", (True, "auto")),
         (("parallel=hsdp",), "cuda", (True, "auto")),
         (("parallel=tp",), "cuda", (True, "auto")),
+        (("parallel=tp", "async_tp=True"), "cuda", (True, "auto")),
         (("parallel=replicate", "mp=fp32"), "cuda", (True, "auto")),
         (("mp=fp16",), "cuda", (False, "--mp fp16: not yet proven under a graph; --cuda-graph on to try")),
         (("mp=fp16", "cuda_graph=on"), "cuda", (True, "--cuda-graph on")),
