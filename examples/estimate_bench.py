@@ -33,25 +33,41 @@ LAYOUT = {"fully_shard": "sharded", "fsdp2": "sharded", "replicate": "replicate"
 # benchmark.py --preset 1b --seq-len 2048 --compile on 4 x H100 (torch 2.11, bf16 compute,
 # fp32 reduction), the same global batch for both meshes. The estimate is the GPU's time; the
 # eager 2D step is bound by the host (0.1735 s measured eagerly, 0.1345 s as one CUDA graph,
-# `fully_shard_graphed`), so its reference is the graphed step. The achieved FLOP/s comes from a
-# separate measurement, the compiled no-communication floor of the same model at batch 4 on
-# 2 x H100 (BENCHMARKS.md, "Two GPUs"): the hardware parameter, not fitted to these steps.
+# `fully_shard_graphed`), so a 2D reference is the graphed step. The achieved FLOP/s comes from
+# a separate measurement, the compiled no-communication floor of the same model: the hardware
+# parameter, not fitted to these steps. For `1b` that is the floor at batch 4 on 2 x H100
+# (BENCHMARKS.md, "Two GPUs"); an entry with a `floor_step_s` of its own (measured in the same
+# run, at the entry's batch) uses that one.
 H100_COMPILED_FLOOR_STEP_S = 0.1051  # 1b, batch 4 x 2048 tokens, one GPU's whole model
 REFERENCE: dict[str, dict[str, Any]] = {
     "dp4": {"layout": {"parallel": "fsdp"}, "batch_size": 4, "step_s": 0.1100, "peak_gib": 13.92},
     "dp2xtp2": {"layout": {"parallel": "tp", "tp_size": 2}, "batch_size": 8, "step_s": 0.1345, "peak_gib": 16.93},
+    # --dim 4096 --n-layers 8: the graphed 2D step and the floor of the same run.
+    "dp2xtp2_w4096": {
+        "layout": {"parallel": "tp", "tp_size": 2},
+        "width": {"dim": 4096, "n_layers": 8},
+        "batch_size": 8,
+        "step_s": 0.1988,
+        "peak_gib": 19.57,
+        "floor_step_s": 0.3337,
+    },
 }
 
 
 def reference_setup(name: str) -> Setup:
     """The Setup of a `REFERENCE` measurement (benchmark.py's default --wrap separate-ends)."""
     ref = REFERENCE[name]
-    cfg = get_config("1b", max_seq_len=2048)
+    cfg = get_config("1b", max_seq_len=2048, **ref.get("width", {}))
     return Setup(cfg, 4, batch_size=ref["batch_size"], seq_len=2048, wrap="separate-ends", mp="bf16", **ref["layout"])
 
 
-def reference_tflops() -> float:
-    """Achieved TFLOP/s of the H100 compiled floor behind `REFERENCE`."""
+def reference_tflops(name: str) -> float:
+    """Achieved TFLOP/s of the H100 compiled floor behind `REFERENCE[name]`: its own floor where
+    it has one (at its batch), else the `1b` floor at batch 4."""
+    ref = REFERENCE[name]
+    if "floor_step_s" in ref:
+        cfg = get_config("1b", max_seq_len=2048, **ref["width"])
+        return model_flops_per_token(cfg, 2048) * ref["batch_size"] * 2048 / ref["floor_step_s"] / 1e12
     return model_flops_per_token(get_config("1b"), 2048) * 4 * 2048 / H100_COMPILED_FLOOR_STEP_S / 1e12
 
 

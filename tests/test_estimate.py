@@ -317,7 +317,7 @@ def _reference_step(name: str) -> tuple[float, float]:
     from estimate_time import Links, estimate_time
 
     setup = estimate_bench.reference_setup(name)
-    tim = estimate_time(setup, estimate_comm(setup), Links(), estimate_bench.reference_tflops())
+    tim = estimate_time(setup, estimate_comm(setup), Links(), estimate_bench.reference_tflops(name))
     return tim.compute_s + tim.exposed_s, estimate_bench.REFERENCE[name]["step_s"]
 
 
@@ -330,4 +330,10 @@ def test_dp2xtp2_step_within_15_percent_of_the_measured_one() -> None:
     """Against the 2D step as one CUDA graph: the eager one is bound by the host, which the
     estimate (the GPU's time) does not model."""
     estimated, measured = _reference_step("dp2xtp2")
+    assert estimated == pytest.approx(measured, rel=0.15)
+
+
+def test_dp2xtp2_at_width_4096_within_15_percent_of_the_measured_one() -> None:
+    """Against the graphed 2D step at --dim 4096 --n-layers 8, on the same run's floor."""
+    estimated, measured = _reference_step("dp2xtp2_w4096")
     assert estimated == pytest.approx(measured, rel=0.15)
