@@ -42,12 +42,13 @@ from _harness_gpu import async_tp_restored, gpu_worlds, on_gpus, requires_gpus  
 
 # Stepping two models side by side and matching them: its own module.
 from _harness_parity import step_and_match  # noqa: F401
-from _harness_pool import Pool
+from _harness_pool import Pool, no_silent_eager_fallback
 
 # One module object whichever way it is imported (`_harness` or `tests._harness`): two copies
 # would mean two worker pools and two distinct `RankError` classes.
 sys.modules.setdefault("_harness", sys.modules[__name__])
 sys.modules.setdefault("tests._harness", sys.modules[__name__])
+no_silent_eager_fallback()  # in pytest's process too: its tests compile in it as well
 
 __all__ = [
     "RankError",

@@ -54,6 +54,15 @@ def _keep_trace_rules() -> None:
     trace_rules.clear_lru_cache = lambda: None
 
 
+def no_silent_eager_fallback() -> None:
+    """Make dynamo raise where it would give up compiling a frame at its recompile limit. A test
+    process (pytest's, and each pool worker) outlives its tests, and dynamo's caches with it:
+    once a code object (the examples' Block.forward) has been compiled for other tests up to
+    the limit, dynamo would run it eagerly without a word, and a test of compiled blocks would
+    pass having compiled nothing."""
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+
+
 def worker_main(conn: Connection, fault_path: str) -> None:
     """Worker loop: receive a task, run it on a fresh process group, send back the outcome."""
     # A segfault or abort leaves no traceback: faulthandler writes the Python stacks to a file
@@ -78,6 +87,7 @@ def worker_main(conn: Connection, fault_path: str) -> None:
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # no DNS, single host
     torch.set_num_threads(1)  # 2 cores shared by all ranks: oversubscription is the killer
+    no_silent_eager_fallback()
     with contextlib.suppress(Exception):
         importlib.import_module("torch.distributed.tensor")  # warm it once, not per test
         # Answers of sharding propagation outlive the call that computed them, rebound to each
