@@ -188,11 +188,13 @@ def test_page_runs_on_cpu(page: Path) -> None:
     assert run_on_ranks(_run_page, 1, program, str(ROOT), timeout=120.0) == [len(program)]
 
 
+# The group's store is a file, not a port: a free port probed here could be taken by a process of
+# another test before the script listens on it (the GPU suite runs its shards side by side).
 _GPU_PRELUDE = """
 import os, torch, torch.distributed as dist
-os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["DOCS_PORT"])
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 torch.cuda.set_device(0)
-dist.init_process_group("cpu:gloo,cuda:nccl")
+dist.init_process_group("cpu:gloo,cuda:nccl", init_method="file://" + os.path.abspath("store"), rank=0, world_size=1)
 """
 
 
@@ -203,14 +205,8 @@ def test_page_runs_on_gpu(page: Path, tmp_path: Path) -> None:
     blocks = [b for b in blocks_of(page) if b.marker == "gpu"]
     script = _GPU_PRELUDE + "".join(f"exec(compile({b.code!r}, {f'{b.path}:{b.line}'!r}, 'exec'))\n" for b in blocks)
     (tmp_path / "page.py").write_text(script)
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {
         **os.environ,
-        "DOCS_PORT": str(port),
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
     done = subprocess.run(
