@@ -65,7 +65,8 @@ def _called_ops(run: Any, tokens: torch.Tensor) -> set[str]:
 
 def _train(rank: int, world: int, blocks: str) -> None:
     # A fresh compile: a harness worker that ran other tests holds Block.forward's earlier
-    # compiles, and past dynamo's recompile limit the blocks would silently run eager.
+    # compiles (made without async TP), which guards alone may let these blocks reuse; without
+    # the reset the 4-GPU async-TP case ran no fused op after the 2-GPU cases had run.
     torch.compiler.reset()
     with async_tp_restored():
         _compare(rank, world, blocks)
