@@ -29,7 +29,7 @@ Parallelism (`--parallel`; parallel.py):
 leading "pp" mesh dim, each stage parallelized as above, run by torch's Schedule<NAME>.
 
 CUDA graphs (`--cuda-graph auto|on|off`, default auto; train_step.py): on CUDA with fsdp, hsdp,
-replicate or tp, without --cpu-offload or --async-tp (and, for auto, without --mp fp16), on one rank or several, each
+replicate or tp (--async-tp too), without --cpu-offload (and, for auto, without --mp fp16), on one rank or several, each
 training step runs through `composable.graphed_step`: two eager steps, then one captured step
 replayed every step, which takes the host's per-step overhead away at small per-GPU batches.
 The optimizer is then a fused, capturable AdamW with a tensor learning rate set in place every
