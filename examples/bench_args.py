@@ -19,7 +19,7 @@ from bench_build import (
 )
 from bench_float8 import FLOAT8_MISSING, float8_available
 from bench_mesh import MESH_DEFAULT_RUNS, add_mesh_args, mesh_errors
-from model import PRESETS, ModelConfig, get_config
+from model import PRESETS, ModelConfig, get_config, width_overrides
 from parallel import MOE_EXPERTS
 
 
@@ -169,19 +169,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if error:
         p.error(error)
     return args
-
-
-def width_overrides(preset: str, dim: int | None, n_heads: int | None, ffn_dim: int | None) -> dict[str, int]:
-    """The config fields that `--dim` / `--n-heads` / `--ffn-dim` change. With `--dim` alone,
-    heads keep the preset's head dim and the ffn is Llama's: 8/3 of the width rounded up to a
-    multiple of 256 (2048 -> 5632, the 1b preset's; 4096 -> 11008 with 32 heads, Llama-7B's)."""
-    out = {"dim": dim, "n_heads": n_heads, "ffn_dim": ffn_dim}
-    if dim is not None:
-        if n_heads is None:
-            out["n_heads"] = max(1, dim // PRESETS[preset].head_dim)
-        if ffn_dim is None:
-            out["ffn_dim"] = -(-(8 * dim // 3) // 256) * 256
-    return {k: v for k, v in out.items() if v is not None}
 
 
 def model_config(args: argparse.Namespace) -> ModelConfig:

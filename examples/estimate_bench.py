@@ -23,7 +23,7 @@ from estimate_comm import estimate_comm
 from estimate_memory import estimate_memory
 from estimate_setup import Setup, UsageError
 from estimate_time import Links, estimate_time
-from model import PRESETS, get_config, model_flops_per_token
+from model import PRESETS, get_config, model_flops_per_token, width_overrides
 
 GiB = 2**30
 LAYOUT = {"fully_shard": "sharded", "fsdp2": "sharded", "replicate": "replicate", "ddp": "replicate"}
@@ -57,7 +57,8 @@ REFERENCE: dict[str, dict[str, Any]] = {
 def reference_setup(name: str) -> Setup:
     """The Setup of a `REFERENCE` measurement (benchmark.py's default --wrap separate-ends)."""
     ref = REFERENCE[name]
-    cfg = get_config("1b", max_seq_len=2048, **ref.get("width", {}))
+    width = ref.get("width", {})  # benchmark.py's --dim / --n-layers: heads and ffn follow --dim as there
+    cfg = get_config("1b", max_seq_len=2048, **(width | width_overrides("1b", width.get("dim"), None, None)))
     return Setup(cfg, 4, batch_size=ref["batch_size"], seq_len=2048, wrap="separate-ends", mp="bf16", **ref["layout"])
 
 
@@ -65,10 +66,10 @@ def reference_tflops(name: str) -> float:
     """Achieved TFLOP/s of the H100 compiled floor behind `REFERENCE[name]`: its own floor where
     it has one (at its batch), else the `1b` floor at batch 4."""
     ref = REFERENCE[name]
-    if "floor_step_s" in ref:
-        cfg = get_config("1b", max_seq_len=2048, **ref["width"])
-        return model_flops_per_token(cfg, 2048) * ref["batch_size"] * 2048 / ref["floor_step_s"] / 1e12
-    return model_flops_per_token(get_config("1b"), 2048) * 4 * 2048 / H100_COMPILED_FLOOR_STEP_S / 1e12
+    floor_s, batch = (
+        (ref["floor_step_s"], ref["batch_size"]) if "floor_step_s" in ref else (H100_COMPILED_FLOOR_STEP_S, 4)
+    )
+    return model_flops_per_token(reference_setup(name).cfg, 2048) * batch * 2048 / floor_s / 1e12
 
 
 def load(path: str) -> dict[str, Any]:

@@ -91,6 +91,19 @@ def get_config(preset: str, **overrides: object) -> ModelConfig:
     return replace(PRESETS[preset], **{k: v for k, v in overrides.items() if v is not None})
 
 
+def width_overrides(preset: str, dim: int | None, n_heads: int | None, ffn_dim: int | None) -> dict[str, int]:
+    """The config fields that `--dim` / `--n-heads` / `--ffn-dim` change. With `--dim` alone,
+    heads keep the preset's head dim and the ffn is Llama's: 8/3 of the width rounded up to a
+    multiple of 256 (2048 -> 5632, the 1b preset's; 4096 -> 11008 with 32 heads, Llama-7B's)."""
+    out = {"dim": dim, "n_heads": n_heads, "ffn_dim": ffn_dim}
+    if dim is not None:
+        if n_heads is None:
+            out["n_heads"] = max(1, dim // PRESETS[preset].head_dim)
+        if ffn_dim is None:
+            out["ffn_dim"] = -(-(8 * dim // 3) // 256) * 256
+    return {k: v for k, v in out.items() if v is not None}
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
