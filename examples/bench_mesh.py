@@ -8,7 +8,7 @@
 - `tp`: a 2D (dp, tp) mesh of world/`--tp-size` x `--tp-size` ranks; the model is
   tensor-parallel on "tp" with train.py's recipe (examples/parallel.py's
   `apply_tensor_parallel`: sequence-parallel norms, embeddings and head included, the loss
-  under `loss_parallel`), then fully_shard / FSDP2 shard over "dp"; on GPUs the blocks are
+  shard by shard, vocab_parallel_loss.py), then fully_shard / FSDP2 shard over "dp"; on GPUs the blocks are
   compiled unless `--no-compile`, and `--async-tp` turns on async TP for both contenders (and
   with it `--fused-projections`: the blocks' wqkv / w13, whose backward reduce-scatters async
   TP can fuse with their one matmul). The ranks of one tp group train on the same tokens, so a
@@ -32,6 +32,7 @@ import torch.distributed as dist
 from parallel import apply_tensor_parallel, async_tp_problem, enable_async_tp, tp_problem
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from vocab_parallel_loss import compile_kernels
 
 MESHES = ("dp", "hsdp", "tp")
 DEFAULT_SECOND_DIM = 2  # --dp-replicate / --tp-size when the mesh needs them and they are not given
@@ -142,6 +143,8 @@ def build_mesh(args: argparse.Namespace, device_type: str) -> BenchMesh:
     mesh = init_device_mesh(device_type, (world // inner, inner), mesh_dim_names=("dp", "tp"))
     if getattr(args, "async_tp", False):
         enable_async_tp(mesh["tp"])  # once, for both contenders: their compiled blocks both get it
+    if args.compile:
+        compile_kernels(args.compile_backend)  # the vocabulary-parallel loss's, for both contenders too
     return BenchMesh("tp", mesh, mesh["dp"])
 
 

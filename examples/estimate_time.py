@@ -12,7 +12,7 @@ Assumptions (none of these was measured by the project; override them with flags
   checkpointing's recomputed forward) / achieved FLOP/s; 1/3 of it forward. Under tensor
   parallelism (torchtitan's recipe, parallel.py's `apply_tensor_parallel`) every term is
   split over the tp ranks: the sharded GEMMs by heads / hidden features / vocabulary (the head
-  is vocabulary-parallel, the loss reduced under `loss_parallel`), the norms, residual adds
+  is vocabulary-parallel, the loss reduced shard by shard), the norms, residual adds
   and elementwise work by sequence (each rank keeps T/tp tokens between the GEMMs). So a tp
   rank with tp times the local batch computes what a data-parallel rank does.
 
@@ -22,7 +22,7 @@ reduce-scatter: nothing left after it) are exposed, and so is every collective o
 parallel group: the recipe's sequence-parallel all-gathers (before attention and feed-forward,
 of the normed sequence shards) and reduce-scatters (after wo and w2, of their partial sums),
 their mirrors in backward, the vocabulary-parallel embedding's reduce-scatter and the head's
-all-gather, `loss_parallel`'s reductions and the norm weights' gradient all-reduces: the next
+all-gather, the vocabulary-parallel loss's two all-reduces and the norm weights' gradient all-reduces: the next
 GEMM needs each one's result, so it sits on the critical path between two GEMMs. The rest
 (FSDP's all-gathers and reduce-scatters on the data-parallel group) overlaps with compute of
 the same phase, and only what exceeds it is exposed.

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from moe import MoEFeedForward
 from torch.distributed.tensor import DTensor
+from vocab_parallel_loss import vocab_parallel_cross_entropy
 
 
 @dataclass(frozen=True)
@@ -290,39 +290,10 @@ def count_parameters(model: nn.Module) -> int:
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross entropy, computed in fp32: a plain 0-dim tensor. `logits` may be a
     DTensor sharded on the vocabulary (the tensor-parallel head, parallel.py): its loss is
-    computed under `loss_parallel` without gathering the logits."""
+    computed on each rank's shard without gathering the logits (vocab_parallel_loss.py)."""
     if isinstance(logits, DTensor):
-        return _VocabParallelLoss.apply(logits.float(), targets)
+        return vocab_parallel_cross_entropy(logits, targets)
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-
-
-class _VocabParallelLoss(torch.autograd.Function):
-    """Cross entropy of vocabulary-sharded logits as a plain tensor whose backward also runs
-    under `loss_parallel`. The context must hold in both directions (its backward ops are
-    custom too), and a step's `loss.backward()` runs outside whatever context the forward
-    had: so the forward keeps its own small graph and the backward replays it in the context.
-    The loss is the same on every rank of the tp group, as the logits' DTensor says."""
-
-    @staticmethod
-    def forward(ctx: Any, logits: DTensor, targets: torch.Tensor) -> torch.Tensor:
-        from torch.distributed.tensor.parallel import loss_parallel
-
-        with torch.enable_grad(), loss_parallel():
-            inner = logits.detach().requires_grad_()
-            loss = F.cross_entropy(inner.flatten(0, 1), targets.flatten())
-        ctx.inner, ctx.loss = inner, loss
-        return loss.to_local().detach()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        from torch.distributed.tensor.parallel import loss_parallel
-
-        inner, loss = ctx.inner, ctx.loss
-        del ctx.inner, ctx.loss  # the graph is freed once its gradient is taken
-        grad = DTensor.from_local(grad, loss.device_mesh, loss.placements, run_check=False)
-        with loss_parallel():
-            (grad_logits,) = torch.autograd.grad(loss, inner, grad)
-        return grad_logits, None
 
 
 def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

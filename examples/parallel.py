@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from vocab_parallel_loss import compile_kernels
 
 from composable import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, checkpoint, fully_shard, replicate
 
@@ -127,7 +128,7 @@ def tp_ends_plan() -> dict[str, ParallelStyle]:
     rank looks up its rows, the partial lookups reduce-scatter straight into sequence shards);
     the final norm sequence-parallel; the head split by vocabulary columns (`ColwiseParallel`
     after an all-gather of the sequence), its logits left as a DTensor sharded on the
-    vocabulary, which `model.lm_loss` reduces under `loss_parallel` without ever gathering
+    vocabulary, which `model.lm_loss` reduces shard by shard (vocab_parallel_loss.py) without ever gathering
     them (the fp32 logits are the largest activation of the step)."""
     return {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
@@ -222,6 +223,8 @@ def parallelize(model: Transformer, args: argparse.Namespace, mesh: DeviceMesh, 
         if problem:
             raise UsageError(problem)
         apply_tensor_parallel(model, mesh["tp"])
+        if args.compile:
+            compile_kernels(args.compile_backend)  # the vocabulary-parallel loss's three passes
         if getattr(args, "async_tp", False):
             # Parse time refused what it could see; the rank's own device and compile are known only now.
             problem = async_tp_problem(True, "--parallel tp", None, args.compile, args.compile_backend)

@@ -22,7 +22,7 @@ Parallelism (`--parallel`; parallel.py):
   hsdp       the same on a 2D (replicate, shard) mesh
   replicate  replicate (DDP semantics) on the whole model
   tp         torchtitan's tensor-parallel recipe on mesh["tp"] (sequence-parallel norms, vocabulary-sharded
-             head and loss_parallel, fused AdamW on CUDA), then fully_shard on mesh["dp"]; --async-tp
+             head and its vocabulary-parallel loss, fused AdamW on CUDA), then fully_shard on mesh["dp"]; --async-tp
              overlaps its collectives with the matmuls (CUDA, compiled blocks) and turns on
              --fused-projections (one wqkv and one w13 linear per block, which its backward needs)
 `--pp N --pp-schedule NAME --microbatches M` (pipeline.py) splits the model into stages over a

@@ -1,6 +1,6 @@
 """`graphed_step` over a 2D step: the examples' tensor-parallel recipe (examples/parallel.py's
 `apply_tensor_parallel`: sequence-parallel norms, vocabulary-parallel embedding and head, the
-loss under `loss_parallel`) x `fully_shard` over dp, bf16 compute / fp32 reduction, fused
+vocabulary-parallel loss) x `fully_shard` over dp, bf16 compute / fp32 reduction, fused
 capturable AdamW. The whole step (forward with its tp all-gathers and reduce-scatters,
 backward, dp reduce-scatters, optimizer) is captured once and replayed, and trains exactly as
 the same step run eagerly: losses and every local shard bit for bit, with the blocks eager,
