@@ -108,9 +108,10 @@ def _memory(device: torch.device) -> tuple[float, float]:
 
 
 def prewarm_libraries(device: torch.device) -> None:
-    """Allocate the process-lifetime workspaces (cuBLAS and cuBLASLt, attention) before the
-    first contender: otherwise its peak is charged with them, while every later contender
-    finds them allocated already (the 0.06 GiB "left by earlier runs") and is not."""
+    """Allocate the process-lifetime workspaces of the default stream (cuBLAS and cuBLASLt,
+    attention) before the first contender: otherwise its peak is charged with them, while every
+    later contender finds them allocated already and is not. (cuBLAS's are freed again before
+    each contender, `release_stream_workspaces`, which charges every contender alike.)"""
     if device.type != "cuda":
         return
     x = torch.randn(256, 256, device=device, requires_grad=True)
@@ -122,6 +123,17 @@ def prewarm_libraries(device: torch.device) -> None:
     q = torch.randn(1, 2, 128, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
     torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
     torch.cuda.synchronize(device)
+
+
+def release_stream_workspaces() -> None:
+    """Free cuBLAS's workspaces, which it keeps per (handle, stream) for the life of the process
+    (32 MiB and more each). A contender that runs matmuls on a stream no earlier one used (a
+    graph's capture stream, async TP's side streams) allocates them and leaves them allocated:
+    it was charged with them and every later contender was not. Freed before each contender,
+    every contender is charged with those of its own streams."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # CUDA builds
+    if clear is not None:
+        clear()
 
 
 def forget_dtensor_caches() -> None:
@@ -155,6 +167,7 @@ def time_run(
     gc.collect()
     _sync(device)
     if device.type == "cuda":
+        release_stream_workspaces()
         torch.cuda.empty_cache()
     before_alloc, before_reserved = _memory(device)
     if args.compile:

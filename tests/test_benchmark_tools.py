@@ -82,6 +82,16 @@ def test_each_contender_starts_with_dtensor_caches_cleared() -> None:
         assert cached() == 0
 
 
+def test_each_contender_starts_without_cublas_stream_workspaces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuBLAS keeps a workspace per stream: the first contender to use a stream was charged with it."""
+    cleared: list[bool] = []
+    monkeypatch.setattr(benchmark.torch._C, "_cuda_clearCublasWorkspaces", lambda: cleared.append(True), raising=False)
+    benchmark.release_stream_workspaces()
+    monkeypatch.delattr(benchmark.torch._C, "_cuda_clearCublasWorkspaces")
+    benchmark.release_stream_workspaces()  # a CPU build has no such call: nothing to free
+    assert cleared == [True]
+
+
 def test_rounds_alternate_the_order_of_the_contenders() -> None:
     runs = ["fully_shard", "fsdp2", "floor"]
     orders = [benchmark.round_order(runs, r) for r in range(4)]
