@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed._functional_collectives as funcol
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 _Pass = Callable[..., torch.Tensor]
 
@@ -56,7 +56,8 @@ def _logits_grad(
     return ((probs - one_hot) * scale).to(logits.dtype)
 
 
-_passes: dict[str, _Pass] = {"row_max": _row_max, "row_sums": _row_sums, "logits_grad": _logits_grad}
+_EAGER_PASSES: dict[str, _Pass] = {"row_max": _row_max, "row_sums": _row_sums, "logits_grad": _logits_grad}
+_passes: dict[str, _Pass] = dict(_EAGER_PASSES)  # what the loss runs: these, or their compiled versions
 
 
 def compile_kernels(backend: str = "inductor") -> None:
@@ -65,7 +66,7 @@ def compile_kernels(backend: str = "inductor") -> None:
     # No collective in these graphs: inductor's async-TP pass (on for the blocks under --async-tp)
     # would only warn, per graph and rank, that it found nothing to fuse.
     options = {"_micro_pipeline_tp": False} if backend == "inductor" else None
-    for name, fn in (("row_max", _row_max), ("row_sums", _row_sums), ("logits_grad", _logits_grad)):
+    for name, fn in _EAGER_PASSES.items():
         _passes[name] = torch.compile(fn, backend=backend, dynamic=False, options=options)
 
 
@@ -74,8 +75,8 @@ def vocab_parallel_cross_entropy(logits: DTensor, targets: torch.Tensor) -> torc
     dim (the vocabulary), against `targets` (B, T) int64, the same on every rank of that mesh.
     Returns a plain 0-dim fp32 tensor, equal on every rank of the mesh; its gradient flows back
     to `logits` as a DTensor of the same placement."""
-    mesh = logits.device_mesh
-    if mesh.ndim != 1 or logits.placements[0] != Shard(logits.ndim - 1) and logits.placements[0] != Shard(-1):
+    mesh, placement = logits.device_mesh, logits.placements[0]
+    if mesh.ndim != 1 or not (placement.is_shard(logits.ndim - 1) or placement.is_shard(-1)):
         raise ValueError(
             f"vocab_parallel_cross_entropy: logits must be sharded on the vocabulary (last dim) over a 1-D mesh, "
             f"got placements {logits.placements} on a {mesh.ndim}-D mesh"

@@ -4,7 +4,7 @@ head's loss), on 2 gloo ranks against `F.cross_entropy` of the whole logits in o
 - The loss and the logits' gradient, fp32 and bf16, with a vocabulary that does not split evenly
   (13 columns: 7 + 6) and targets in both ranks' columns; eager and with the three passes
   compiled (`compile_kernels`, aot_eager: the compiled path's graphs without inductor's build).
-- What backward keeps: the local logits and three numbers per row, never an fp32 copy of the logits.
+- What backward keeps: the local logits and two numbers per row, never an fp32 copy of the logits.
 - Logits that are not sharded on the vocabulary are refused with one line.
 """
 
