@@ -30,7 +30,6 @@ class _Bucket:
 
     params: list["ManagedParam"]
     offsets: list[int]
-    first_flag: int  # where its parameters' presence flags start among all buckets' flags
     waiting: int = 0
     launched: bool = False
     present: list[bool] = field(default_factory=list)  # this backward: which gradients it had
@@ -66,8 +65,7 @@ class BucketedReducer(GradReducer):
                     groups.append([])
                     used = 0
             groups = [g for g in groups if g]
-            firsts = [sum(len(g) for g in groups[:i]) for i in range(len(groups))]
-            self._buckets = [_Bucket(g, _offsets(g), first, waiting=len(g)) for g, first in zip(groups, firsts)]
+            self._buckets = [_Bucket(g, _offsets(g), waiting=len(g)) for g in groups]
             for i, bucket in enumerate(self._buckets):
                 for mp in bucket.params:
                     mp.bucket_index = i
@@ -93,27 +91,15 @@ class BucketedReducer(GradReducer):
     def _launch_bucket(self, bucket: _Bucket) -> None:
         bucket.launched = True
         grads, bucket.present = self._take_grads(bucket.params)
-        buckets = self._buckets
-        flags = None
-        if bucket is buckets[-1]:  # type: ignore[index]
-            # Buckets launch in order, so the last one knows every bucket's presence: it
-            # carries all the flags (one copy per backward, not one per bucket), and its size
-            # is the same on every rank however each rank's parameter usage differs.
-            flags = [p for b in buckets for p in b.present]  # type: ignore[union-attr]
-        red = bucket.reduction = self._launch_all_reduce(
-            bucket.params, grads, bucket.present, flags=flags, offsets=bucket.offsets
-        )
-        if flags is not None:
-            for b in buckets:  # type: ignore[union-attr]
-                b.reduction.flags = (red.output, red.output.numel() - len(flags) + b.first_flag)  # type: ignore[union-attr]
+        bucket.reduction = self._launch_all_reduce(bucket.params, grads, bucket.present, offsets=bucket.offsets)
 
     @labelled("composable::flush_buckets")
     @untyped
     def flush_buckets(self) -> None:
         """End of backward: launch, in order, every bucket not launched yet — on every rank,
-        zero-filled where this rank has no gradient, with a presence flag per parameter so a
-        gradient exists afterwards wherever any rank produced one (DDP's unused-parameter
-        semantics) — then reduce what accumulated after a bucket was launched (a parameter
+        filled with the missing mark where this rank has no gradient, so a gradient exists
+        afterwards wherever any rank produced one (DDP's unused-parameter semantics; see
+        `reduce.py`) — then reduce what accumulated after a bucket was launched (a parameter
         used twice in one forward)."""
         buckets = self.buckets()
         late = [mp for b in buckets if b.launched for mp in b.params if self.has_grads(mp)]

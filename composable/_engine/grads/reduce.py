@@ -5,6 +5,14 @@ the collectives asynchronously; `finish` waits and accumulates the results into 
 gradients (DTensors, in the parameter's own dtype, on the CPU when offloading). `replicate`
 groups reduce in buckets instead (`buckets.py`).
 
+Presence: a rank that has no gradient for a parameter (a data-dependent branch) feeds
+negative zeros in its place. A sum is -0.0 only where every addend is -0.0 (x + -0.0 == x, and
+an exact cancellation rounds to +0.0), so after the collective a parameter whose whole region
+of the output is -0.0 had a gradient on no rank, and any other had one somewhere. That keeps
+the reduction's buffers exactly FSDP2's (no extra elements, no extra collective), so every
+backend sums the same values in the same order; a region that really sums to -0.0 everywhere
+is read as "no gradient" (its value is zero either way).
+
 Averaging: sum, then divide by the data-parallel world. For low-precision reduce dtypes the
 division is split into a pre- and a post-factor (powers of two) to avoid overflow and
 underflow; gloo has neither AVG nor PREMUL_SUM, so this works on every backend.
@@ -46,9 +54,22 @@ class _Reduction:
     event: "torch.cuda.Event | None" = None  # CUDA: recorded on the reduce stream when done
     divided: bool = False  # averaging applied (by ReduceOp.AVG, or the division after a SUM)
     assigned: list[bool] = field(default_factory=list)  # sharded grads already pointed at `output`
-    # Where the presence flags of `params` are once the reduction is done (tensor, start):
-    # one per parameter, > 0 where any rank had a gradient. None: no flags (all present).
-    flags: tuple[torch.Tensor, int] | None = None
+
+
+MISSING = -0.0  # what a rank reduces in place of a gradient it does not have (see the module's note)
+
+
+def _had_a_gradient_somewhere(output: torch.Tensor, regions: list[tuple[int, int]]) -> list[bool]:
+    """For each (offset, numel) region of a finished reduction's `output`: whether any rank
+    contributed a gradient there, i.e. not every element is -0.0. One host sync for all."""
+    if not regions:
+        return []
+    marks = torch.stack([_all_missing(output.narrow(0, off, n)) for off, n in regions])
+    return [not m for m in marks.tolist()]
+
+
+def _all_missing(region: torch.Tensor) -> torch.Tensor:
+    return (torch.signbit(region) & (region == 0)).all()
 
 
 def _offsets(params: list["ManagedParam"]) -> list[int]:
@@ -98,7 +119,6 @@ class GradReducer(NoSyncSums, ReduceOptions):
         self.pending: list[_Reduction] = []
         self.requires_all_reduce = True  # HSDP: False keeps reduce-scatter, defers replica all-reduce
         self._partial: torch.Tensor | None = None  # HSDP partial sums awaiting the replica all-reduce
-        self._all_present: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self._collectives_average: dict[torch.dtype, bool] = {}
         self.divide_factor: float | None = None  # set_gradient_divide_factor
         self._holds_no_sync_sums = False  # sharded groups: unreduced sums kept between backwards
@@ -127,7 +147,8 @@ class GradReducer(NoSyncSums, ReduceOptions):
 
     def _take_grads(self, params: list["ManagedParam"]) -> tuple[list[torch.Tensor], list[bool]]:
         """Detach the unsharded gradients from their parameters (freeing them after the
-        reduction), zero-filling missing ones so every rank lays out the same buffer."""
+        reduction), filling missing ones with `self._missing_fill` so every rank lays out the
+        same buffer."""
         grads, present = [], []
         for mp in params:
             up = mp.unsharded_param
@@ -158,7 +179,9 @@ class GradReducer(NoSyncSums, ReduceOptions):
                 g = grad_to_local(g, mp.tp, mp.dp_dims)
             present.append(g is not None)
             if g is None:
-                g = torch.zeros(mp.layout.shape, dtype=self.spec.dtypes.unsharded, device=self.spec.device)
+                g = torch.full(
+                    mp.layout.shape, self._missing_fill, dtype=self.spec.dtypes.unsharded, device=self.spec.device
+                )
             elif up is not None:
                 up.grad = None
             grads.append(g)
@@ -176,15 +199,11 @@ class GradReducer(NoSyncSums, ReduceOptions):
             or (mp.grad_is_unreduced and mp.sharded_param.grad is not None)
         )
 
-    def _presence_flags(self, present: list[bool], dtype: torch.dtype) -> torch.Tensor:
-        """One flag per parameter on the compute device; the all-present case is cached."""
-        if all(present):
-            key = (len(present), dtype)
-            cached = self._all_present.get(key)
-            if cached is None:
-                cached = self._all_present[key] = torch.ones(len(present), dtype=dtype, device=self.spec.device)
-            return cached
-        return torch.tensor([float(p) for p in present], dtype=dtype).to(self.spec.device, non_blocking=True)
+    @property
+    def _missing_fill(self) -> float:
+        """-0.0 marks a missing gradient (see the module's note); FSDP2's
+        `reduce_scatter_unused_params` gives every parameter a gradient, of +0.0 where unused."""
+        return 0.0 if self.reduce_unused else MISSING
 
     # -- launching ------------------------------------------------------------------------
     def launch(self) -> None:
@@ -212,15 +231,20 @@ class GradReducer(NoSyncSums, ReduceOptions):
         average = self.collectives_average
         pre = 1.0 if average else comm.divide_factors(self.dp_world, dtype)[0]
         # Copy-in on the compute stream, so the unsharded gradients are freed in stream order.
-        # 0-d parameters are replicated in every rank region: feed each region a copy. So are
-        # the presence flags (one per parameter, at the end of every region): after the sum,
-        # a rank knows which gradients any rank produced, even for its own missing ones.
-        flags = self._presence_flags(present, grads[0].dtype)
-        # dim > 0 parameters go in as their rank-major regions (each rank's contiguous shard).
+        # 0-d parameters are replicated in every rank region: feed each region a copy. dim > 0
+        # parameters go in as their rank-major regions (each rank's contiguous shard). A missing
+        # gradient fills its whole regions, padding included, with its mark: a rank whose
+        # region is all padding still reads from it whether any rank had the gradient.
         pieces = [
-            gr.expand(world) if gr.dim() == 0 else full_to_regions(mp.layout, gr, world) if mp.layout.dim else gr
-            for mp, gr in zip(params, grads)
-        ] + [flags.expand(world, len(present)).contiguous()]
+            gr.expand(world)
+            if gr.dim() == 0
+            else gr.new_full((world, mp.layout.region_numel), self._missing_fill)
+            if not here
+            else full_to_regions(mp.layout, gr, world)
+            if mp.layout.dim
+            else gr
+            for mp, gr, here in zip(params, grads, present)
+        ]
         custom = self.reduce_scatter_comm
         flat_in = comm.chunk_cat(pieces, world, dtype, device, None if custom is None else custom.allocate)
         if pre != 1.0:
@@ -248,7 +272,6 @@ class GradReducer(NoSyncSums, ReduceOptions):
             else:
                 out = custom.allocate((flat_in.numel() // world,), dtype=dtype, device=device)
             red.output = out
-            red.flags = (out, out.numel() - len(present))
             async_op = streams is None
             group = self.reduce_scatter_group or lay.shard_group
             red.works.append(comm.reduce_scatter(out, flat_in, group, average, async_op, custom))
@@ -264,7 +287,7 @@ class GradReducer(NoSyncSums, ReduceOptions):
                 else:
                     red.all_reduced = False
             if red.all_reduced and self.all_reduce_hook is not None:
-                self._run_all_reduce_hook(red, len(present))
+                self._run_all_reduce_hook(red)
             if streams is not None:
                 self._average(red)
                 red.event = streams.reduce.record_event()
@@ -278,23 +301,19 @@ class GradReducer(NoSyncSums, ReduceOptions):
         params: list["ManagedParam"],
         grads: list[torch.Tensor],
         present: list[bool],
-        flags: list[bool] | None = None,
         offsets: list[int] | None = None,
     ) -> _Reduction:
-        """All-reduce `grads` (of `params`) as one flat buffer, with presence `flags` appended
-        when given (replicate's buckets carry every bucket's flags in their last one)."""
+        """All-reduce `grads` (of `params`) as one flat buffer."""
         dtype = self.spec.dtypes.reduce
         average = self.collectives_average
         pre = 1.0 if average else comm.divide_factors(self.dp_world, dtype)[0]
-        if flags is None and len(grads) == 1:
+        if len(grads) == 1:
             # One gradient (most buckets of a large model): one copy, cast as it goes, and
             # no cat (which takes a slower per-input path when it casts).
             flat = torch.empty(grads[0].numel(), dtype=dtype, device=self.spec.device)
             flat.view(grads[0].shape).copy_(grads[0])
         else:
             pieces = [gr.reshape(-1) for gr in grads]
-            if flags is not None:
-                pieces.append(self._presence_flags(flags, dtype))
             flat = torch.empty(sum(p.numel() for p in pieces), dtype=dtype, device=self.spec.device)
             if all(p.dtype == dtype for p in pieces):
                 torch.cat(pieces, out=flat)  # one kernel
@@ -311,8 +330,6 @@ class GradReducer(NoSyncSums, ReduceOptions):
         # batches. The bucket stays alive until `finish`, as DDP's do.
         offsets = _offsets(params) if offsets is None else offsets
         red = _Reduction(params, present, offsets, flat, divided=average)
-        if flags is not None:
-            red.flags = (flat, flat.numel() - len(flags))
         for grp in self.spec.layout.replicate_groups:
             red.works.append(comm.all_reduce_async(flat, grp, average))
         self._assign_early(red)
@@ -346,7 +363,7 @@ class GradReducer(NoSyncSums, ReduceOptions):
 
     def finish(self) -> None:
         """Wait for launched reductions and accumulate them into the sharded gradients."""
-        for red in self.pending:  # all first: a reduction's flags may ride in a later one
+        for red in self.pending:  # all first, then the results (one wait on the host)
             for work in red.works:
                 work.wait()
             if red.event is not None:
@@ -360,11 +377,14 @@ class GradReducer(NoSyncSums, ReduceOptions):
             if all(red.assigned) and red.assigned:
                 continue
             present_anywhere = red.present
-            if red.flags is not None and not all(red.present):
-                # Only a locally missing gradient needs the flags (> 0: some rank had one); the
-                # read waits for the reduction, so skip it in the common all-present case.
-                holder, start = red.flags
-                present_anywhere = (holder[start : start + len(red.params)] > 0).tolist()
+            if not all(red.present):
+                # Only a locally missing gradient needs the marks read (a host sync); the
+                # common all-present case skips it.
+                missing = [i for i, here in enumerate(red.present) if not here]
+                regions = [(red.offsets[i], red.params[i].layout.region_numel) for i in missing]
+                present_anywhere = list(red.present)
+                for i, somewhere in zip(missing, _had_a_gradient_somewhere(out, regions)):
+                    present_anywhere[i] = somewhere
             target_device = torch.device("cpu") if self.spec.offload else self.spec.device
             out = out.to(device=target_device, dtype=self.spec.dtypes.orig)
             for i, (mp, present, off) in enumerate(zip(red.params, present_anywhere, red.offsets)):

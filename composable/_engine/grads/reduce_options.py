@@ -44,9 +44,8 @@ class ReduceOptions:
             setattr(new, name, value if name in self._SHARED_ON_COPY else copy.deepcopy(value, memo))
         return new
 
-    def _run_all_reduce_hook(self, red: Any, n_flags: int) -> None:
-        """The user's hook on this rank's reduced gradients (without the presence flags that
-        follow them), before the division that averages them, as FSDP2 runs it: after the
+    def _run_all_reduce_hook(self, red: Any) -> None:
+        """The user's hook on this rank's reduced gradients, before the division that averages them, as FSDP2 runs it: after the
         reduce-scatter, or after HSDP's all-reduce. CPU: the reduction is finished first.
         CUDA: on the reduce stream, or on the hook's own stream ordered between it and what
         follows."""
@@ -54,7 +53,7 @@ class ReduceOptions:
             if work is not None:
                 work.wait()
         red.works.clear()
-        grads = red.output.narrow(0, 0, red.output.numel() - n_flags)
+        grads = red.output
         stream, streams = self.all_reduce_hook_stream, self.streams
         if stream is None or streams is None:
             self.all_reduce_hook(grads)  # type: ignore[misc]
