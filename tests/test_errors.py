@@ -74,6 +74,16 @@ def test_not_a_module(world2: DeviceMesh, api: Any, bad: Any) -> None:
         api(bad)
 
 
+@pytest.mark.parametrize("container", [nn.ModuleList, nn.ModuleDict], ids=lambda c: c.__name__)
+def test_container_without_forward(world2: DeviceMesh, container: type) -> None:
+    """Nothing calls a container's forward, so its hooks would never gather its parameters (the
+    parent's forward failed inside F.linear on DTensors): refused at the call, as FSDP2 does."""
+    members = [nn.Linear(2, 2), nn.Linear(2, 2)]
+    module = container(members) if container is nn.ModuleList else container(dict(zip("ab", members)))
+    match = rf"fully_shard does not support containers that do not implement forward: argument 'module' is a {container.__name__}"
+    _raises(ValueError, match, module, fully_shard, module, mesh=world2)
+
+
 def test_mesh_not_1d_or_2d() -> None:
     with fake_process_group(8):
         mesh3d = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("a", "b", "c"))

@@ -120,7 +120,7 @@ def _via_adapter(rank: int, world: int) -> None:
         model.emb.set_unshard_in_backward(1)
     with pytest.raises(TypeError, match="set_post_optim_event: 'event' must be a torch.Event"):
         model.set_post_optim_event(None)
-    with pytest.raises(RuntimeError, match="reset_iter_state: module ComposableSequential is not the root"):
+    with pytest.raises(RuntimeError, match="reset_iter_state: module FSDPSequential is not the root"):
         model(batch_for(0, world, rank)).sum()  # lazy init decides the root
         model.body.reset_iter_state()
 

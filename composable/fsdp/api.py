@@ -144,6 +144,12 @@ def fully_shard(
 def _check_modules(module: object) -> tuple[nn.Module, ...]:
     """The module, or the modules of a list/tuple: non-empty, all modules, each once, none
     inside another (`TypeError`/`ValueError` naming fully_shard, 'module' and the value)."""
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        # Nothing calls a container's forward, so its hooks would never gather its parameters.
+        raise ValueError(
+            f"fully_shard does not support containers that do not implement forward: argument 'module' is a "
+            f"{type(module).__name__}; shard each member, or pass list(container) to shard its members as one group"
+        )
     if not isinstance(module, (list, tuple)):
         return (check_module("fully_shard", module),)
     if not module:

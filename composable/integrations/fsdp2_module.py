@@ -6,11 +6,17 @@ call FSDP2's methods on them (`m.set_requires_gradient_sync(False)` for gradient
 its state, `fully_shard.state(m)`, has those methods. This opt-in adapter does what FSDP2 does
 and the core does not: `as_fsdp_module(m)` swaps `m.__class__` for a subclass of
 `(ComposableFSDPModule, type(m))`, where `ComposableFSDPModule` derives from FSDP2's
-`FSDPModule` and forwards each method to `fully_shard.state(m)`: every public method of
+`FSDPModule` and forwards each method to `fully_shard.state(m)`, named `FSDP<Cls>` as FSDP2 names
+it: every public method of
 torch 2.11-2.15's `FSDPModule` has its counterpart there (docs/fsdp2_methods.md). A method a
 later torch adds, and FSDP2's private ones, raise `NotImplementedError` naming the method
-(`UNSUPPORTED_METHODS` lists them). Parameter names, `state_dict()`
-and `copy.deepcopy` are unchanged; `restore_class(m)` undoes the swap.
+(`UNSUPPORTED_METHODS` lists them). Parameter names and `state_dict()` are unchanged;
+`restore_class(m)` undoes the swap.
+
+`fsdp2_fully_shard` answers as FSDP2's `fully_shard` does: `fsdp2_fully_shard.state(m)`, a second
+application refused with FSDP2's error type and words (`AlreadyShardedError`), containers without
+a `forward` (`ModuleList`, `ModuleDict`) refused with `ValueError`. One decided difference:
+`copy.deepcopy` of a sharded module works (FSDP2 raises), as in composable's core.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from composable import fully_shard
 from composable._engine.dtypes.policies import check_policies
 
 __all__ = [
+    "AlreadyShardedError",
     "ComposableFSDPModule",
     "UNSUPPORTED_METHODS",
     "as_fsdp_module",
@@ -35,6 +42,11 @@ __all__ = [
     "restore_class",
     "fsdp2_fully_shard",
 ]
+
+
+class AlreadyShardedError(RuntimeError, AssertionError):
+    """`fsdp2_fully_shard` applied twice to one module: a `RuntimeError` as composable's forbidden
+    compositions are, and an `AssertionError` as FSDP2 raises it, so code written for either catches it."""
 
 
 class ComposableFSDPModule(FSDPModule):
@@ -225,7 +237,7 @@ def as_fsdp_module(module: nn.Module) -> nn.Module:
     cls = type(module)
     adapted = _classes.get(cls)
     if adapted is None:
-        adapted = type(f"Composable{cls.__name__}", (ComposableFSDPModule, cls), {"_composable_orig_cls": cls})
+        adapted = type(f"FSDP{cls.__name__}", (ComposableFSDPModule, cls), {"_composable_orig_cls": cls})
         adapted.__module__ = cls.__module__
         _classes[cls] = adapted
     module.__class__ = adapted
@@ -282,7 +294,14 @@ def fsdp2_fully_shard(
     module(s) FSDP2's module interface (`as_fsdp_module`), so a framework that calls FSDP2's
     `fully_shard` and then FSDP2's methods can be handed this function instead; `dp_mesh_dims`
     (full-DTensor meshes) is passed on.
+
+    As FSDP2's: `ValueError` for a container without a `forward` (`nn.ModuleList`,
+    `nn.ModuleDict`: nothing would call its hooks; the core refuses it), and `AlreadyShardedError` (an
+    `AssertionError`, FSDP2's type, and a `RuntimeError`) for a module it already manages.
+    `fsdp2_fully_shard.state(module)` is `composable.fully_shard.state(module)`.
     """
+    for m in module if isinstance(module, (list, tuple)) else [module]:
+        _check_not_sharded(m)
     mp, offload = _policies(
         mp_policy if mp_policy is not None else composable.MixedPrecisionPolicy(),
         offload_policy if offload_policy is not None else composable.OffloadPolicy(),
@@ -300,3 +319,16 @@ def fsdp2_fully_shard(
     for m in result if isinstance(result, (list, tuple)) else [result]:
         as_fsdp_module(m)
     return result
+
+
+fsdp2_fully_shard.state = fully_shard.state  # type: ignore[attr-defined]  # as FSDP2's `fully_shard.state`
+
+
+def _check_not_sharded(module: nn.Module) -> None:
+    """A second application, refused as FSDP2 refuses it (containers without a forward: the core
+    refuses them as FSDP2 does)."""
+    if fully_shard.state(module) is not None:
+        raise AlreadyShardedError(
+            f"fully_shard: argument 'module' ({type(module).__name__}) is already sharded. Each distinct "
+            "composable distributed API can only be applied to a module once."
+        )
