@@ -183,7 +183,16 @@ def remember_sharding() -> None:
 
 def forget_sharding_cache() -> None:
     """Empty DTensor's own sharding caches (after each call): their answers name this call's
-    meshes, whose groups are destroyed with it."""
+    meshes, whose groups are destroyed with it. So do every other `functools.lru_cache` of
+    torch.distributed (`MeshTopoInfo.build_from_mesh`, the tensor-meta cache) and the
+    redistribute planners' cache: a cached mesh holds its process groups (`_pg_registry`, `_root_mesh`), whose gloo
+    threads and sockets then lived for the rest of the worker's life, three threads a group."""
+    for cached in _distributed_lru_caches():
+        cached.cache_clear()
+    with contextlib.suppress(Exception):  # and its planners, by mesh, in a dict (torch >= 2.12)
+        from torch.distributed.tensor import _redistribute
+
+        getattr(_redistribute, "clear_redistribute_planner_cache", lambda: None)()
     with contextlib.suppress(Exception):
         from torch.distributed.tensor import DTensor
 
@@ -198,3 +207,22 @@ def forget_sharding_cache() -> None:
     clear_cpp_cache = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
     if clear_cpp_cache is not None:
         clear_cpp_cache()
+
+
+def _distributed_lru_caches() -> list[Any]:
+    """Every `functools.lru_cache` at module or class level in the loaded torch.distributed
+    modules (a scan of a few hundred module dicts: milliseconds)."""
+    import functools
+    import sys
+
+    found = []
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("torch.distributed"):
+            continue
+        for value in list(vars(module).values()):
+            if isinstance(value, type) and value.__module__ == name:
+                members = [getattr(v, "__func__", v) for v in vars(value).values()]
+            else:
+                members = [value]
+            found.extend(m for m in members if isinstance(m, functools._lru_cache_wrapper))
+    return found

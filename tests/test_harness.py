@@ -105,6 +105,37 @@ def _pid(rank: int, world_size: int) -> int:
     return os.getpid()
 
 
+def _worker_footprint(rank: int, world_size: int) -> tuple[int, int, int]:
+    """(pid, gloo threads, open file descriptors) of this worker, inside a call (whose own
+    default group counts in both)."""
+    from _harness_pool import gloo_threads
+
+    return os.getpid(), gloo_threads(), len(os.listdir("/proc/self/fd"))
+
+
+def _train_on_meshes(rank: int, world_size: int) -> None:
+    """What the suite's calls do with meshes: a 2D mesh and its submeshes, DTensor ops and
+    redistributions on them (torch's planners and lru caches keep meshes), FSDP2 and composable
+    training with an optimizer (composable keeps a spec per mesh for step counters)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import composable
+
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("a", "b"))
+    x = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0), Replicate()])
+    (x * 2).redistribute(mesh, [Replicate(), Shard(1)]).full_tensor()
+    for shard, sub in ((torch_fully_shard, mesh["a"]), (composable.fully_shard, mesh["b"])):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        shard(model[0], mesh=sub)
+        shard(model, mesh=sub)
+        opt = torch.optim.AdamW(model.parameters())
+        for _ in range(2):
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+
+
 def _unpicklable_result(rank: int, world_size: int) -> object:
     return lambda: None
 
@@ -263,6 +294,17 @@ def test_process_groups_of_a_call_die_with_it() -> None:
     before = run_on_ranks(_thread_count, 2)
     run_on_ranks(_group_left_in_a_cycle, 2)
     assert run_on_ranks(_thread_count, 2) == before
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts threads and descriptors in /proc")
+def test_a_call_that_builds_meshes_leaves_its_worker_as_it_found_it() -> None:
+    """The same worker (not a replacement) has as many gloo threads (three a group) and open
+    descriptors (sockets) after calls that build meshes, shard and train on them as before."""
+    run_on_ranks(_train_on_meshes, 4)  # whatever a first use starts for good
+    before = run_on_ranks(_worker_footprint, 4)
+    for _ in range(2):
+        run_on_ranks(_train_on_meshes, 4)
+    assert run_on_ranks(_worker_footprint, 4) == before
 
 
 def test_sharding_answers_of_an_earlier_call_name_this_calls_mesh() -> None:

@@ -214,3 +214,31 @@ def _graphed_foreach_adamw(rank: int, world: int) -> bool:
         run = composable.graphed_step(step) if graphed else step
         losses.append(torch.stack([run(x) for _ in range(5)]))
     return torch.equal(losses[0], losses[1])
+
+
+def _mesh_outlives_its_model(rank: int, world_size: int) -> bool:
+    import gc
+    import weakref
+
+    from _harness_sharding import forget_sharding_cache
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = nn.Linear(4, 4)
+    composable.fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters())
+    for _ in range(2):  # the second step's pre-hook puts the counters on the mesh (one spec per mesh, dtype)
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+    assert isinstance(next(iter(opt.state.values()))["step"], DTensor)
+    alive = weakref.ref(mesh)
+    del mesh, model, opt
+    forget_sharding_cache()  # torch's own caches of meshes (DTensor's propagation, its planners)
+    gc.collect()
+    return alive() is not None
+
+
+def test_counter_specs_do_not_keep_meshes_alive() -> None:
+    """The shared counter specs are held by the counters alone: once the model and its optimizer
+    are gone, so is their mesh, and with it its process groups (a cache of specs kept every mesh,
+    with its groups' threads and sockets, for the life of the process)."""
+    assert run_on_ranks(_mesh_outlives_its_model, 2) == [False, False]

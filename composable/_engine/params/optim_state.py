@@ -42,7 +42,9 @@ _step_hook: Any = None
 # Per optimizer: (its state object, its length) when its counters were last converted.
 _converted: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[Any, int]]" = weakref.WeakKeyDictionary()
 _hooked: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # state-dict hook installed
-_specs: dict[tuple[int, torch.dtype], DTensorSpec] = {}
+# The counters' specs, held by the counters alone: a cache that held them would hold their meshes,
+# and through them the meshes' process groups (threads, sockets) for the life of the process.
+_specs: "weakref.WeakValueDictionary[tuple[int, torch.dtype], DTensorSpec]" = weakref.WeakValueDictionary()
 # Per optimizer: its parameter groups' shape when last checked for replaced parameters.
 _checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, ...]]" = weakref.WeakKeyDictionary()
 
@@ -105,7 +107,8 @@ def check_no_replaced_params(optimizer: torch.optim.Optimizer) -> None:
 
 def _step_spec(mesh: DeviceMesh, dtype: torch.dtype) -> DTensorSpec:
     """One replicated 0-d spec per (mesh, dtype), shared by every counter: DTensor compares
-    the same object by identity, not field by field."""
+    the same object by identity, not field by field. Kept only while a counter holds it (an id
+    reused by a later mesh finds a spec of the dead one's: made anew)."""
     key = (id(mesh), dtype)
     spec = _specs.get(key)
     if spec is None or spec.mesh is not mesh:
