@@ -194,9 +194,8 @@ class TestTrace(expecttest.TestCase):
     in reverse forward order: the root's pre-backward gathers blocks.2, blocks.2's gathers
     blocks.1, ...); a block is reduce-scattered once its input gradients exist; blocks.0 (whose
     input needs no gradient) and the root are reduced by the end-of-backward callback, root
-    first. A reduce-scatter moves its group's all-gather size plus one presence flag per
-    gradient in each of the 8 rank regions (blocks.2: 64 + 8*2 = 80, root: 248 + 8*3 = 272), so
-    every rank learns which gradients any rank produced. The optimizer step on sharded DTensors
+    first. A reduce-scatter moves its group's all-gather size, FSDP2's buffer (a rank without a
+    gradient sends -0.0s in its place: see reduce.py). The optimizer step on sharded DTensors
     communicates nothing.
     """
 

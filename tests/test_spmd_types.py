@@ -217,10 +217,9 @@ def _parity(rank: int, world: int, case: str, checked: bool, annotate_dp: bool) 
     ref_types, our_types = _seen_types(ref), _seen_types(ours)
     ref_losses, our_losses = train(ref, mesh, case, checked), train(ours, mesh, case, checked)
     assert all(torch.equal(a, b) for a, b in zip(ref_losses, our_losses)), (ref_losses, our_losses)
-    # Over 4 flattened dp x cp ranks gloo's reduce-scatter sums an element in an order that
-    # depends on where it falls in the buffer, and composable's carries one presence flag per
-    # parameter after the gradients (FSDP2's does not): a few elements differ in the last bit.
-    assert_same_storage(ref, ours, exact=case != "dp_cp")
+    # The reduce-scatter inputs are FSDP2's element for element: the same sums in the same order,
+    # over 4 flattened dp x cp ranks too.
+    assert_same_storage(ref, ours, exact=True)
     # The module computes with plain local tensors; under typechecking their annotation is back.
     assert our_types == ref_types and len(our_types) == STEPS, (our_types, ref_types)
     assert all(t for t in our_types) == checked, our_types

@@ -1,6 +1,7 @@
 """Parameters used on some ranks only (a data-dependent branch): every rank must end the step
 with the same gradients as a reference that averages the per-rank losses, for fully_shard
-(the presence flags ride in the reduce-scatter) and replicate (in each bucket).
+and replicate. A rank without a gradient sends -0.0s in its place (composable/_engine/grads/reduce.py):
+a parameter no rank used ends with no gradient, as on one process.
 
 A module with its own `fully_shard` must still be *called* on every rank, as with PyTorch
 FSDP2: gathering its parameters is a collective. Here the branch lives inside the root's group.
@@ -15,8 +16,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from _harness import assert_close_tensors, run_on_ranks
+from torch.distributed.device_mesh import init_device_mesh
 
-from composable import fully_shard, replicate
+from composable import ShardingStrategy, fully_shard, replicate
 
 
 class Branchy(nn.Module):
@@ -37,7 +39,9 @@ def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _uses_extra(step: int, rank: int) -> bool:
-    return (step + rank) % 2 == 1  # each step exactly one of the two ranks takes the branch
+    """Step 0: rank 0 alone takes the branch; step 1: no rank does (the parameter has no gradient
+    anywhere); step 2: every rank but rank 0."""
+    return (rank == 0) if step == 0 else False if step == 1 else rank != 0
 
 
 def _train(rank: int, world_size: int, api: str) -> None:
@@ -46,6 +50,10 @@ def _train(rank: int, world_size: int, api: str) -> None:
     ref = copy.deepcopy(model)
     if api == "fully_shard":
         fully_shard(model)
+    elif api == "no_shard":
+        fully_shard(model, strategy=ShardingStrategy.NO_SHARD)
+    elif api == "hsdp":
+        fully_shard(model, mesh=init_device_mesh("cpu", (2, world_size // 2)))
     else:
         replicate(model, bucket_cap_mb=1e-9)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -58,6 +66,9 @@ def _train(rank: int, world_size: int, api: str) -> None:
         ]
         (sum(losses) / world_size).backward()
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            if q.grad is None:  # no rank used it: none here either (not a zero gradient)
+                assert p.grad is None, f"{api}: rank {rank} has a gradient for unused {name} at step {step}"
+                continue
             assert p.grad is not None, f"{api}: rank {rank} has no gradient for {name} at step {step}"
             assert_close_tensors(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=f"{api} grad {name} step {step}")
         opt.step()
@@ -68,6 +79,10 @@ def _train(rank: int, world_size: int, api: str) -> None:
         assert_close_tensors(p, q, rtol=1e-5, atol=1e-6, msg=f"{api} param {name}")
 
 
-@pytest.mark.parametrize("api", ["fully_shard", "replicate"])
-def test_parameters_used_on_some_ranks_match_the_reference(api: str) -> None:
-    run_on_ranks(_train, 2, api=api)
+@pytest.mark.parametrize(
+    "api, world", [("fully_shard", 2), ("fully_shard", 4), ("no_shard", 2), ("hsdp", 4), ("replicate", 2)]
+)
+def test_parameters_used_on_some_ranks_match_the_reference(api: str, world: int) -> None:
+    """At 4 ranks `extra`'s 5 rows shard as 2, 2, 1, 0: rank 3's region is all padding, and it
+    still learns from it whether any rank had the gradient."""
+    run_on_ranks(_train, world, api=api)
