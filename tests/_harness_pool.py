@@ -182,7 +182,12 @@ def worker_main(conn: Connection, fault_path: str) -> None:
                 (call_id, False, f"return value of rank {rank} is not picklable:\n" + traceback.format_exc(), healthy)
             )
         if not healthy:
-            return  # the parent replaces this worker
+            # The parent kills and replaces this worker once it has read every rank's result. Not
+            # gone before then: a result holding tensors is read through this process's resource
+            # sharer (their storage passes as file descriptors), which dies with it.
+            with contextlib.suppress(EOFError, OSError):
+                conn.recv()
+            return
 
 
 # ----------------------------------------------------------------------------- parent side

@@ -105,6 +105,14 @@ def _pid(rank: int, world_size: int) -> int:
     return os.getpid()
 
 
+_KEPT_GROUPS: list = []  # what a leaking cache does: holds a call's group past the call
+
+
+def _keeps_its_group_and_returns_a_tensor(rank: int, world_size: int) -> tuple[int, torch.Tensor]:
+    _KEPT_GROUPS.append(dist.new_group(backend="gloo"))
+    return os.getpid(), torch.full((1000,), float(rank))  # large enough to travel as shared memory
+
+
 def _worker_footprint(rank: int, world_size: int) -> tuple[int, int, int]:
     """(pid, gloo threads, open file descriptors) of this worker, inside a call (whose own
     default group counts in both)."""
@@ -305,6 +313,18 @@ def test_a_call_that_builds_meshes_leaves_its_worker_as_it_found_it() -> None:
     for _ in range(2):
         run_on_ranks(_train_on_meshes, 4)
     assert run_on_ranks(_worker_footprint, 4) == before
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_a_worker_still_holding_a_group_is_replaced_after_its_result_is_read() -> None:
+    """A group held past its call (its gloo threads still running) retires the worker, so groups
+    cannot pile up; the call's result, tensors included, still arrives (a worker that exited at
+    once took the tensors' shared storage with it: FileNotFoundError in the parent)."""
+    results = run_on_ranks(_keeps_its_group_and_returns_a_tensor, 2)
+    assert [t.tolist() for _, t in results] == [[0.0] * 1000, [1.0] * 1000]
+    after = run_on_ranks(_worker_footprint, 2)
+    assert [pid for pid, *_ in after] != [pid for pid, _ in results]  # fresh workers
+    assert [threads for _, threads, _ in after] == [3, 3]  # only the call's own default group
 
 
 def test_sharding_answers_of_an_earlier_call_name_this_calls_mesh() -> None:
