@@ -102,7 +102,25 @@ def check_no_replaced_params(optimizer: torch.optim.Optimizer) -> None:
             f"uses{rank}: the optimizer was built before {api} was applied; build it after, from "
             f"model.parameters()"
         )
+    _check_whole_matrix_optimizer(optimizer)
     _checked[optimizer] = shape
+
+
+def _check_whole_matrix_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """`torch.optim.Muon` orthogonalizes each parameter as a whole matrix: over a sharded DTensor
+    it would orthogonalize each rank's rows on their own, without a word (not Muon's update).
+    Refused at its first step; `composable.optim.Muon` (a subclass) takes the same arguments."""
+    if type(optimizer) is not getattr(torch.optim, "Muon", None):
+        return
+    for index, group in enumerate(optimizer.param_groups):
+        for param in group["params"]:
+            if isinstance(param, DTensor) and any(p.is_shard() for p in param.placements):
+                rank = f" (rank {torch.distributed.get_rank()})" if torch.distributed.is_initialized() else ""
+                raise RuntimeError(
+                    f"torch.optim.Muon.step(): a parameter of shape {tuple(param.shape)} in param group {index} is "
+                    f"sharded ({param.placements}){rank}, and Muon orthogonalizes whole matrices: each rank would "
+                    "orthogonalize its own part; use composable.optim.Muon, which takes the same arguments"
+                )
 
 
 def _step_spec(mesh: DeviceMesh, dtype: torch.dtype) -> DTensorSpec:

@@ -1,0 +1,183 @@
+"""Muon over sharded parameters: each matrix orthogonalized whole, by one rank.
+
+Muon's update is elementwise except for one step: Newton-Schulz orthogonalizes the (Nesterov)
+momentum of each weight matrix, and that needs the whole matrix. `torch.optim.Muon` run on the
+row shards `fully_shard` leaves on each rank orthogonalizes each rank's rows on their own, which
+is not Muon's update. Here the elementwise steps run on the local shards (the same arithmetic on
+the same elements as one process), and each matrix goes whole to one owner rank:
+
+1. one all-to-all per mesh sends every rank's rows of each matrix to that matrix's owner (the
+   owners chosen so that each rank orthogonalizes about as many FLOPs as the others);
+2. each owner runs torch's own Newton-Schulz on the matrices it owns (the same function, on the
+   same whole matrix, as `torch.optim.Muon` on one process: the same bits);
+3. one all-to-all sends each rank its rows of the results (bfloat16, as Newton-Schulz returns them).
+
+Sharded parameters are 1D meshes with `Shard(0)` (what `fully_shard` makes, uneven rows included).
+Any other DTensor layout (HSDP's replicated dims, tensor parallelism) is gathered whole on every
+rank and orthogonalized there: the same update, at more FLOPs (`replicate`'s parameters are
+whole on every rank already). Plain tensors take torch's path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+from torch.optim import Muon as TorchMuon
+from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+__all__ = ["Muon"]
+
+
+class Muon(TorchMuon):
+    """`torch.optim.Muon` (same arguments, defaults, state and state dict) whose step gives every
+    parameter exactly the update one process would: for a parameter sharded by `fully_shard`, the
+    Newton-Schulz orthogonalization of the whole momentum matrix, bit for bit with
+    `torch.optim.Muon` on one process fed the same gradients. The momentum buffers are sharded as
+    their parameters (DTensors), so checkpoints save and load them as any optimizer state.
+
+    Build it after sharding, from the parameters the model shows (2D hidden matrices; embeddings,
+    head and norms usually go to AdamW), as any optimizer."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params, grads, bufs = [], [], []
+            self._init_group(group, params, grads, bufs)
+            updates = [_momentum_update(g, buf, group["momentum"], group["nesterov"]) for g, buf in zip(grads, bufs)]
+            ortho = _orthogonalize(updates, group["ns_coefficients"], group["ns_steps"], group["eps"])
+            lr = float(group["lr"])
+            for param, update in zip(params, ortho):
+                adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], param.shape)
+                param.mul_(1 - lr * group["weight_decay"])
+                param.add_(update, alpha=-adjusted_lr)
+        return loss
+
+
+def _momentum_update(grad: torch.Tensor, buf: torch.Tensor, momentum: float, nesterov: bool) -> torch.Tensor:
+    """The momentum step of `torch.optim.Muon`, elementwise (so shard by shard)."""
+    buf.lerp_(grad, 1 - momentum)
+    return grad.lerp(buf, momentum) if nesterov else buf
+
+
+def _orthogonalize(
+    updates: list[torch.Tensor], coefficients: tuple[float, float, float], steps: int, eps: float
+) -> list[torch.Tensor]:
+    """Each update orthogonalized whole, returned in its own layout (a DTensor's local shard for a
+    DTensor update)."""
+
+    def newton_schulz(matrix: torch.Tensor) -> torch.Tensor:
+        return _zeropower_via_newtonschulz(matrix, coefficients, steps, eps)
+
+    out: list[torch.Tensor | None] = [None] * len(updates)
+    row_sharded: dict[Any, list[int]] = {}  # 1D mesh -> the updates sharded by rows on it
+    for i, update in enumerate(updates):
+        if not isinstance(update, DTensor):
+            out[i] = newton_schulz(update)
+        elif update.device_mesh.ndim == 1 and update.placements == (Shard(0),):
+            row_sharded.setdefault(update.device_mesh, []).append(i)
+        else:  # any other layout: whole on every rank, then this rank's part of the result
+            whole = newton_schulz(update.full_tensor())
+            out[i] = DTensor.from_local(whole, update.device_mesh, [_replicated(p) for p in update.placements])
+            out[i] = out[i].redistribute(update.device_mesh, update.placements)
+    for mesh, indices in row_sharded.items():
+        results = _orthogonalize_on_owners([updates[i] for i in indices], mesh.get_group(), newton_schulz)
+        for i, result in zip(indices, results):
+            out[i] = result
+    return out  # type: ignore[return-value]
+
+
+def _replicated(placement: Any) -> Any:
+    from torch.distributed.tensor import Replicate
+
+    return Replicate() if placement.is_shard() or placement.is_partial() else placement
+
+
+def _owners(shapes: list[torch.Size], world: int) -> list[int]:
+    """An owner rank per matrix, balancing Newton-Schulz FLOPs (about rows * cols * min(rows, cols)
+    per matrix): the largest first, each to the least loaded rank. The same on every rank."""
+    load = [0] * world
+    owners = [0] * len(shapes)
+    for i in sorted(range(len(shapes)), key=lambda i: (-shapes[i].numel() * min(shapes[i]), i)):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        owners[i] = rank
+        load[rank] += shapes[i].numel() * min(shapes[i])
+    return owners
+
+
+def _orthogonalize_on_owners(updates: list[DTensor], group: dist.ProcessGroup, newton_schulz: Any) -> list[DTensor]:
+    """Row-sharded matrices (`Shard(0)` on `group`): each whole on its owner, orthogonalized there,
+    its rows back where they came from. Two all-to-alls; each rank's rows padded to `ceil(rows /
+    world)` so every block has the size the receiver expects."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    shapes = [u.shape for u in updates]
+    chunk_rows = [-(-s[0] // world) for s in shapes]  # a rank's rows, padded
+    chunk = [r * s[1] for r, s in zip(chunk_rows, shapes)]  # the same, in elements
+    owners = _owners(shapes, world)
+    mine = [i for i, owner in enumerate(owners) if owner == rank]
+    dtype, device = updates[0]._local_tensor.dtype, updates[0]._local_tensor.device
+
+    # To the owners: block d holds this rank's padded rows of every matrix d owns.
+    send = torch.zeros(sum(chunk), dtype=dtype, device=device)
+    send_sizes, offset = [], 0
+    for dest in range(world):
+        start = offset
+        for i, owner in enumerate(owners):
+            if owner == dest:
+                local = updates[i]._local_tensor.reshape(-1)
+                send[offset : offset + local.numel()].copy_(local)
+                offset += chunk[i]
+        send_sizes.append(offset - start)
+    per_source = sum(chunk[i] for i in mine)
+    received = torch.empty(world * per_source, dtype=dtype, device=device)
+    dist.all_to_all_single(received, send, [per_source] * world, send_sizes, group=group)
+
+    # Whole matrices on their owner, orthogonalized.
+    blocks = received.view(world, per_source)
+    results: dict[int, torch.Tensor] = {}
+    column = 0
+    for i in mine:
+        rows, cols = shapes[i]
+        whole = blocks[:, column : column + chunk[i]].reshape(-1, cols)[:rows]
+        results[i] = newton_schulz(whole)
+        column += chunk[i]
+
+    # Back: block s holds rank s's padded rows of every result this rank owns (Newton-Schulz works
+    # and returns in bfloat16, whatever the input's dtype: a rank that owns nothing knows it too).
+    out_dtype = torch.bfloat16
+    back = torch.zeros(world * per_source, dtype=out_dtype, device=device)
+    back_blocks = back.view(world, per_source)
+    column = 0
+    for i in mine:
+        rows = shapes[i][0]
+        padded = results[i].new_zeros(chunk_rows[i] * world, shapes[i][1])
+        padded[:rows].copy_(results[i])
+        back_blocks[:, column : column + chunk[i]].copy_(padded.view(world, chunk[i]))
+        column += chunk[i]
+    receive_sizes = [sum(chunk[i] for i, owner in enumerate(owners) if owner == src) for src in range(world)]
+    returned = torch.empty(sum(receive_sizes), dtype=out_dtype, device=device)
+    dist.all_to_all_single(returned, back, receive_sizes, [per_source] * world, group=group)
+
+    outputs: list[DTensor] = [None] * len(updates)  # type: ignore[list-item]
+    offset = 0
+    for src in range(world):
+        for i, owner in enumerate(owners):
+            if owner == src:
+                local_shape = updates[i]._local_tensor.shape
+                local = returned[offset : offset + local_shape.numel()].view(local_shape)
+                outputs[i] = DTensor.from_local(
+                    local,
+                    updates[i].device_mesh,
+                    updates[i].placements,
+                    run_check=False,
+                    shape=updates[i].shape,
+                    stride=updates[i].stride(),
+                )
+                offset += chunk[i]
+    return outputs

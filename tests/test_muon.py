@@ -1,0 +1,119 @@
+"""Muon after `fully_shard` (`composable.optim.Muon`): the update one process gives.
+
+Each step the sharded model's gradients (whole, `full_tensor`) are fed to a single-process copy
+stepped by `torch.optim.Muon`; after every step every parameter equals the copy's bit for bit
+(Newton-Schulz on the same whole matrices), at 2 and 4 gloo ranks: uneven rows (a rank holding no
+row), tall and wide matrices, several per group, a frozen one skipped, AdamW beside it for the
+rest. HSDP's (replicate x shard) and `replicate`'s layouts, orthogonalized whole on every rank,
+give the same update. The momentum buffers are DTensors sharded as their parameters. And
+`torch.optim.Muon` over sharded parameters is refused at its first step, with one line.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from _harness import run_on_ranks
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import composable
+from composable.optim import Muon
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 10, bias=False)  # 10 rows: 3, 3, 3, 1 on 4 ranks
+        self.gate = nn.Linear(8, 5)  # 5 rows: 2, 2, 1, 0 (a rank without a row)
+        self.down = nn.Linear(15, 8, bias=False)  # wide: orthogonalized through its transpose
+        self.frozen = nn.Linear(8, 8, bias=False)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.cat([torch.tanh(self.up(x)), self.gate(x)], dim=-1)
+        return x + self.down(h) + self.frozen(x)
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(Block(), Block(), nn.Linear(8, 3))
+
+
+def _optimizers(model: nn.Module, muon: type) -> list[torch.optim.Optimizer]:
+    """Muon on the hidden matrices, AdamW on the rest (biases, the head), the usual split."""
+    hidden = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim == 2 and not n.startswith("2.")]
+    rest = [p for n, p in model.named_parameters() if p.requires_grad and (p.ndim != 2 or n.startswith("2."))]
+    return [muon(hidden, lr=0.02, weight_decay=0.01), torch.optim.AdamW(rest, lr=1e-2)]
+
+
+def _shard(model: nn.Module, layout: str, world: int) -> None:
+    if layout == "replicate":
+        composable.replicate(model)
+        return
+    mesh = init_device_mesh("cpu", (2, world // 2)) if layout == "hsdp" else init_device_mesh("cpu", (world,))
+    for block in model[:2]:
+        composable.fully_shard(block, mesh=mesh)
+    composable.fully_shard(model, mesh=mesh)
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _vs_one_process(rank: int, world: int, layout: str) -> None:
+    model = _model()
+    ref = copy.deepcopy(model)
+    _shard(model, layout, world)
+    opts, ref_opts = _optimizers(model, Muon), _optimizers(ref, torch.optim.Muon)
+    for step in range(3):
+        torch.manual_seed(100 * step + rank)
+        model(torch.randn(4, 8)).square().mean().backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            q.grad = None if p.grad is None else _whole(p.grad).clone()  # fed the same gradients
+        for opt in opts + ref_opts:
+            opt.step()
+            opt.zero_grad()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(_whole(p), q), f"{layout}: {name} differs from one process after step {step}"
+    for p in opts[0].param_groups[0]["params"]:
+        buf = opts[0].state[p]["momentum_buffer"]
+        assert isinstance(buf, DTensor) and buf.placements == p.placements, (buf, p.placements)
+
+
+@pytest.mark.parametrize(
+    "layout, world", [("fully_shard", 2), ("fully_shard", 4), ("hsdp", 4), ("replicate", 2)], ids=str
+)
+def test_update_equals_one_process(layout: str, world: int) -> None:
+    run_on_ranks(_vs_one_process, world, layout)
+
+
+def _owners_balance(rank: int, world: int) -> list[int]:
+    from composable.optim.muon import _owners
+
+    return _owners([torch.Size((64, 64)), torch.Size((8, 8)), torch.Size((64, 64)), torch.Size((16, 8))], world)
+
+
+def test_owners_spread_the_work() -> None:
+    """The two large matrices go to different ranks; every rank makes the same choice."""
+    owners = run_on_ranks(_owners_balance, 2)
+    assert owners[0] == owners[1] and owners[0][0] != owners[0][2]
+
+
+def _torch_muon_on_shards(rank: int, world: int) -> str:
+    model = _model()
+    _shard(model, "fully_shard", world)
+    opt = _optimizers(model, torch.optim.Muon)[0]
+    model(torch.randn(4, 8)).sum().backward()
+    with pytest.raises(RuntimeError) as caught:
+        opt.step()
+    return str(caught.value)
+
+
+def test_torch_muon_over_sharded_parameters_is_refused() -> None:
+    message = run_on_ranks(_torch_muon_on_shards, 2)[0]
+    assert message.startswith("torch.optim.Muon.step(): a parameter of shape (10, 8) in param group 0 is sharded")
+    assert "use composable.optim.Muon" in message and "\n" not in message
