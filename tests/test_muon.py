@@ -4,8 +4,8 @@ Each step the sharded model's gradients (whole, `full_tensor`) are fed to a sing
 stepped by `torch.optim.Muon`; after every step every parameter equals the copy's bit for bit
 (Newton-Schulz on the same whole matrices), at 2 and 4 gloo ranks: uneven rows (a rank holding no
 row), tall and wide matrices, several per group, a frozen one skipped, AdamW beside it for the
-rest. HSDP's (replicate x shard) and `replicate`'s layouts, orthogonalized whole on every rank,
-give the same update. The momentum buffers are DTensors sharded as their parameters. And
+rest; on HSDP (replicate x shard) each replica group orthogonalizes on its own ranks; `replicate`'s
+whole parameters give the same update. The momentum buffers are DTensors sharded as their parameters. And
 `torch.optim.Muon` over sharded parameters is refused at its first step, with one line.
 """
 
@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from _harness import run_on_ranks
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import composable
 from composable.optim import Muon
@@ -89,6 +89,22 @@ def _vs_one_process(rank: int, world: int, layout: str) -> None:
 )
 def test_update_equals_one_process(layout: str, world: int) -> None:
     run_on_ranks(_vs_one_process, world, layout)
+
+
+def _which_path(rank: int, world: int) -> list:
+    from composable.optim.muon import _rows_dim
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    shapes = [((Replicate(), Shard(0)), 1), ((Shard(0), Replicate()), 0), ((Shard(0), Shard(1)), None)]
+    found = []
+    for placements, _ in shapes:
+        found.append(_rows_dim(distribute_tensor(torch.zeros(8, 8), mesh, placements)))
+    return [(found[i], want) for i, (_, want) in enumerate(shapes)]
+
+
+def test_row_sharded_layouts_take_the_owners_path() -> None:
+    """HSDP's layout divides its matrices among its shard ranks; a 2D-sharded one is gathered."""
+    assert all(got == want for got, want in run_on_ranks(_which_path, 4)[0])
 
 
 def _owners_balance(rank: int, world: int) -> list[int]:

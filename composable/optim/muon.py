@@ -12,9 +12,10 @@ the same elements as one process), and each matrix goes whole to one owner rank:
    same whole matrix, as `torch.optim.Muon` on one process: the same bits);
 3. one all-to-all sends each rank its rows of the results (bfloat16, as Newton-Schulz returns them).
 
-Sharded parameters are 1D meshes with `Shard(0)` (what `fully_shard` makes, uneven rows included).
-Any other DTensor layout (HSDP's replicated dims, tensor parallelism) is gathered whole on every
-rank and orthogonalized there: the same update, at more FLOPs (`replicate`'s parameters are
+This serves parameters sharded by rows over one mesh dim and whole over the others: `fully_shard`'s
+`Shard(0)` (uneven rows included) and HSDP's `(Replicate(), Shard(0))`, where each replica group
+divides its matrices among its own ranks. Any other DTensor layout (tensor parallelism) is gathered
+whole on every rank and orthogonalized there: the same update, at more FLOPs (`replicate`'s parameters are
 whole on every rank already). Plain tensors take torch's path.
 """
 
@@ -76,21 +77,36 @@ def _orthogonalize(
         return _zeropower_via_newtonschulz(matrix, coefficients, steps, eps)
 
     out: list[torch.Tensor | None] = [None] * len(updates)
-    row_sharded: dict[Any, list[int]] = {}  # 1D mesh -> the updates sharded by rows on it
+    row_sharded: dict[Any, list[int]] = {}  # (mesh, its rows' dim) -> the updates sharded by rows there
     for i, update in enumerate(updates):
+        rows_dim = _rows_dim(update)
         if not isinstance(update, DTensor):
             out[i] = newton_schulz(update)
-        elif update.device_mesh.ndim == 1 and update.placements == (Shard(0),):
-            row_sharded.setdefault(update.device_mesh, []).append(i)
+        elif rows_dim is not None:
+            row_sharded.setdefault((update.device_mesh, rows_dim), []).append(i)
         else:  # any other layout: whole on every rank, then this rank's part of the result
             whole = newton_schulz(update.full_tensor())
             out[i] = DTensor.from_local(whole, update.device_mesh, [_replicated(p) for p in update.placements])
             out[i] = out[i].redistribute(update.device_mesh, update.placements)
-    for mesh, indices in row_sharded.items():
-        results = _orthogonalize_on_owners([updates[i] for i in indices], mesh.get_group(), newton_schulz)
+    for (mesh, rows_dim), indices in row_sharded.items():
+        results = _orthogonalize_on_owners([updates[i] for i in indices], mesh.get_group(rows_dim), newton_schulz)
         for i, result in zip(indices, results):
             out[i] = result
     return out  # type: ignore[return-value]
+
+
+def _rows_dim(update: torch.Tensor) -> int | None:
+    """The mesh dim over which `update` is sharded by rows, when it is whole on every other dim
+    (`fully_shard`'s `Shard(0)`, HSDP's `(Replicate(), Shard(0))`); else None."""
+    if not isinstance(update, DTensor):
+        return None
+    placements = update.placements
+    shards = [d for d, p in enumerate(placements) if p.is_shard()]
+    if len(shards) != 1 or placements[shards[0]] != Shard(0):
+        return None
+    if not all(p.is_replicate() for d, p in enumerate(placements) if d != shards[0]):
+        return None
+    return shards[0]
 
 
 def _replicated(placement: Any) -> Any:
@@ -112,7 +128,7 @@ def _owners(shapes: list[torch.Size], world: int) -> list[int]:
 
 
 def _orthogonalize_on_owners(updates: list[DTensor], group: dist.ProcessGroup, newton_schulz: Any) -> list[DTensor]:
-    """Row-sharded matrices (`Shard(0)` on `group`): each whole on its owner, orthogonalized there,
+    """Matrices sharded by rows over `group` (whole on any other mesh dim): each whole on its owner, orthogonalized there,
     its rows back where they came from. Two all-to-alls; each rank's rows padded to `ceil(rows /
     world)` so every block has the size the receiver expects."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
