@@ -19,6 +19,7 @@ from bench_build import (
 )
 from bench_float8 import FLOAT8_MISSING, float8_available
 from bench_mesh import MESH_DEFAULT_RUNS, add_mesh_args, mesh_errors
+from bench_optim import OPTIMIZERS
 from model import PRESETS, ModelConfig, get_config, width_overrides
 from parallel import MOE_EXPERTS
 
@@ -96,6 +97,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         help="with --moe: fixed expert capacity (train.py's flag of the same name); default: no token dropped",
     )
+    p.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="adamw",
+        help="fused AdamW; or Muon on the blocks' 2D weights (AdamW on the rest): 'muon' is composable.optim.Muon "
+        "(each matrix orthogonalized by one owner rank), 'muon-gathered' the baseline that gathers every matrix "
+        "whole on every rank (examples/bench_optim.py)",
+    )
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend for --compile")
     p.add_argument(
         "--ac",
@@ -136,6 +145,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"--warmup must be >= 2 with --runs {graphed[0]} (graphed_step's eager warm-up, then the capture, "
             f"so that every timed step is a replay), got {args.warmup}"
         )
+    if graphed and args.optimizer != "adamw":
+        p.error(f"--optimizer {args.optimizer} is not measured with --runs {graphed[0]}: choose eager or compiled runs")
     if args.moe_capacity_factor is not None and (not args.moe or not args.moe_capacity_factor > 0):
         p.error(f"--moe-capacity-factor {args.moe_capacity_factor:g} needs --moe and a value > 0")
     if args.moe and (graphed or args.float8 or args.model != "own" or args.mesh != "dp"):

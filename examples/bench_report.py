@@ -37,8 +37,9 @@ def describe(args: argparse.Namespace) -> str:
     shape = f" ({' '.join(changed)})" if changed else ""
     float8 = ", float8 (torchao)" if getattr(args, "float8", False) else ""
     ac = f", {args.ac} activation checkpointing" if getattr(args, "ac", "none") != "none" else ""
+    optimizer = f", optimizer {args.optimizer}" if getattr(args, "optimizer", "adamw") != "adamw" else ""
     return (
-        f"model {args.model}, preset {args.preset}{shape}{float8}{ac}, local batch {args.batch_size}, seq {args.seq_len}, "
+        f"model {args.model}, preset {args.preset}{shape}{float8}{ac}{optimizer}, local batch {args.batch_size}, seq {args.seq_len}, "
         f"wrap {args.wrap}, {compiled}, {args.rounds} rounds x {args.steps} steps, torch {torch.__version__}"
     )
 

@@ -64,6 +64,7 @@ from bench_mesh import (
     tokens_generator,
     tokens_per_gpu,
 )
+from bench_optim import Optimizers, build_optimizer
 from bench_report import report, write_trace
 from launch import init_torchrun_rank
 from model import get_config, lm_loss, model_flops_per_token  # noqa: F401 (get_config: the tests')
@@ -189,7 +190,7 @@ def time_run(
         mesh=mesh,
     )
     graphed = run in GRAPHED_RUNS
-    opt = torch.optim.AdamW(c.model.parameters(), lr=1e-4, fused=True, capturable=graphed)
+    opt = build_optimizer(c.model, args.optimizer, 1e-4, graphed)
     step_fn = make_step(c, opt, graphed, args.warmup)
     g = tokens_generator(mesh, device)  # the tp ranks of a group train on the same tokens
     tokens = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), device=device, generator=g)
@@ -234,14 +235,17 @@ def time_run(
     return result
 
 
-def teardown(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+def teardown(model: nn.Module, opt: torch.optim.Optimizer | Optimizers) -> None:
     """End a contender cleanly before the next one (or destroy_process_group) runs: every
     rank done with its collectives (barrier), then DDP's reducer dropped while the process
     group is alive, so none of its work or hooks outlives it (see bench_overhead.py)."""
     dist.barrier()
     if isinstance(model, nn.parallel.DistributedDataParallel):
         del model.reducer, model.logger  # they hold the process group and the gradient hooks
-    opt.state.clear()
+    if isinstance(opt, Optimizers):
+        opt.clear_state()
+    else:
+        opt.state.clear()
 
 
 def profile_steps(
