@@ -8,12 +8,16 @@ does add. `python examples/bench_muon_floor.py --preset 1b`.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
-import torch
-from bench_optim import is_hidden_matrix
-from model import PRESETS, Transformer, get_config
-from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS, _zeropower_via_newtonschulz
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # uninstalled checkout
+
+import torch  # noqa: E402
+from bench_optim import is_hidden_matrix  # noqa: E402
+from model import PRESETS, Transformer, get_config  # noqa: E402
+from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS, _zeropower_via_newtonschulz  # noqa: E402
 
 
 def main() -> None:

@@ -49,58 +49,73 @@ class Muon(TorchMuon):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            params, grads, bufs = [], [], []
+            params: list[torch.Tensor] = []
+            grads: list[torch.Tensor] = []
+            bufs: list[torch.Tensor] = []
             self._init_group(group, params, grads, bufs)
-            updates = [_momentum_update(g, buf, group["momentum"], group["nesterov"]) for g, buf in zip(grads, bufs)]
-            ortho = _orthogonalize(updates, group["ns_coefficients"], group["ns_steps"], group["eps"])
-            lr = float(group["lr"])
+            # Elementwise steps on the local tensors: the same kernels as one process runs, on the
+            # same elements, without DTensor's dispatch on the host for each op of each parameter.
+            momentum, lr = group["momentum"], float(group["lr"])
+            updates = []
+            for grad, buf in zip(grads, bufs):
+                grad, buf = _local(grad), _local(buf)
+                buf.lerp_(grad, 1 - momentum)
+                updates.append(grad.lerp(buf, momentum) if group["nesterov"] else buf)
+            ortho = _orthogonalize(updates, params, group["ns_coefficients"], group["ns_steps"], group["eps"])
             for param, update in zip(params, ortho):
                 adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], param.shape)
-                param.mul_(1 - lr * group["weight_decay"])
-                param.add_(update, alpha=-adjusted_lr)
+                local = _local(param)
+                local.mul_(1 - lr * group["weight_decay"])
+                local.add_(update, alpha=-adjusted_lr)
         return loss
 
 
-def _momentum_update(grad: torch.Tensor, buf: torch.Tensor, momentum: float, nesterov: bool) -> torch.Tensor:
-    """The momentum step of `torch.optim.Muon`, elementwise (so shard by shard)."""
-    buf.lerp_(grad, 1 - momentum)
-    return grad.lerp(buf, momentum) if nesterov else buf
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _orthogonalize(
-    updates: list[torch.Tensor], coefficients: tuple[float, float, float], steps: int, eps: float
+    updates: list[torch.Tensor],
+    params: list[torch.Tensor],
+    coefficients: tuple[float, float, float],
+    steps: int,
+    eps: float,
 ) -> list[torch.Tensor]:
-    """Each update orthogonalized whole, returned in its own layout (a DTensor's local shard for a
-    DTensor update)."""
+    """Each update (the local part of `params[i]`'s) orthogonalized whole; returns this rank's
+    part of each result."""
 
     def newton_schulz(matrix: torch.Tensor) -> torch.Tensor:
         return _zeropower_via_newtonschulz(matrix, coefficients, steps, eps)
 
     out: list[torch.Tensor | None] = [None] * len(updates)
-    row_sharded: dict[Any, list[int]] = {}  # (mesh, its rows' dim) -> the updates sharded by rows there
-    for i, update in enumerate(updates):
-        rows_dim = _rows_dim(update)
-        if not isinstance(update, DTensor):
+    row_sharded: dict[Any, list[int]] = {}  # (mesh, its rows' dim) -> the parameters sharded by rows there
+    for i, (update, param) in enumerate(zip(updates, params)):
+        rows_dim = _rows_dim(param)
+        if not isinstance(param, DTensor):
             out[i] = newton_schulz(update)
         elif rows_dim is not None:
-            row_sharded.setdefault((update.device_mesh, rows_dim), []).append(i)
+            row_sharded.setdefault((param.device_mesh, rows_dim), []).append(i)
         else:  # any other layout: whole on every rank, then this rank's part of the result
-            whole = newton_schulz(update.full_tensor())
-            out[i] = DTensor.from_local(whole, update.device_mesh, [_replicated(p) for p in update.placements])
-            out[i] = out[i].redistribute(update.device_mesh, update.placements)
+            mesh, placements = param.device_mesh, param.placements
+            whole = DTensor.from_local(update, mesh, placements, shape=param.shape, stride=param.stride())
+            result = newton_schulz(whole.full_tensor())
+            replicated = DTensor.from_local(result, mesh, [_replicated(p) for p in placements])
+            out[i] = replicated.redistribute(mesh, placements)._local_tensor
     for (mesh, rows_dim), indices in row_sharded.items():
-        results = _orthogonalize_on_owners([updates[i] for i in indices], mesh.get_group(rows_dim), newton_schulz)
+        results = _orthogonalize_on_owners(
+            [updates[i] for i in indices], [params[i].shape for i in indices], mesh.get_group(rows_dim), newton_schulz
+        )
         for i, result in zip(indices, results):
             out[i] = result
     return out  # type: ignore[return-value]
 
 
-def _rows_dim(update: torch.Tensor) -> int | None:
-    """The mesh dim over which `update` is sharded by rows, when it is whole on every other dim
+def _rows_dim(param: torch.Tensor) -> int | None:
+    """The mesh dim over which `param` is sharded by rows, when it is whole on every other dim
     (`fully_shard`'s `Shard(0)`, HSDP's `(Replicate(), Shard(0))`); else None."""
-    if not isinstance(update, DTensor):
+    if not isinstance(param, DTensor):
         return None
-    placements = update.placements
+    placements = param.placements
     shards = [d for d, p in enumerate(placements) if p.is_shard()]
     if len(shards) != 1 or placements[shards[0]] != Shard(0):
         return None
@@ -127,17 +142,18 @@ def _owners(shapes: list[torch.Size], world: int) -> list[int]:
     return owners
 
 
-def _orthogonalize_on_owners(updates: list[DTensor], group: dist.ProcessGroup, newton_schulz: Any) -> list[DTensor]:
+def _orthogonalize_on_owners(
+    updates: list[torch.Tensor], shapes: list[torch.Size], group: dist.ProcessGroup, newton_schulz: Any
+) -> list[torch.Tensor]:
     """Matrices sharded by rows over `group` (whole on any other mesh dim): each whole on its owner, orthogonalized there,
     its rows back where they came from. Two all-to-alls; each rank's rows padded to `ceil(rows /
     world)` so every block has the size the receiver expects."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    shapes = [u.shape for u in updates]
     chunk_rows = [-(-s[0] // world) for s in shapes]  # a rank's rows, padded
     chunk = [r * s[1] for r, s in zip(chunk_rows, shapes)]  # the same, in elements
     owners = _owners(shapes, world)
     mine = [i for i, owner in enumerate(owners) if owner == rank]
-    dtype, device = updates[0]._local_tensor.dtype, updates[0]._local_tensor.device
+    dtype, device = updates[0].dtype, updates[0].device
 
     # To the owners: block d holds this rank's padded rows of every matrix d owns.
     send = torch.zeros(sum(chunk), dtype=dtype, device=device)
@@ -146,7 +162,7 @@ def _orthogonalize_on_owners(updates: list[DTensor], group: dist.ProcessGroup, n
         start = offset
         for i, owner in enumerate(owners):
             if owner == dest:
-                local = updates[i]._local_tensor.reshape(-1)
+                local = updates[i].reshape(-1)
                 send[offset : offset + local.numel()].copy_(local)
                 offset += chunk[i]
         send_sizes.append(offset - start)
@@ -180,20 +196,12 @@ def _orthogonalize_on_owners(updates: list[DTensor], group: dist.ProcessGroup, n
     returned = torch.empty(sum(receive_sizes), dtype=out_dtype, device=device)
     dist.all_to_all_single(returned, back, receive_sizes, [per_source] * world, group=group)
 
-    outputs: list[DTensor] = [None] * len(updates)  # type: ignore[list-item]
+    outputs: list[torch.Tensor] = [None] * len(updates)  # type: ignore[list-item]
     offset = 0
     for src in range(world):
         for i, owner in enumerate(owners):
             if owner == src:
-                local_shape = updates[i]._local_tensor.shape
-                local = returned[offset : offset + local_shape.numel()].view(local_shape)
-                outputs[i] = DTensor.from_local(
-                    local,
-                    updates[i].device_mesh,
-                    updates[i].placements,
-                    run_check=False,
-                    shape=updates[i].shape,
-                    stride=updates[i].stride(),
-                )
+                local_shape = updates[i].shape
+                outputs[i] = returned[offset : offset + local_shape.numel()].view(local_shape)
                 offset += chunk[i]
     return outputs
