@@ -4,8 +4,9 @@ Each step the sharded model's gradients (whole, `full_tensor`) are fed to a sing
 stepped by `torch.optim.Muon`; after every step every parameter equals the copy's bit for bit
 (Newton-Schulz on the same whole matrices), at 2 and 4 gloo ranks: uneven rows (a rank holding no
 row), tall and wide matrices, several per group, a frozen one skipped, AdamW beside it for the
-rest; on HSDP (replicate x shard) each replica group orthogonalizes on its own ranks; `replicate`'s
-whole parameters give the same update. The momentum buffers are DTensors sharded as their parameters. And
+rest; on HSDP (replicate x shard) each replica group orthogonalizes on its own ranks; on dp x tp
+(a matrix whole only across both) each matrix is gathered whole; `replicate`'s whole parameters give
+the same update. The momentum buffers are DTensors sharded as their parameters. And
 `torch.optim.Muon` over sharded parameters is refused at its first step, with one line.
 """
 
@@ -19,6 +20,7 @@ import torch.nn as nn
 from _harness import run_on_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import composable
 from composable.optim import Muon
@@ -38,9 +40,22 @@ class Block(nn.Module):
         return x + self.down(h) + self.frozen(x)
 
 
-def _model() -> nn.Sequential:
+class MLP(nn.Module):
+    """A tensor-parallel block: `up` column-parallel (10 rows, 5 a tp rank), `down` row-parallel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 10)
+        self.down = nn.Linear(10, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+def _model(layout: str = "fully_shard") -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(Block(), Block(), nn.Linear(8, 3))
+    block = MLP if layout == "tp" else Block
+    return nn.Sequential(block(), block(), nn.Linear(8, 3))
 
 
 def _optimizers(model: nn.Module, muon: type) -> list[torch.optim.Optimizer]:
@@ -54,7 +69,14 @@ def _shard(model: nn.Module, layout: str, world: int) -> None:
     if layout == "replicate":
         composable.replicate(model)
         return
-    mesh = init_device_mesh("cpu", (2, world // 2)) if layout == "hsdp" else init_device_mesh("cpu", (world,))
+    if layout == "tp":  # the blocks' up and gate column-parallel, down row-parallel on tp, then dp
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+        plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+        for block in model[:2]:
+            parallelize_module(block, mesh["tp"], plan)
+        mesh = mesh["dp"]
+    else:
+        mesh = init_device_mesh("cpu", (2, world // 2)) if layout == "hsdp" else init_device_mesh("cpu", (world,))
     for block in model[:2]:
         composable.fully_shard(block, mesh=mesh)
     composable.fully_shard(model, mesh=mesh)
@@ -65,7 +87,7 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
 
 
 def _vs_one_process(rank: int, world: int, layout: str) -> None:
-    model = _model()
+    model = _model(layout)
     ref = copy.deepcopy(model)
     _shard(model, layout, world)
     opts, ref_opts = _optimizers(model, Muon), _optimizers(ref, torch.optim.Muon)
@@ -85,7 +107,7 @@ def _vs_one_process(rank: int, world: int, layout: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "layout, world", [("fully_shard", 2), ("fully_shard", 4), ("hsdp", 4), ("replicate", 2)], ids=str
+    "layout, world", [("fully_shard", 2), ("fully_shard", 4), ("hsdp", 4), ("tp", 4), ("replicate", 2)], ids=str
 )
 def test_update_equals_one_process(layout: str, world: int) -> None:
     run_on_ranks(_vs_one_process, world, layout)

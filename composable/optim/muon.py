@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim import Muon as TorchMuon
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
@@ -99,7 +99,7 @@ def _orthogonalize(
             mesh, placements = param.device_mesh, param.placements
             whole = DTensor.from_local(update, mesh, placements, shape=param.shape, stride=param.stride())
             result = newton_schulz(whole.full_tensor())
-            replicated = DTensor.from_local(result, mesh, [_replicated(p) for p in placements])
+            replicated = DTensor.from_local(result, mesh, [Replicate()] * mesh.ndim)
             out[i] = replicated.redistribute(mesh, placements)._local_tensor
     for (mesh, rows_dim), indices in row_sharded.items():
         results = _orthogonalize_on_owners(
@@ -122,12 +122,6 @@ def _rows_dim(param: torch.Tensor) -> int | None:
     if not all(p.is_replicate() for d, p in enumerate(placements) if d != shards[0]):
         return None
     return shards[0]
-
-
-def _replicated(placement: Any) -> Any:
-    from torch.distributed.tensor import Replicate
-
-    return Replicate() if placement.is_shard() or placement.is_partial() else placement
 
 
 def _owners(shapes: list[torch.Size], world: int) -> list[int]:
