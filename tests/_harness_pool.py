@@ -63,6 +63,10 @@ def no_silent_eager_fallback() -> None:
     torch._dynamo.config.fail_on_recompile_limit_hit = True
 
 
+# What the worker's last successful call left once torn down: [gloo threads, open descriptors].
+LEFT_BY_LAST_CALL: list[int] = []
+
+
 def gloo_threads() -> int:
     """How many of this process's threads are gloo's (each gloo group runs three: two work
     loops and one for its sockets); 0 where /proc is not there to tell."""
@@ -171,7 +175,8 @@ def worker_main(conn: Connection, fault_path: str) -> None:
                 # a worker is replaced rather than let groups pile up call after call (hundreds
                 # of threads and sockets in an hour); tests/test_harness.py pins that mesh-building
                 # calls leave none.
-                if gloo_threads() > 0:
+                LEFT_BY_LAST_CALL[:] = [gloo_threads(), len(os.listdir("/proc/self/fd"))]
+                if LEFT_BY_LAST_CALL[0] > 0:
                     healthy = False
         except Exception:  # noqa: BLE001
             healthy = False

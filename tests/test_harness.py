@@ -113,12 +113,12 @@ def _keeps_its_group_and_returns_a_tensor(rank: int, world_size: int) -> tuple[i
     return os.getpid(), torch.full((1000,), float(rank))  # large enough to travel as shared memory
 
 
-def _worker_footprint(rank: int, world_size: int) -> tuple[int, int, int]:
-    """(pid, gloo threads, open file descriptors) of this worker, inside a call (whose own
-    default group counts in both)."""
-    from _harness_pool import gloo_threads
+def _worker_footprint(rank: int, world_size: int) -> tuple[int, list[int]]:
+    """(pid, [gloo threads, open descriptors] the worker's previous call left once torn down):
+    counted between calls, where no group of a call is starting or stopping its threads."""
+    from _harness_pool import LEFT_BY_LAST_CALL
 
-    return os.getpid(), gloo_threads(), len(os.listdir("/proc/self/fd"))
+    return os.getpid(), list(LEFT_BY_LAST_CALL)
 
 
 def _train_on_meshes(rank: int, world_size: int) -> None:
@@ -306,10 +306,13 @@ def test_process_groups_of_a_call_die_with_it() -> None:
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts threads and descriptors in /proc")
 def test_a_call_that_builds_meshes_leaves_its_worker_as_it_found_it() -> None:
-    """The same worker (not a replacement) has as many gloo threads (three a group) and open
-    descriptors (sockets) after calls that build meshes, shard and train on them as before."""
+    """The same worker (not a replacement) is left by calls that build meshes, shard and train on
+    them with no gloo thread (three a group) and as many open descriptors (sockets) as a call that
+    builds nothing leaves."""
     run_on_ranks(_train_on_meshes, 4)  # whatever a first use starts for good
-    before = run_on_ranks(_worker_footprint, 4)
+    run_on_ranks(_noop, 4)
+    before = run_on_ranks(_worker_footprint, 4)  # what the no-op call left
+    assert all(left[0] == 0 for _, left in before), before
     for _ in range(2):
         run_on_ranks(_train_on_meshes, 4)
     assert run_on_ranks(_worker_footprint, 4) == before
@@ -323,8 +326,7 @@ def test_a_worker_still_holding_a_group_is_replaced_after_its_result_is_read() -
     results = run_on_ranks(_keeps_its_group_and_returns_a_tensor, 2)
     assert [t.tolist() for _, t in results] == [[0.0] * 1000, [1.0] * 1000]
     after = run_on_ranks(_worker_footprint, 2)
-    assert [pid for pid, *_ in after] != [pid for pid, _ in results]  # fresh workers
-    assert [threads for _, threads, _ in after] == [3, 3]  # only the call's own default group
+    assert [pid for pid, _ in after] != [pid for pid, _ in results]  # fresh workers
 
 
 def test_sharding_answers_of_an_earlier_call_name_this_calls_mesh() -> None:
