@@ -6,19 +6,22 @@ stepped by `torch.optim.Muon`; after every step every parameter equals the copy'
 row), tall and wide matrices, several per group, a frozen one skipped, AdamW beside it for the
 rest; on HSDP (replicate x shard) each replica group orthogonalizes on its own ranks; on dp x tp
 (a matrix whole only across both) each matrix is gathered whole; `replicate`'s whole parameters give
-the same update. The momentum buffers are DTensors sharded as their parameters. And
+the same update; so do PyTorch FSDP2's sharded parameters. The momentum buffers are DTensors
+sharded as their parameters, and a DCP checkpoint resumes bit for bit. And
 `torch.optim.Muon` over sharded parameters is refused at its first step, with one line.
 """
 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 from _harness import run_on_ranks
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -77,9 +80,10 @@ def _shard(model: nn.Module, layout: str, world: int) -> None:
         mesh = mesh["dp"]
     else:
         mesh = init_device_mesh("cpu", (2, world // 2)) if layout == "hsdp" else init_device_mesh("cpu", (world,))
+    shard = torch_fully_shard if layout == "fsdp2" else composable.fully_shard
     for block in model[:2]:
-        composable.fully_shard(block, mesh=mesh)
-    composable.fully_shard(model, mesh=mesh)
+        shard(block, mesh=mesh)
+    shard(model, mesh=mesh)
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
@@ -107,7 +111,9 @@ def _vs_one_process(rank: int, world: int, layout: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "layout, world", [("fully_shard", 2), ("fully_shard", 4), ("hsdp", 4), ("tp", 4), ("replicate", 2)], ids=str
+    "layout, world",
+    [("fully_shard", 2), ("fully_shard", 4), ("hsdp", 4), ("tp", 4), ("replicate", 2), ("fsdp2", 2)],
+    ids=str,
 )
 def test_update_equals_one_process(layout: str, world: int) -> None:
     run_on_ranks(_vs_one_process, world, layout)
@@ -127,6 +133,48 @@ def _which_path(rank: int, world: int) -> list:
 def test_row_sharded_layouts_take_the_owners_path() -> None:
     """HSDP's layout divides its matrices among its shard ranks; a 2D-sharded one is gathered."""
     assert all(got == want for got, want in run_on_ranks(_which_path, 4)[0])
+
+
+def _train_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: range, rank: int) -> None:
+    for step in steps:
+        torch.manual_seed(100 * step + rank)
+        model(torch.randn(4, 8)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _checkpoint_round_trip(rank: int, world: int, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = nn.Sequential(Block(), Block(), nn.Linear(8, 3))
+        _shard(model, "fully_shard", world)
+        hidden = [p for p in model[:2].parameters() if p.requires_grad and p.ndim == 2]
+        return model, Muon(hidden, lr=0.02, weight_decay=0.01)
+
+    model, opt = build(0)
+    _train_steps(model, opt, range(2), rank)
+    msd, osd = get_state_dict(model, opt)
+    for fqn, state in osd["state"].items():  # the momentum, sharded as its parameter
+        assert isinstance(state["momentum_buffer"], DTensor), fqn
+        assert state["momentum_buffer"].placements == msd[fqn].placements, fqn
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    fresh, fresh_opt = build(1)  # other values: the load must overwrite them all
+    msd2, osd2 = get_state_dict(fresh, fresh_opt)
+    dcp.load({"model": msd2, "optim": osd2}, checkpoint_id=path)
+    set_state_dict(fresh, fresh_opt, model_state_dict=msd2, optim_state_dict=osd2)
+    _train_steps(model, opt, range(2, 4), rank)  # the run that never stopped
+    _train_steps(fresh, fresh_opt, range(2, 4), rank)  # the resumed one
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(_whole(p), _whole(q)), f"{name}: the resumed run differs"
+
+
+def test_checkpoint_round_trip_resumes_bit_for_bit(tmp_path: Path) -> None:
+    """DCP through `get_state_dict`: the momentum saved sharded as its parameter, loaded into a
+    fresh run, which then trains on exactly as the run that never stopped."""
+    run_on_ranks(_checkpoint_round_trip, 2, str(tmp_path / "ckpt"))
 
 
 def _owners_balance(rank: int, world: int) -> list[int]:
