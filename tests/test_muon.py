@@ -7,7 +7,8 @@ row), tall and wide matrices, several per group, a frozen one skipped, AdamW bes
 rest; on HSDP (replicate x shard) each replica group orthogonalizes on its own ranks; on dp x tp
 (a matrix whole only across both) each matrix is gathered whole; `replicate`'s whole parameters give
 the same update; so do PyTorch FSDP2's sharded parameters. The momentum buffers are DTensors
-sharded as their parameters, and a DCP checkpoint resumes bit for bit. And
+sharded as their parameters, and a DCP checkpoint resumes bit for bit. Expert weights (3D, one
+matrix per expert) get each matrix's single-process update. And
 `torch.optim.Muon` over sharded parameters is refused at its first step, with one line.
 """
 
@@ -175,6 +176,54 @@ def test_checkpoint_round_trip_resumes_bit_for_bit(tmp_path: Path) -> None:
     """DCP through `get_state_dict`: the momentum saved sharded as its parameter, loaded into a
     fresh run, which then trains on exactly as the run that never stopped."""
     run_on_ranks(_checkpoint_round_trip, 2, str(tmp_path / "ckpt"))
+
+
+class Experts(nn.Module):
+    """A stack of expert matrices, one per expert along dim 0, as a mixture of experts keeps them."""
+
+    def __init__(self, experts: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(experts, 6, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("bi,eoi->bo", x, self.w)
+
+
+def _experts_vs_one_process(rank: int, world: int, experts: int, dim: int) -> None:
+    torch.manual_seed(0)
+    model = Experts(experts)
+    ref = [nn.Parameter(m.detach().clone()) for m in model.w.unbind(0)]  # one matrix per expert
+    composable.fully_shard(model, shard_placement_fn=lambda p: Shard(dim))
+    opt = Muon([model.w], lr=0.02, weight_decay=0.01)
+    ref_opt = torch.optim.Muon(ref, lr=0.02, weight_decay=0.01)
+    for step in range(3):
+        torch.manual_seed(100 * step + rank)
+        model(torch.randn(4, 8)).square().mean().backward()
+        for q, g in zip(ref, model.w.grad.full_tensor().unbind(0)):
+            q.grad = g.clone()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for e, (got, want) in enumerate(zip(model.w.full_tensor().unbind(0), ref)):
+            assert torch.equal(got, want), f"expert {e} differs from one process after step {step}"
+
+
+@pytest.mark.parametrize("world, experts, dim", [(2, 3, 0), (4, 2, 0), (2, 3, 1)], ids=str)
+def test_expert_matrices_each_get_one_process_update(world: int, experts: int, dim: int) -> None:
+    """3D expert weights: each expert's matrix stepped as torch.optim.Muon steps it alone. Sharded
+    by experts (dim 0: 2 + 1 experts, or 1, 1, 0, 0 at 4 ranks) each rank orthogonalizes its own
+    whole matrices; sharded inside the matrices (dim 1) they are gathered whole first."""
+    run_on_ranks(_experts_vs_one_process, world, experts, dim)
+
+
+def test_shapes_other_than_matrices_are_refused() -> None:
+    with pytest.raises(
+        ValueError, match=r"Muon: parameters must be matrices \(2D\) or stacks of them \(3D\), got one of shape \(4,\)"
+    ):
+        Muon([nn.Parameter(torch.zeros(4))])
+    with pytest.raises(ValueError, match="Muon: 'lr' must be >= 0, got -1"):
+        Muon([nn.Parameter(torch.zeros(2, 2))], lr=-1)
 
 
 def _owners_balance(rank: int, world: int) -> list[int]:

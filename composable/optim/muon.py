@@ -27,7 +27,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim import Muon as TorchMuon
-from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+from torch.optim import Optimizer
+from torch.optim._muon import (
+    DEFAULT_A,
+    DEFAULT_B,
+    DEFAULT_C,
+    DEFAULT_NS_STEPS,
+    EPS,
+    _adjust_lr,
+    _zeropower_via_newtonschulz,
+)
 
 __all__ = ["Muon"]
 
@@ -40,7 +49,49 @@ class Muon(TorchMuon):
     their parameters (DTensors), so checkpoints save and load them as any optimizer state.
 
     Build it after sharding, from the parameters the model shows (2D hidden matrices; embeddings,
-    head and norms usually go to AdamW), as any optimizer."""
+    head and norms usually go to AdamW), as any optimizer. A 3D parameter is a stack of matrices
+    along dim 0 (a mixture of experts' weights, one matrix per expert): each is stepped as
+    `torch.optim.Muon` steps a 2D parameter of that matrix's shape. Other shapes: `ValueError`."""
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] = (DEFAULT_A, DEFAULT_B, DEFAULT_C),
+        eps: float = EPS,
+        ns_steps: int = DEFAULT_NS_STEPS,
+        adjust_lr_fn: str | None = None,
+    ) -> None:
+        # torch.optim.Muon's arguments, defaults and checks, but for the shapes: it takes 2D alone.
+        for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
+            if not float(value) >= 0.0:
+                raise ValueError(f"Muon: '{name}' must be >= 0, got {value}")
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError(f"Muon: a tensor 'lr' must have one element, got {lr.numel()}")
+        if adjust_lr_fn not in (None, "original", "match_rms_adamw"):
+            raise ValueError(
+                f"Muon: 'adjust_lr_fn' must be None, 'original' or 'match_rms_adamw', got {adjust_lr_fn!r}"
+            )
+        defaults = {
+            "lr": lr,
+            "weight_decay": weight_decay,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "ns_coefficients": ns_coefficients,
+            "eps": eps,
+            "ns_steps": ns_steps,
+            "adjust_lr_fn": adjust_lr_fn,
+        }
+        Optimizer.__init__(self, params, defaults)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.ndim not in (2, 3):
+                    raise ValueError(
+                        f"Muon: parameters must be matrices (2D) or stacks of them (3D), got one of shape {tuple(p.shape)}"
+                    )
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -63,7 +114,7 @@ class Muon(TorchMuon):
                 updates.append(grad.lerp(buf, momentum) if group["nesterov"] else buf)
             ortho = _orthogonalize(updates, params, group["ns_coefficients"], group["ns_steps"], group["eps"])
             for param, update in zip(params, ortho):
-                adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], param.shape)
+                adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], param.shape[-2:])
                 local = _local(param)
                 local.mul_(1 - lr * group["weight_decay"])
                 local.add_(update, alpha=-adjusted_lr)
@@ -91,14 +142,17 @@ def _orthogonalize(
     row_sharded: dict[Any, list[int]] = {}  # (mesh, its rows' dim) -> the parameters sharded by rows there
     for i, (update, param) in enumerate(zip(updates, params)):
         rows_dim = _rows_dim(param)
-        if not isinstance(param, DTensor):
+        if update.ndim == 3 and _whole_matrices_here(param):  # one matrix per expert, each whole here
+            out[i] = _each_matrix(newton_schulz, update)
+        elif not isinstance(param, DTensor):
             out[i] = newton_schulz(update)
         elif rows_dim is not None:
             row_sharded.setdefault((param.device_mesh, rows_dim), []).append(i)
         else:  # any other layout: whole on every rank, then this rank's part of the result
             mesh, placements = param.device_mesh, param.placements
             whole = DTensor.from_local(update, mesh, placements, shape=param.shape, stride=param.stride())
-            result = newton_schulz(whole.full_tensor())
+            full = whole.full_tensor()
+            result = _each_matrix(newton_schulz, full) if full.ndim == 3 else newton_schulz(full)
             replicated = DTensor.from_local(result, mesh, [Replicate()] * mesh.ndim)
             out[i] = replicated.redistribute(mesh, placements)._local_tensor
     for (mesh, rows_dim), indices in row_sharded.items():
@@ -110,10 +164,25 @@ def _orthogonalize(
     return out  # type: ignore[return-value]
 
 
+def _each_matrix(newton_schulz: Any, stack: torch.Tensor) -> torch.Tensor:
+    """Newton-Schulz on each matrix of a 3D stack (dim 0: one matrix per expert)."""
+    if stack.shape[0] == 0:
+        return stack.bfloat16()
+    return torch.stack([newton_schulz(matrix) for matrix in stack.unbind(0)])
+
+
+def _whole_matrices_here(param: torch.Tensor) -> bool:
+    """Whether a 3D parameter's local part holds whole matrices: no placement splits dims 1 or 2
+    (expert parallelism and `fully_shard` split the experts, dim 0)."""
+    if not isinstance(param, DTensor):
+        return True
+    return all(getattr(p, "dim", 0) == 0 for p in param.placements if not p.is_replicate())
+
+
 def _rows_dim(param: torch.Tensor) -> int | None:
     """The mesh dim over which `param` is sharded by rows, when it is whole on every other dim
     (`fully_shard`'s `Shard(0)`, HSDP's `(Replicate(), Shard(0))`); else None."""
-    if not isinstance(param, DTensor):
+    if not isinstance(param, DTensor) or param.ndim != 2:
         return None
     placements = param.placements
     shards = [d for d, p in enumerate(placements) if p.is_shard()]
