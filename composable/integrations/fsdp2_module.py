@@ -7,8 +7,7 @@ its state, `fully_shard.state(m)`, has those methods. This opt-in adapter does w
 and the core does not: `as_fsdp_module(m)` swaps `m.__class__` for a subclass of
 `(ComposableFSDPModule, type(m))`, where `ComposableFSDPModule` derives from FSDP2's
 `FSDPModule` and forwards each method to `fully_shard.state(m)`, named `FSDP<Cls>` as FSDP2 names
-it: every public method of
-torch 2.11-2.15's `FSDPModule` has its counterpart there (docs/fsdp2_methods.md). A method a
+it: every public method of torch 2.11-2.15's `FSDPModule` has its counterpart there (docs/fsdp2_methods.md). A method a
 later torch adds, and FSDP2's private ones, raise `NotImplementedError` naming the method
 (`UNSUPPORTED_METHODS` lists them). Parameter names and `state_dict()` are unchanged;
 `restore_class(m)` undoes the swap.

@@ -14,9 +14,10 @@ the same elements as one process), and each matrix goes whole to one owner rank:
 
 This serves parameters sharded by rows over one mesh dim and whole over the others: `fully_shard`'s
 `Shard(0)` (uneven rows included) and HSDP's `(Replicate(), Shard(0))`, where each replica group
-divides its matrices among its own ranks. Any other DTensor layout (tensor parallelism) is gathered
-whole on every rank and orthogonalized there: the same update, at more FLOPs (`replicate`'s parameters are
-whole on every rank already). Plain tensors take torch's path.
+divides its matrices among its own ranks. 3D expert weights split by experts are orthogonalized
+where they are, matrix by matrix. Any other DTensor layout (tensor parallelism) is gathered whole
+on every rank and orthogonalized there: the same update, at more FLOPs (`replicate`'s parameters
+are whole on every rank already). Plain tensors take torch's path.
 """
 
 from __future__ import annotations
@@ -208,8 +209,8 @@ def _owners(shapes: list[torch.Size], world: int) -> list[int]:
 def _orthogonalize_on_owners(
     updates: list[torch.Tensor], shapes: list[torch.Size], group: dist.ProcessGroup, newton_schulz: Any
 ) -> list[torch.Tensor]:
-    """Matrices sharded by rows over `group` (whole on any other mesh dim): each whole on its owner, orthogonalized there,
-    its rows back where they came from. Two all-to-alls; each rank's rows padded to `ceil(rows /
+    """Matrices sharded by rows over `group` (whole on any other mesh dim): each whole on its
+    owner, orthogonalized there, its rows back where they came from. Two all-to-alls; each rank's rows padded to `ceil(rows /
     world)` so every block has the size the receiver expects."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     chunk_rows = [-(-s[0] // world) for s in shapes]  # a rank's rows, padded

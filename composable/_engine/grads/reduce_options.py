@@ -45,8 +45,8 @@ class ReduceOptions:
         return new
 
     def _run_all_reduce_hook(self, red: Any) -> None:
-        """The user's hook on this rank's reduced gradients, before the division that averages them, as FSDP2 runs it: after the
-        reduce-scatter, or after HSDP's all-reduce. CPU: the reduction is finished first.
+        """The user's hook on this rank's reduced gradients, before the division that averages
+        them, as FSDP2 runs it: after the reduce-scatter, or after HSDP's all-reduce. CPU: the reduction is finished first.
         CUDA: on the reduce stream, or on the hook's own stream ordered between it and what
         follows."""
         for work in red.works:

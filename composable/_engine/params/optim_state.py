@@ -76,8 +76,9 @@ def track_for_optimizers(param: nn.Parameter) -> None:
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if torch.compiler.is_compiling():
-        return  # a compiled step traces its own graph; both checks are eager-mode ones
+        return  # a compiled step traces its own graph; the checks are eager-mode ones
     check_no_replaced_params(optimizer)
+    _check_whole_matrix_optimizer(optimizer)
     _counters_on_mesh(optimizer, args, kwargs)
 
 
@@ -102,7 +103,6 @@ def check_no_replaced_params(optimizer: torch.optim.Optimizer) -> None:
             f"uses{rank}: the optimizer was built before {api} was applied; build it after, from "
             f"model.parameters()"
         )
-    _check_whole_matrix_optimizer(optimizer)
     _checked[optimizer] = shape
 
 
