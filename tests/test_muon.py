@@ -6,7 +6,8 @@ stepped by `torch.optim.Muon`; after every step every parameter equals the copy'
 row), tall and wide matrices, several per group, a frozen one skipped, AdamW beside it for the
 rest; on HSDP (replicate x shard) each replica group orthogonalizes on its own ranks; on dp x tp
 (a matrix whole only across both) each matrix is gathered whole; `replicate`'s whole parameters give
-the same update; so do PyTorch FSDP2's sharded parameters. The momentum buffers are DTensors
+the same update; so do PyTorch FSDP2's sharded parameters, and gradients accumulated under
+`no_sync`, computed in bf16 over fp32 parameters and clipped before the step. The momentum buffers are DTensors
 sharded as their parameters, and a DCP checkpoint resumes bit for bit. Expert weights (3D, one
 matrix per expert) get each matrix's single-process update. And
 `torch.optim.Muon` over sharded parameters is refused at its first step, with one line.
@@ -14,6 +15,7 @@ matrix per expert) get each matrix's single-process update. And
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from pathlib import Path
 
@@ -118,6 +120,39 @@ def _vs_one_process(rank: int, world: int, layout: str) -> None:
 )
 def test_update_equals_one_process(layout: str, world: int) -> None:
     run_on_ranks(_vs_one_process, world, layout)
+
+
+def _accumulated_clipped_bf16(rank: int, world: int) -> None:
+    """Two micro-batches (the first under `no_sync`), bf16 compute over fp32 parameters, the
+    gradients clipped before the step: Muon steps the fp32 shards as one process steps the whole
+    fp32 matrices fed the same (clipped) gradients."""
+    model = _model()
+    ref = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (world,))
+    policy = composable.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model[:2]:
+        composable.fully_shard(block, mesh=mesh, mp_policy=policy)
+    composable.fully_shard(model, mesh=mesh, mp_policy=policy)
+    opts, ref_opts = _optimizers(model, Muon), _optimizers(ref, torch.optim.Muon)
+    for step in range(3):
+        for micro in range(2):
+            torch.manual_seed(100 * step + 10 * micro + rank)
+            with composable.no_sync(model) if micro == 0 else contextlib.nullcontext():
+                model(torch.randn(4, 8)).float().square().mean().backward()
+        norm = composable.clip_grad_norm_(model.parameters(), max_norm=0.05)
+        assert norm > 0.05  # it clips
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert p.dtype == torch.float32
+            q.grad = None if p.grad is None else _whole(p.grad).clone()
+        for opt in opts + ref_opts:
+            opt.step()
+            opt.zero_grad()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(_whole(p), q), f"{name} differs from one process after step {step}"
+
+
+def test_accumulated_clipped_bf16_compute_steps_as_one_process() -> None:
+    run_on_ranks(_accumulated_clipped_bf16, 2)
 
 
 def _which_path(rank: int, world: int) -> list:

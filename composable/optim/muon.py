@@ -6,11 +6,15 @@ row shards `fully_shard` leaves on each rank orthogonalizes each rank's rows on 
 is not Muon's update. Here the elementwise steps run on the local shards (the same arithmetic on
 the same elements as one process), and each matrix goes whole to one owner rank:
 
-1. one all-to-all per mesh sends every rank's rows of each matrix to that matrix's owner (the
-   owners chosen so that each rank orthogonalizes about as many FLOPs as the others);
+1. all-to-alls send every rank's rows of each matrix to that matrix's owner, in bfloat16 (Newton-
+   Schulz's first step converts to it), the owners chosen so that each rank orthogonalizes about
+   as many FLOPs as the others;
 2. each owner runs torch's own Newton-Schulz on the matrices it owns (the same function, on the
    same whole matrix, as `torch.optim.Muon` on one process: the same bits);
-3. one all-to-all sends each rank its rows of the results (bfloat16, as Newton-Schulz returns them).
+3. all-to-alls send each rank its rows of the results (bfloat16, as Newton-Schulz returns them).
+
+The matrices go in a few rounds, so that the collectives of one round run while the owners
+orthogonalize another.
 
 This serves parameters sharded by rows over one mesh dim and whole over the others: `fully_shard`'s
 `Shard(0)` (uneven rows included) and HSDP's `(Replicate(), Shard(0))`, where each replica group
@@ -206,66 +210,93 @@ def _owners(shapes: list[torch.Size], world: int) -> list[int]:
     return owners
 
 
+def _buckets(owners: list[int], world: int) -> list[list[int]]:
+    """The matrices split into up to `_BUCKETS` rounds, each owner's list cut into consecutive
+    parts, so every round gives every owner about the same share of its Newton-Schulz work: the
+    owners orthogonalize one round while the next round's rows arrive and the last round's
+    results leave. Owner-major within a round (the order the all-to-all's blocks take)."""
+    mine = [[i for i, owner in enumerate(owners) if owner == rank] for rank in range(world)]
+    rounds = min(_BUCKETS, max(len(m) for m in mine))
+    buckets: list[list[int]] = [[] for _ in range(rounds)]
+    for matrices in mine:
+        for b in range(rounds):
+            buckets[b] += matrices[len(matrices) * b // rounds : len(matrices) * (b + 1) // rounds]
+    return [b for b in buckets if b]
+
+
+# Rounds the owners' work is pipelined in: enough that the first round's all-to-all and the last
+# round's return (the part no Newton-Schulz hides) are a small share of the whole, few enough that
+# each collective stays large.
+_BUCKETS = 4
+
+
 def _orthogonalize_on_owners(
     updates: list[torch.Tensor], shapes: list[torch.Size], group: dist.ProcessGroup, newton_schulz: Any
 ) -> list[torch.Tensor]:
     """Matrices sharded by rows over `group` (whole on any other mesh dim): each whole on its
-    owner, orthogonalized there, its rows back where they came from. Two all-to-alls; each rank's rows padded to `ceil(rows /
-    world)` so every block has the size the receiver expects."""
+    owner, orthogonalized there, its rows back where they came from. Each round (`_buckets`) is
+    two all-to-alls, in flight while the owners orthogonalize another round; each rank's rows
+    padded to `ceil(rows / world)` so every block has the size the receiver expects.
+
+    The rows travel in bfloat16: Newton-Schulz's first step is `.bfloat16()` of its input, so
+    converting each element before sending gives the owner the very tensor it would make itself,
+    at half the bytes; it computes and returns in bfloat16 too."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     chunk_rows = [-(-s[0] // world) for s in shapes]  # a rank's rows, padded
     chunk = [r * s[1] for r, s in zip(chunk_rows, shapes)]  # the same, in elements
     owners = _owners(shapes, world)
-    mine = [i for i, owner in enumerate(owners) if owner == rank]
-    dtype, device = updates[0].dtype, updates[0].device
+    dtype, device = torch.bfloat16, updates[0].device
 
-    # To the owners: block d holds this rank's padded rows of every matrix d owns.
-    send = torch.zeros(sum(chunk), dtype=dtype, device=device)
-    send_sizes, offset = [], 0
-    for dest in range(world):
-        start = offset
-        for i, owner in enumerate(owners):
-            if owner == dest:
-                local = updates[i].reshape(-1)
-                send[offset : offset + local.numel()].copy_(local)
-                offset += chunk[i]
-        send_sizes.append(offset - start)
-    per_source = sum(chunk[i] for i in mine)
-    received = torch.empty(world * per_source, dtype=dtype, device=device)
-    dist.all_to_all_single(received, send, [per_source] * world, send_sizes, group=group)
+    # Every round's rows to their owners, all in flight at once: block d of a round holds this
+    # rank's padded rows of every matrix of the round that d owns.
+    inbound = []
+    for bucket in _buckets(owners, world):
+        send = torch.zeros(sum(chunk[i] for i in bucket), dtype=dtype, device=device)
+        send_sizes, offset = [], 0
+        for dest in range(world):
+            start = offset
+            for i in bucket:
+                if owners[i] == dest:
+                    local = updates[i].reshape(-1)
+                    send[offset : offset + local.numel()].copy_(local)
+                    offset += chunk[i]
+            send_sizes.append(offset - start)
+        mine = [i for i in bucket if owners[i] == rank]
+        per_source = sum(chunk[i] for i in mine)
+        received = torch.empty(world * per_source, dtype=dtype, device=device)
+        work = dist.all_to_all_single(received, send, [per_source] * world, send_sizes, group=group, async_op=True)
+        inbound.append((bucket, mine, per_source, received, send, work))
 
-    # Whole matrices on their owner, orthogonalized.
-    blocks = received.view(world, per_source)
-    results: dict[int, torch.Tensor] = {}
-    column = 0
-    for i in mine:
-        rows, cols = shapes[i]
-        whole = blocks[:, column : column + chunk[i]].reshape(-1, cols)[:rows]
-        results[i] = newton_schulz(whole)
-        column += chunk[i]
-
-    # Back: block s holds rank s's padded rows of every result this rank owns (Newton-Schulz works
-    # and returns in bfloat16, whatever the input's dtype: a rank that owns nothing knows it too).
-    out_dtype = torch.bfloat16
-    back = torch.zeros(world * per_source, dtype=out_dtype, device=device)
-    back_blocks = back.view(world, per_source)
-    column = 0
-    for i in mine:
-        rows = shapes[i][0]
-        padded = results[i].new_zeros(chunk_rows[i] * world, shapes[i][1])
-        padded[:rows].copy_(results[i])
-        back_blocks[:, column : column + chunk[i]].copy_(padded.view(world, chunk[i]))
-        column += chunk[i]
-    receive_sizes = [sum(chunk[i] for i, owner in enumerate(owners) if owner == src) for src in range(world)]
-    returned = torch.empty(sum(receive_sizes), dtype=out_dtype, device=device)
-    dist.all_to_all_single(returned, back, receive_sizes, [per_source] * world, group=group)
+    # Round by round: whole matrices on their owner, orthogonalized, each rank's rows sent back
+    # while the next round is orthogonalized. Block s of `back` holds rank s's padded rows of every
+    # result this rank owns in the round.
+    outbound = []
+    for bucket, mine, per_source, received, send, work in inbound:
+        work.wait()
+        blocks = received.view(world, per_source)
+        back = torch.zeros(world * per_source, dtype=dtype, device=device)
+        back_blocks = back.view(world, per_source)
+        column = 0
+        for i in mine:
+            rows, cols = shapes[i]
+            result = newton_schulz(blocks[:, column : column + chunk[i]].reshape(-1, cols)[:rows])
+            padded = result.new_zeros(chunk_rows[i] * world, cols)
+            padded[:rows].copy_(result)
+            back_blocks[:, column : column + chunk[i]].copy_(padded.view(world, chunk[i]))
+            column += chunk[i]
+        receive_sizes = [sum(chunk[i] for i in bucket if owners[i] == src) for src in range(world)]
+        returned = torch.empty(sum(receive_sizes), dtype=dtype, device=device)
+        work = dist.all_to_all_single(returned, back, receive_sizes, [per_source] * world, group=group, async_op=True)
+        outbound.append((bucket, returned, back, work))
 
     outputs: list[torch.Tensor] = [None] * len(updates)  # type: ignore[list-item]
-    offset = 0
-    for src in range(world):
-        for i, owner in enumerate(owners):
-            if owner == src:
-                local_shape = updates[i].shape
-                outputs[i] = returned[offset : offset + local_shape.numel()].view(local_shape)
-                offset += chunk[i]
+    for bucket, returned, _back, work in outbound:
+        work.wait()
+        offset = 0
+        for src in range(world):
+            for i in bucket:
+                if owners[i] == src:
+                    local_shape = updates[i].shape
+                    outputs[i] = returned[offset : offset + local_shape.numel()].view(local_shape)
+                    offset += chunk[i]
     return outputs
