@@ -15,8 +15,8 @@ import time
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # uninstalled checkout
 
 import torch  # noqa: E402
-from bench_optim import is_hidden_matrix  # noqa: E402
 from model import PRESETS, Transformer, get_config  # noqa: E402
+from muon_adamw import is_hidden_matrix  # noqa: E402
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS, _zeropower_via_newtonschulz  # noqa: E402
 
 
@@ -28,7 +28,9 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     with torch.device("meta"):
         model = Transformer(get_config(args.preset))
-    shapes = [p.shape for n, p in model.named_parameters() if is_hidden_matrix(n, p)]
+    # A 3D weight (experts) is a stack of matrices, each orthogonalized on its own.
+    stacks = [p.shape if p.ndim == 3 else (1, *p.shape) for n, p in model.named_parameters() if is_hidden_matrix(n, p)]
+    shapes = [torch.Size(s[1:]) for s in stacks for _ in range(s[0])]
     matrices = [torch.randn(s, device=device) for s in shapes]
     coefficients = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
     times = []

@@ -64,7 +64,7 @@ from bench_mesh import (
     tokens_generator,
     tokens_per_gpu,
 )
-from bench_optim import Optimizers, build_optimizer
+from bench_optim import build_optimizer
 from bench_report import report, write_trace
 from launch import init_torchrun_rank
 from model import get_config, lm_loss, model_flops_per_token  # noqa: F401 (get_config: the tests')
@@ -235,17 +235,14 @@ def time_run(
     return result
 
 
-def teardown(model: nn.Module, opt: torch.optim.Optimizer | Optimizers) -> None:
+def teardown(model: nn.Module, opt: torch.optim.Optimizer) -> None:
     """End a contender cleanly before the next one (or destroy_process_group) runs: every
     rank done with its collectives (barrier), then DDP's reducer dropped while the process
     group is alive, so none of its work or hooks outlives it (see bench_overhead.py)."""
     dist.barrier()
     if isinstance(model, nn.parallel.DistributedDataParallel):
         del model.reducer, model.logger  # they hold the process group and the gradient hooks
-    if isinstance(opt, Optimizers):
-        opt.clear_state()
-    else:
-        opt.state.clear()
+    opt.state.clear()  # MuonAdamW's inner optimizers share this state
 
 
 def profile_steps(

@@ -111,6 +111,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument(
+        "--optimizer",
+        choices=["adamw", "muon"],
+        default="adamw",
+        help="muon: composable.optim.Muon on the blocks' weight matrices (expert stacks included), AdamW on "
+        "embeddings, head and norms, one learning rate for both (Muon's scaled to AdamW's RMS)",
+    )
+    p.add_argument(
         "--eval-every", type=int, default=50, help="validation loss every N steps (and at the end); 0: only at the end"
     )
     p.add_argument("--eval-batches", type=int, default=4, help="held-out batches per rank per evaluation")
@@ -313,6 +320,8 @@ def cuda_graph_unsupported(args: argparse.Namespace, device_type: str) -> str | 
         return f"--parallel {args.parallel} is not supported (only {', '.join(CUDA_GRAPH_PARALLEL)})"
     if args.cpu_offload:
         return "--cpu-offload steps the optimizer on the CPU, which a CUDA graph cannot hold"
+    if getattr(args, "optimizer", "adamw") == "muon":
+        return "--optimizer muon: Muon's step (its all-to-alls to the matrices' owners) is not captured"
     if getattr(args, "pp", 1) > 1:
         return "--pp: a pipeline schedule's step (its sends and receives) is not captured"
     if _moe_expert_parallel(args) and not getattr(args, "moe_capacity_factor", None):

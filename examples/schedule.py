@@ -11,10 +11,15 @@ import torch.distributed as dist
 import torch.nn as nn
 from data import ByteCorpus, get_batch
 from model import lm_loss
+from muon_adamw import build_muon_adamw
 
 
 def build_optimizer(model: nn.Module, args: argparse.Namespace, fused: bool = False) -> torch.optim.Optimizer:
-    """AdamW; `fused`: one kernel per step for every parameter (CUDA), as the TP recipe runs."""
+    """AdamW, or with `--optimizer muon` Muon on the hidden matrices and AdamW on the rest (one
+    optimizer: examples/muon_adamw.py); `fused`: one AdamW kernel per step for every parameter
+    (CUDA), as the TP recipe runs."""
+    if getattr(args, "optimizer", "adamw") == "muon":
+        return build_muon_adamw(model, args.lr, args.weight_decay, fused=fused or None)
     # No weight decay on gains (1D): decaying RMSNorm weights towards 0 only hurts.
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
