@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from _harness import run_on_ranks
+from _harness import on_gpus, run_on_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -71,18 +71,18 @@ def _optimizers(model: nn.Module, muon: type) -> list[torch.optim.Optimizer]:
     return [muon(hidden, lr=0.02, weight_decay=0.01), torch.optim.AdamW(rest, lr=1e-2)]
 
 
-def _shard(model: nn.Module, layout: str, world: int) -> None:
+def _shard(model: nn.Module, layout: str, world: int, device: str = "cpu") -> None:
     if layout == "replicate":
         composable.replicate(model)
         return
     if layout == "tp":  # the blocks' up and gate column-parallel, down row-parallel on tp, then dp
-        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh(device, (2, world // 2), mesh_dim_names=("dp", "tp"))
         plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
         for block in model[:2]:
             parallelize_module(block, mesh["tp"], plan)
         mesh = mesh["dp"]
     else:
-        mesh = init_device_mesh("cpu", (2, world // 2)) if layout == "hsdp" else init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(device, (2, world // 2) if layout == "hsdp" else (world,))
     shard = torch_fully_shard if layout == "fsdp2" else composable.fully_shard
     for block in model[:2]:
         shard(block, mesh=mesh)
@@ -93,14 +93,16 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _vs_one_process(rank: int, world: int, layout: str) -> None:
-    model = _model(layout)
+def _vs_one_process(rank: int, world: int, layout: str, device: str = "cpu") -> None:
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    model = _model(layout).to(device)
     ref = copy.deepcopy(model)
-    _shard(model, layout, world)
+    _shard(model, layout, world, device)
     opts, ref_opts = _optimizers(model, Muon), _optimizers(ref, torch.optim.Muon)
     for step in range(3):
         torch.manual_seed(100 * step + rank)
-        model(torch.randn(4, 8)).square().mean().backward()
+        model(torch.randn(4, 8, device=device)).square().mean().backward()
         for p, q in zip(model.parameters(), ref.parameters()):
             q.grad = None if p.grad is None else _whole(p.grad).clone()  # fed the same gradients
         for opt in opts + ref_opts:
@@ -120,6 +122,16 @@ def _vs_one_process(rank: int, world: int, layout: str) -> None:
 )
 def test_update_equals_one_process(layout: str, world: int) -> None:
     run_on_ranks(_vs_one_process, world, layout)
+
+
+_GPU_WORLDS = {"fully_shard": 2, "hsdp": 4, "tp": 4}
+
+
+@pytest.mark.parametrize("layout", [on_gpus(layout, world, id=layout) for layout, world in _GPU_WORLDS.items()])
+def test_update_equals_one_process_on_gpus(layout: str) -> None:
+    """NCCL: the rounds' all-to-alls in flight on the collectives' stream while the owners compute."""
+    world = _GPU_WORLDS[layout]
+    run_on_ranks(_vs_one_process, world, layout, "cuda", backend="nccl", timeout=300)
 
 
 def _accumulated_clipped_bf16(rank: int, world: int) -> None:

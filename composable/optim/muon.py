@@ -116,7 +116,7 @@ class Muon(TorchMuon):
             for grad, buf in zip(grads, bufs):
                 grad, buf = _local(grad), _local(buf)
                 buf.lerp_(grad, 1 - momentum)
-                updates.append(grad.lerp(buf, momentum) if group["nesterov"] else buf)
+                updates.append(_Update(grad, buf, momentum if group["nesterov"] else None))
             ortho = _orthogonalize(updates, params, group["ns_coefficients"], group["ns_steps"], group["eps"])
             for param, update in zip(params, ortho):
                 adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], param.shape[-2:])
@@ -126,12 +126,34 @@ class Muon(TorchMuon):
         return loss
 
 
+class _Update:
+    """The matrix Newton-Schulz takes for one parameter's local part: the Nesterov momentum
+    `grad.lerp(buf, momentum)`, or the momentum `buf` itself. Written straight into the
+    owners' bfloat16 send buffer, the lerp rounds its fp32 result once, as `.bfloat16()` of the
+    fp32 tensor does: the same bits without the fp32 tensor in between."""
+
+    def __init__(self, grad: torch.Tensor, buf: torch.Tensor, nesterov_momentum: float | None) -> None:
+        self.grad, self.buf, self.nesterov_momentum = grad, buf, nesterov_momentum
+        self.shape = buf.shape
+
+    def tensor(self) -> torch.Tensor:
+        if self.nesterov_momentum is None:
+            return self.buf
+        return self.grad.lerp(self.buf, self.nesterov_momentum)
+
+    def write(self, out: torch.Tensor) -> None:
+        if self.nesterov_momentum is None:
+            out.copy_(self.buf)
+        else:
+            torch.lerp(self.grad, self.buf, self.nesterov_momentum, out=out)
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _orthogonalize(
-    updates: list[torch.Tensor],
+    updates: list[_Update],
     params: list[torch.Tensor],
     coefficients: tuple[float, float, float],
     steps: int,
@@ -145,14 +167,16 @@ def _orthogonalize(
 
     out: list[torch.Tensor | None] = [None] * len(updates)
     row_sharded: dict[Any, list[int]] = {}  # (mesh, its rows' dim) -> the parameters sharded by rows there
-    for i, (update, param) in enumerate(zip(updates, params)):
+    for i, (pending, param) in enumerate(zip(updates, params)):
         rows_dim = _rows_dim(param)
+        if rows_dim is not None:
+            row_sharded.setdefault((param.device_mesh, rows_dim), []).append(i)
+            continue
+        update = pending.tensor()
         if update.ndim == 3 and _whole_matrices_here(param):  # one matrix per expert, each whole here
             out[i] = _each_matrix(newton_schulz, update)
         elif not isinstance(param, DTensor):
             out[i] = newton_schulz(update)
-        elif rows_dim is not None:
-            row_sharded.setdefault((param.device_mesh, rows_dim), []).append(i)
         else:  # any other layout: whole on every rank, then this rank's part of the result
             mesh, placements = param.device_mesh, param.placements
             whole = DTensor.from_local(update, mesh, placements, shape=param.shape, stride=param.stride())
@@ -231,12 +255,13 @@ _BUCKETS = 4
 
 
 def _orthogonalize_on_owners(
-    updates: list[torch.Tensor], shapes: list[torch.Size], group: dist.ProcessGroup, newton_schulz: Any
+    updates: list[_Update], shapes: list[torch.Size], group: dist.ProcessGroup, newton_schulz: Any
 ) -> list[torch.Tensor]:
     """Matrices sharded by rows over `group` (whole on any other mesh dim): each whole on its
     owner, orthogonalized there, its rows back where they came from. Each round (`_buckets`) is
     two all-to-alls, in flight while the owners orthogonalize another round; each rank's rows
-    padded to `ceil(rows / world)` so every block has the size the receiver expects.
+    padded to `ceil(rows / world)` so every block has the size the receiver expects (the padding
+    is never read: `fully_shard`'s uneven rows leave it at a matrix's end, which `[:rows]` drops).
 
     The rows travel in bfloat16: Newton-Schulz's first step is `.bfloat16()` of its input, so
     converting each element before sending gives the owner the very tensor it would make itself,
@@ -245,20 +270,20 @@ def _orthogonalize_on_owners(
     chunk_rows = [-(-s[0] // world) for s in shapes]  # a rank's rows, padded
     chunk = [r * s[1] for r, s in zip(chunk_rows, shapes)]  # the same, in elements
     owners = _owners(shapes, world)
-    dtype, device = torch.bfloat16, updates[0].device
+    dtype, device = torch.bfloat16, updates[0].buf.device
 
     # Every round's rows to their owners, all in flight at once: block d of a round holds this
     # rank's padded rows of every matrix of the round that d owns.
     inbound = []
     for bucket in _buckets(owners, world):
-        send = torch.zeros(sum(chunk[i] for i in bucket), dtype=dtype, device=device)
+        send = torch.empty(sum(chunk[i] for i in bucket), dtype=dtype, device=device)
         send_sizes, offset = [], 0
         for dest in range(world):
             start = offset
             for i in bucket:
                 if owners[i] == dest:
-                    local = updates[i].reshape(-1)
-                    send[offset : offset + local.numel()].copy_(local)
+                    local_shape = updates[i].shape
+                    updates[i].write(send[offset : offset + local_shape.numel()].view(local_shape))
                     offset += chunk[i]
             send_sizes.append(offset - start)
         mine = [i for i in bucket if owners[i] == rank]
@@ -268,21 +293,23 @@ def _orthogonalize_on_owners(
         inbound.append((bucket, mine, per_source, received, send, work))
 
     # Round by round: whole matrices on their owner, orthogonalized, each rank's rows sent back
-    # while the next round is orthogonalized. Block s of `back` holds rank s's padded rows of every
-    # result this rank owns in the round.
+    # while the next round is orthogonalized. Block s of `back` holds rank s's rows of every result
+    # this rank owns in the round, each matrix's at its padded offset.
     outbound = []
     for bucket, mine, per_source, received, send, work in inbound:
         work.wait()
         blocks = received.view(world, per_source)
-        back = torch.zeros(world * per_source, dtype=dtype, device=device)
+        back = torch.empty(world * per_source, dtype=dtype, device=device)
         back_blocks = back.view(world, per_source)
         column = 0
         for i in mine:
             rows, cols = shapes[i]
             result = newton_schulz(blocks[:, column : column + chunk[i]].reshape(-1, cols)[:rows])
-            padded = result.new_zeros(chunk_rows[i] * world, cols)
-            padded[:rows].copy_(result)
-            back_blocks[:, column : column + chunk[i]].copy_(padded.view(world, chunk[i]))
+            for dest in range(world):
+                first, last = dest * chunk_rows[i], min((dest + 1) * chunk_rows[i], rows)
+                if last > first:
+                    count = (last - first) * cols
+                    back_blocks[dest, column : column + count].view(last - first, cols).copy_(result[first:last])
             column += chunk[i]
         receive_sizes = [sum(chunk[i] for i in bucket if owners[i] == src) for src in range(world)]
         returned = torch.empty(sum(receive_sizes), dtype=dtype, device=device)
