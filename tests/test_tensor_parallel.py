@@ -253,9 +253,6 @@ def _unsupported(rank: int, world: int) -> None:
     mesh = _mesh()
     block = _Block(8, 12)
     parallelize_module(block, mesh["tp"], _plan(True))
-    # TP parameters need a sharded 1D dp mesh: NO_SHARD over dp is not implemented yet.
-    with pytest.raises(NotImplementedError, match=r"fully_shard: tensor-parallel parameter 'norm.weight'"):
-        fully_shard(block, mesh=mesh["dp"], strategy=ShardingStrategy.NO_SHARD)
     # A dp mesh over the TP mesh's own ranks: no 2D mesh holds the two (one cut separately
     # from the same ranks, as other["a"] is, is concatenated with tp, as FSDP2 does).
     other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
@@ -269,3 +266,19 @@ def _unsupported(rank: int, world: int) -> None:
 
 def test_unsupported_tp_compositions_raise() -> None:
     run_on_ranks(_unsupported, 4)
+
+
+def _no_shard(rank: int, world: int) -> None:
+    mesh = _mesh()
+    block = _Block(8, 12)
+    parallelize_module(block, mesh["tp"], _plan(True))
+    fully_shard(block, mesh=mesh["dp"], strategy=ShardingStrategy.NO_SHARD)
+    for name, param in block.named_parameters():
+        tp = Shard(0) if ".w1." in f".{name}" else Shard(1) if name == "w2.weight" else Replicate()
+        assert param.device_mesh == mesh and param.placements == (Replicate(), tp), (name, param.placements)
+
+
+def test_no_shard_over_dp_keeps_tp_placements() -> None:
+    """NO_SHARD over dp: the TP-local tensors whole on every dp rank, on the (dp, tp) mesh,
+    as torch's FSDP2-based replicate keeps them (trained in test_hsdp_tp.py)."""
+    run_on_ranks(_no_shard, 4)

@@ -84,7 +84,6 @@ def replicate(
         param_dtype=mp_policy.param_dtype,
         reduce_dtype=mp_policy.reduce_dtype,
         bucket_cap_bytes=int(bucket_cap_mb * 1024 * 1024),
-        accepts_dtensors=False,
         sync_replicas=True,
         spmd=spmd,
         offload=isinstance(offload_policy, CPUOffloadPolicy),
