@@ -282,3 +282,56 @@ def test_replicate_and_no_shard_over_tp() -> None:
     bit for bit with torch's gradients: gloo sums 4 ranks in an order that depends on the
     buffer's size, and replicate's buckets are not FSDP2's buffers.)"""
     run_on_ranks(_replicated_over_tp, WORLD)
+
+
+def _upstream_3d_mlp(rank: int, world: int, mlp_dims: tuple[int, ...]) -> None:
+    """The body of PyTorch's `TestFullyShardHSDP3DTraining.test_3d_mlp_with_nd_mesh` (torch
+    2.13's test_fully_shard_training.py), its `fully_shard` resolved to composable's FSDP2
+    adapter: `MLPStack.parallelize` calls the `fully_shard` name of torch's common_fsdp module."""
+    from torch.distributed._composable import replicate as ddp
+    from torch.testing._internal import common_fsdp
+
+    from composable.integrations.fsdp2_module import fsdp2_fully_shard
+
+    saved, common_fsdp.fully_shard = common_fsdp.fully_shard, fsdp2_fully_shard
+    try:
+        for reshard_after_forward in (False, True):
+            for use_activation_checkpointing in (False, True):
+                for mlp_dim in mlp_dims:
+                    global_mesh = _mesh()
+                    dp_mesh, tp_mesh = global_mesh["dp_replicate", "dp_shard"], global_mesh["tp"]
+                    dp_pg = dp_mesh._flatten().get_group()
+                    torch.manual_seed(42)
+                    model = common_fsdp.MLPStack(mlp_dim)
+                    ref_model = copy.deepcopy(model)
+                    ddp(ref_model, device_ids=None, process_group=dp_pg)
+                    ref_optim = torch.optim.Adam(ref_model.parameters(), lr=1e-2, foreach=False)
+                    model.parallelize(
+                        tp_mesh, dp_mesh, use_activation_checkpointing, reshard_after_forward=reshard_after_forward
+                    )
+                    for ref_p, p in zip(ref_model.parameters(), model.parameters()):
+                        assert isinstance(p, DTensor)
+                        torch.testing.assert_close(p.full_tensor(), ref_p, rtol=0, atol=0)
+                    optim = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
+                    torch.manual_seed(42 + dp_pg.rank() + 1)
+                    for iter_idx in range(10):
+                        inp = torch.randn((8, mlp_dim))
+                        losses = []
+                        for _model, _optim in ((ref_model, ref_optim), (model, optim)):
+                            _optim.zero_grad(set_to_none=(iter_idx % 2 == 0))
+                            losses.append(_model(inp).sum())
+                            losses[-1].backward()
+                            _optim.step()
+                        torch.testing.assert_close(losses[0], losses[1])
+                    for _, p in model.named_parameters():
+                        assert isinstance(p, DTensor) and p.device_mesh.ndim == 3 and len(p.placements) == 3
+                        assert p.device_mesh.mesh_dim_names == ("dp_replicate", "dp_shard", "tp")
+    finally:
+        common_fsdp.fully_shard = saved
+
+
+def test_upstream_3d_mlp_with_nd_mesh_through_the_fsdp2_adapter() -> None:
+    """PyTorch FSDP2's own HSDP x TP test: every (reshard_after_forward, activation
+    checkpointing) subtest, with upstream's `mlp_dim`s (3, 5, 16, 17) cut to 5 for time: its
+    hidden 15 splits unevenly over tp (8 + 7) and then over dp_shard."""
+    run_on_ranks(_upstream_3d_mlp, WORLD, (5,))
