@@ -11,8 +11,9 @@ sharded parameters' meshes, placements and local shards, losses, gradients and p
 AdamW steps, `clip_grad_norm_`'s total norm, the sharded state dict's placements, and a DCP
 checkpoint written by one loaded by the other. Against one process trained on the whole batch,
 to fp32 rounding. PyTorch's own `TestFullyShardHSDP3DTraining.test_3d_mlp_with_nd_mesh` runs
-through the FSDP2 adapter. Every check of one mesh runs in one multi-rank call: 8 ranks on 2
-cores start slowly.
+through the FSDP2 adapter. Also over TP: `replicate` and NO_SHARD (Replicate() on every dp dim),
+and TP x CP two ways (parameters on a 2D (cp, tp) mesh; HSDP over a flattened (dp_shard, cp)
+dim). Every check of one mesh runs in one multi-rank call: 8 ranks on 2 cores start slowly.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from _harness import assert_close_tensors, count_collectives, run_on_ranks
 from torch.distributed._composable.replicate_with_fsdp import replicate as torch_replicate
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -335,3 +336,88 @@ def test_upstream_3d_mlp_with_nd_mesh_through_the_fsdp2_adapter() -> None:
     checkpointing) subtest, with upstream's `mlp_dim`s (3, 5, 16, 17) cut to 5 for time: its
     hidden 15 splits unevenly over tp (8 + 7) and then over dp_shard."""
     run_on_ranks(_upstream_3d_mlp, WORLD, (5,))
+
+
+# ----------------------------------------------------------------------------- TP x CP
+
+
+class _Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(8, 12)
+        self.w2 = nn.Linear(12, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(torch.relu(self.w1(x)))
+
+
+def _on_2d_tp_mesh(block: nn.Module, mesh: DeviceMesh) -> None:
+    """Colwise/rowwise by hand on a 2D (cp, tp) mesh (PyTorch's TP styles take 1D meshes):
+    parameters replicated over cp, computed with DTensors, the output replicated."""
+
+    def partition(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for key, p in list(module.named_parameters(recurse=False)):
+            tp = Shard(0) if name == "w1" else Shard(1) if key == "weight" and name == "w2" else Replicate()
+            module.register_parameter(key, nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate(), tp])))
+
+    def inputs(module: nn.Module, args: tuple, mesh: DeviceMesh) -> tuple:
+        return tuple(DTensor.from_local(x, mesh, [Replicate(), Replicate()]) for x in args)
+
+    def outputs(module: nn.Module, out: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+        return out.redistribute(mesh, [Replicate(), Replicate()]).to_local()
+
+    distribute_module(block, mesh, partition, inputs, outputs)
+
+
+def _tp_with_cp(rank: int, world: int, layout: str) -> None:
+    if layout == "tp-on-cp-x-tp":  # parameters on a 2D (cp, tp) mesh, FSDP over dp
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "cp", "tp"))
+        dp_mesh, names = mesh["dp"], ("dp", "cp", "tp")
+
+        def parallelize(block: nn.Module) -> None:
+            _on_2d_tp_mesh(block, mesh["cp", "tp"])
+
+    else:  # torchtitan's: HSDP over dp_replicate x (dp_shard, cp) flattened, TP on tp
+        mesh = init_device_mesh("cpu", (2, 1, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        dp_mesh, names = mesh["dp_replicate", "dp_shard_cp"], ("dp_replicate", "dp_shard_cp", "tp")
+
+        def parallelize(block: nn.Module) -> None:
+            parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+
+    ref = nn.Sequential(_Mlp(), _Mlp())
+    models = []
+    for shard in (fully_shard, torch_fully_shard):
+        model = copy.deepcopy(ref)
+        for block in model:
+            parallelize(block)
+            shard(block, mesh=dp_mesh)
+        models.append(shard(model, mesh=dp_mesh))
+    ours, theirs = models
+    named = list(ours.named_parameters())
+    for (name, p), q in zip(named, theirs.parameters()):
+        _assert_same(p, q, name)
+        assert p.device_mesh.mesh_dim_names == names, (name, p.device_mesh)
+    opts = [torch.optim.AdamW(m.parameters(), lr=LR) for m in models]
+    data_rank = dp_mesh._flatten().get_local_rank()
+    for step in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + data_rank))
+        losses = [m(x).pow(2).mean() for m in models]
+        for loss in losses:
+            loss.backward()
+        _assert_same(losses[0].detach(), losses[1].detach(), f"step {step}: loss")
+        for (name, p), q in zip(named, theirs.parameters()):
+            _assert_same(p.grad, q.grad, f"step {step}: grad of {name}")
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        for (name, p), q in zip(named, theirs.parameters()):
+            _assert_same(p, q, f"step {step}: {name}")
+
+
+@pytest.mark.parametrize("layout", ["tp-on-cp-x-tp", "hsdp-over-flattened-shard-cp"])
+def test_tp_with_cp_matches_fsdp2(layout: str) -> None:
+    """TP x CP two ways, both as FSDP2 (bit for bit: placements, losses, gradients, parameters):
+    parameters on a 2D (cp, tp) mesh sharded over a 1D dp mesh (the 3D (dp, cp, tp) parent),
+    and HSDP over dp_replicate x the flattened (dp_shard, cp) dim with TP on tp."""
+    run_on_ranks(_tp_with_cp, WORLD, layout)
