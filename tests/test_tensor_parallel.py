@@ -282,3 +282,24 @@ def test_no_shard_over_dp_keeps_tp_placements() -> None:
     """NO_SHARD over dp: the TP-local tensors whole on every dp rank, on the (dp, tp) mesh,
     as torch's FSDP2-based replicate keeps them (trained in test_hsdp_tp.py)."""
     run_on_ranks(_no_shard, 4)
+
+
+def _tp_of_one(rank: int, world: int) -> None:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))
+    block = _Block(8, 12)
+    blocks = [block, copy.deepcopy(block)]
+    for block, shard in zip(blocks, (fully_shard, torch_fully_shard)):
+        parallelize_module(block, mesh["tp"], _plan(True))
+        shard(block, mesh=mesh["dp"])
+    for (name, ours), theirs in zip(blocks[0].named_parameters(), blocks[1].parameters()):
+        assert ours.placements == theirs.placements, (name, ours.placements, theirs.placements)
+        assert torch.equal(ours.to_local(), theirs.to_local()), name
+    assert blocks[0].w1.weight.placements == (Shard(0), Shard(0))
+
+
+def test_tp_of_one_rank_shards_plainly_as_fsdp2() -> None:
+    """A TP dim of one rank splits nothing, so dp's shard is a plain `Shard(0)`, not a strided
+    shard of split factor 1: FSDP2's placements."""
+    run_on_ranks(_tp_of_one, 2)
