@@ -36,7 +36,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from composable import ShardingStrategy, fully_shard
+from composable import ShardingStrategy, fully_shard, replicate
 
 # PyTorch 2.11-2.12's tensor parallelism itself fails on uneven TP shards (F.linear raises "view
 # size is not compatible" with no fully_shard involved: checked with torch 2.11.0 and 2.12.1 on CPU).
@@ -256,9 +256,11 @@ def _unsupported(rank: int, world: int) -> None:
     # A dp mesh over the TP mesh's own ranks: no 2D mesh holds the two (one cut separately
     # from the same ranks, as other["a"] is, is concatenated with tp, as FSDP2 does).
     other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
-    with pytest.raises(ValueError, match=r"fully_shard: 'mesh' and the tensor-parallel mesh"):
+    with pytest.raises(ValueError, match=r"fully_shard: 'mesh' and the tensor-parallel mesh of 'norm.weight' must be"):
         fully_shard(block, mesh=other["b"])
-    assert fully_shard.state(block) is None  # nothing was installed by the failed calls
+    with pytest.raises(ValueError, match=r"replicate: 'mesh' and the tensor-parallel mesh of 'norm.weight' must be"):
+        replicate(block, mesh=other["b"])
+    assert fully_shard.state(block) is None and replicate.state(block) is None  # the failed calls installed nothing
     fully_shard(block, mesh=other["a"])  # the same ranks as mesh["dp"], cut from another mesh
     for name, param in block.named_parameters():
         assert torch.equal(param.device_mesh.mesh, mesh.mesh), name  # on the (dp, tp) concatenation

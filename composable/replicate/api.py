@@ -46,6 +46,10 @@ def replicate(
     every rank of the mesh must call it. Meta-device tensors are skipped: materialise and
     initialise them identically on every rank (same seed) afterwards.
 
+    Tensor-parallel parameters (DTensors on a TP mesh, e.g. `mesh2d["tp"]` beside
+    `mesh=mesh2d["dp"]`) stay whole over dp: DTensors on the `(dp, tp)` mesh, `Replicate()` on
+    dp and their TP placements on tp, their TP-local gradients averaged over dp.
+
     As torch's FSDP2-based `replicate`: `offload_policy=CPUOffloadPolicy()` keeps the
     parameters, gradients and the optimizer step on the CPU; `ignored_params` are left alone
     (plain tensors, not synchronised).
