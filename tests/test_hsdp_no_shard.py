@@ -87,6 +87,26 @@ def test_no_shard_replicates_and_all_reduces() -> None:
     run_on_ranks(_no_shard, 2)
 
 
+def _no_shard_2d(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    model = _wrap(TinyTransformer(), mesh=mesh, strategy=ShardingStrategy.NO_SHARD)
+    for name, p in model.named_parameters():
+        assert p.placements == (Replicate(), Replicate()), (name, p.placements)
+
+    def check(step: int, t: object) -> None:
+        # Per group, one all-reduce over each mesh dim, the second after the first.
+        assert t.counts == {"all_reduce": 6}, t.render()
+
+    _train_against_reference(model, rank, world_size, check)
+
+
+def test_no_shard_over_a_2d_mesh() -> None:
+    """NO_SHARD over a 2D mesh all-reduces over both dims, one after the other (two at once
+    on one buffer summed each other's partial results): training equal to one process's."""
+    run_on_ranks(_no_shard_2d, 4)
+
+
 def _no_shard_mixed_precision(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

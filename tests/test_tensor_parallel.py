@@ -36,7 +36,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from composable import ShardingStrategy, fully_shard
+from composable import ShardingStrategy, fully_shard, replicate
 
 # PyTorch 2.11-2.12's tensor parallelism itself fails on uneven TP shards (F.linear raises "view
 # size is not compatible" with no fully_shard involved: checked with torch 2.11.0 and 2.12.1 on CPU).
@@ -253,15 +253,14 @@ def _unsupported(rank: int, world: int) -> None:
     mesh = _mesh()
     block = _Block(8, 12)
     parallelize_module(block, mesh["tp"], _plan(True))
-    # TP parameters need a sharded 1D dp mesh: NO_SHARD over dp is not implemented yet.
-    with pytest.raises(NotImplementedError, match=r"fully_shard: tensor-parallel parameter 'norm.weight'"):
-        fully_shard(block, mesh=mesh["dp"], strategy=ShardingStrategy.NO_SHARD)
     # A dp mesh over the TP mesh's own ranks: no 2D mesh holds the two (one cut separately
     # from the same ranks, as other["a"] is, is concatenated with tp, as FSDP2 does).
     other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
-    with pytest.raises(ValueError, match=r"fully_shard: 'mesh' and the tensor-parallel mesh"):
+    with pytest.raises(ValueError, match=r"fully_shard: 'mesh' and the tensor-parallel mesh of 'norm.weight' must be"):
         fully_shard(block, mesh=other["b"])
-    assert fully_shard.state(block) is None  # nothing was installed by the failed calls
+    with pytest.raises(ValueError, match=r"replicate: 'mesh' and the tensor-parallel mesh of 'norm.weight' must be"):
+        replicate(block, mesh=other["b"])
+    assert fully_shard.state(block) is None and replicate.state(block) is None  # the failed calls installed nothing
     fully_shard(block, mesh=other["a"])  # the same ranks as mesh["dp"], cut from another mesh
     for name, param in block.named_parameters():
         assert torch.equal(param.device_mesh.mesh, mesh.mesh), name  # on the (dp, tp) concatenation
@@ -269,3 +268,40 @@ def _unsupported(rank: int, world: int) -> None:
 
 def test_unsupported_tp_compositions_raise() -> None:
     run_on_ranks(_unsupported, 4)
+
+
+def _no_shard(rank: int, world: int) -> None:
+    mesh = _mesh()
+    block = _Block(8, 12)
+    parallelize_module(block, mesh["tp"], _plan(True))
+    fully_shard(block, mesh=mesh["dp"], strategy=ShardingStrategy.NO_SHARD)
+    for name, param in block.named_parameters():
+        tp = Shard(0) if ".w1." in f".{name}" else Shard(1) if name == "w2.weight" else Replicate()
+        assert param.device_mesh == mesh and param.placements == (Replicate(), tp), (name, param.placements)
+
+
+def test_no_shard_over_dp_keeps_tp_placements() -> None:
+    """NO_SHARD over dp: the TP-local tensors whole on every dp rank, on the (dp, tp) mesh,
+    as torch's FSDP2-based replicate keeps them (trained in test_hsdp_tp.py)."""
+    run_on_ranks(_no_shard, 4)
+
+
+def _tp_of_one(rank: int, world: int) -> None:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))
+    block = _Block(8, 12)
+    blocks = [block, copy.deepcopy(block)]
+    for block, shard in zip(blocks, (fully_shard, torch_fully_shard)):
+        parallelize_module(block, mesh["tp"], _plan(True))
+        shard(block, mesh=mesh["dp"])
+    for (name, ours), theirs in zip(blocks[0].named_parameters(), blocks[1].parameters()):
+        assert ours.placements == theirs.placements, (name, ours.placements, theirs.placements)
+        assert torch.equal(ours.to_local(), theirs.to_local()), name
+    assert blocks[0].w1.weight.placements == (Shard(0), Shard(0))
+
+
+def test_tp_of_one_rank_shards_plainly_as_fsdp2() -> None:
+    """A TP dim of one rank splits nothing, so dp's shard is a plain `Shard(0)`, not a strided
+    shard of split factor 1: FSDP2's placements."""
+    run_on_ranks(_tp_of_one, 2)

@@ -47,6 +47,10 @@ def fully_shard(
     NO_SHARD and 0-d parameters. Forward all-gathers them (one collective per call) and frees
     them after if `reshard_after_forward`; backward gathers again if needed and
     reduce-scatters gradients (averaged over data-parallel ranks) into sharded DTensor `.grad`s.
+    Tensor-parallel parameters (DTensors on a TP mesh of the same root, e.g. `mesh["tp"]`)
+    have their TP-local tensors sharded the same way; they live on the mesh of the dp dims then
+    the tp dims, `(dp, tp)` or HSDP's `(replicate, shard, tp)`, with the TP placements last and
+    `_StridedShard` where TP already splits the sharded dim, as in FSDP2.
 
     `policy` first applies `fully_shard` with the same options to every matching submodule,
     bottom-up. `reshard_after_forward=None` follows `strategy`; the root module keeps its

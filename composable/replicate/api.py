@@ -46,6 +46,10 @@ def replicate(
     every rank of the mesh must call it. Meta-device tensors are skipped: materialise and
     initialise them identically on every rank (same seed) afterwards.
 
+    Tensor-parallel parameters (DTensors on a TP mesh, e.g. `mesh2d["tp"]` beside
+    `mesh=mesh2d["dp"]`) stay whole over dp: DTensors on the `(dp, tp)` mesh, `Replicate()` on
+    dp and their TP placements on tp, their TP-local gradients averaged over dp.
+
     As torch's FSDP2-based `replicate`: `offload_policy=CPUOffloadPolicy()` keeps the
     parameters, gradients and the optimizer step on the CPU; `ignored_params` are left alone
     (plain tensors, not synchronised).
@@ -84,7 +88,6 @@ def replicate(
         param_dtype=mp_policy.param_dtype,
         reduce_dtype=mp_policy.reduce_dtype,
         bucket_cap_bytes=int(bucket_cap_mb * 1024 * 1024),
-        accepts_dtensors=False,
         sync_replicas=True,
         spmd=spmd,
         offload=isinstance(offload_policy, CPUOffloadPolicy),

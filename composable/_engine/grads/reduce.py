@@ -330,7 +330,9 @@ class GradReducer(NoSyncSums, ReduceOptions):
         # batches. The bucket stays alive until `finish`, as DDP's do.
         offsets = _offsets(params) if offsets is None else offsets
         red = _Reduction(params, present, offsets, flat, divided=average)
-        for grp in self.spec.layout.replicate_groups:
+        for i, grp in enumerate(self.spec.layout.replicate_groups):
+            if i:  # a replicated 2D mesh (NO_SHARD): one dim after the other, never two at once on `flat`
+                red.works.pop().wait()
             red.works.append(comm.all_reduce_async(flat, grp, average))
         self._assign_early(red)
         self.pending.append(red)

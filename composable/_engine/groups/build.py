@@ -4,6 +4,7 @@ that owns them."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -11,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..meshes.layout import DataParallelLayout
@@ -40,7 +41,6 @@ class GroupOptions:
     offload: bool = False
     pin_memory: bool = False
     bucket_cap_bytes: int | None = None  # bucketed all-reduce during backward (replicate)
-    accepts_dtensors: bool = True  # tensor-parallel parameters (fully_shard only)
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None  # fully_shard: Shard(d) per parameter
     sync_replicas: bool = False  # broadcast rank 0's values at the call (replicate); every API checks shapes
     spmd: SpmdDims | None = None  # dp_mesh_dims: `mesh` is the whole mesh, parameters DTensors on it (spmd.py)
@@ -72,8 +72,6 @@ def build_group(
     claimed = claim_parameters(module, ignored, api)
     originals = [p for _, _, p in claimed]
     check_same_device(api, originals)
-    if options.spmd is None and not options.accepts_dtensors and any(isinstance(p, DTensor) for p in originals):
-        raise NotImplementedError(f"{api}: parameters that are already DTensors are not supported")
     device = compute_device(mesh)
     move_buffers(module, device)
     sources = [_local_on_device(p, device) for p in originals]
@@ -151,7 +149,7 @@ def _make_group(
         api=api,
     )
     params = [
-        make_managed_param(fqn, slots, p, layout, dim)
+        make_managed_param(fqn, slots, p, layout, dim, api)
         if spmd is None
         else make_spmd_param(fqn, slots, p, layout, spmd, dim)
         for fqn, slots, p, dim in members
@@ -213,19 +211,25 @@ def _placement(
 
 
 def make_managed_param(
-    fqn: str, slots: list[tuple[nn.Module, str]], param: torch.Tensor, layout: DataParallelLayout, dim: int = 0
+    fqn: str,
+    slots: list[tuple[nn.Module, str]],
+    param: torch.Tensor,
+    layout: DataParallelLayout,
+    dim: int = 0,
+    api: str = "fully_shard",
 ) -> ManagedParam:
     """Layout and DTensor specs of one parameter. A tensor-parallel DTensor parameter on a
-    mesh `tp` is sharded (its TP-local tensor, on dim 0) over the data-parallel mesh; the
-    sharded parameter lives on the 2D parent mesh of the two, the unsharded one stays a TP
-    DTensor."""
+    mesh `tp` is sharded (its TP-local tensor, on `dim`) over the data-parallel mesh's shard
+    dim and replicated over its replicate dim; the sharded parameter lives on the parent mesh
+    of the two (dp dims, then tp dims), the unsharded one stays a TP DTensor."""
     world, rank = layout.shard_world, layout.shard_rank
     if not isinstance(param, DTensor):
         param_layout = ParamLayout.make(param.shape, world, rank, replicated=not layout.sharded, dim=dim)
         spec = DTensorSpecLite(layout.mesh, layout.placements(param_layout.replicated, param_layout.dim), param.shape)
         return ManagedParam(fqn, slots, param_layout, param.requires_grad, spec=spec)
-    spmd_mesh, placements = tp_parent_placements(fqn, param, layout, dim)
-    param_layout = ParamLayout.make(param._local_tensor.shape, world, rank, replicated=param.dim() == 0, dim=dim)
+    spmd_mesh, placements = tp_parent_placements(fqn, param, layout, dim, api)
+    replicated = param.dim() == 0 or not layout.sharded
+    param_layout = ParamLayout.make(param._local_tensor.shape, world, rank, replicated=replicated, dim=dim)
     tp = DTensorSpecLite(param.device_mesh, tuple(param.placements), param.shape)
     return ManagedParam(
         fqn, slots, param_layout, param.requires_grad, spec=DTensorSpecLite(spmd_mesh, placements, param.shape), tp=tp
@@ -233,43 +237,57 @@ def make_managed_param(
 
 
 def tp_parent_placements(
-    fqn: str, param: DTensor, layout: DataParallelLayout, dim: int = 0
+    fqn: str, param: DTensor, layout: DataParallelLayout, dim: int = 0, api: str = "fully_shard"
 ) -> tuple[DeviceMesh, tuple]:
-    """The 2D (dp, tp) parent mesh and the sharded parameter's placements on it (the TP-local
-    tensor sharded over dp on `dim`)."""
+    """The parent mesh of the data-parallel mesh and the TP mesh of `param` ((dp, tp), HSDP's
+    (replicate, shard, tp), (dp, cp, tp) ...) and the sharded parameter's placements on it, as
+    FSDP2 makes them: `Replicate()` on a replicate dim (every dp dim when nothing is sharded),
+    the dp shard of the TP-local tensor (on `dim`) on the shard dim, the TP placements on the
+    tp dims."""
     dp_mesh, tp_mesh = layout.mesh, param.device_mesh
-    if dp_mesh.ndim != 1 or tp_mesh.ndim != 1 or not layout.sharded:
-        raise NotImplementedError(
-            f"fully_shard: tensor-parallel parameter '{fqn}' needs a 1D sharded data-parallel mesh and a 1D TP mesh "
-            f"(got dp {dp_mesh.ndim}D, tp {tp_mesh.ndim}D, sharded={layout.sharded})"
-        )
+    # Tensor dim `dim` already split over tp: the dp shard nests inside those pieces, and a
+    # strided shard keeps the global order (split by the TP shards' count, as FSDP2's).
+    split = math.prod(
+        tp_mesh.size(i)
+        for i, pl in enumerate(param.placements)
+        if isinstance(pl, (Shard, _StridedShard)) and pl.dim == dim
+    )
+    shard: Placement = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
+    if param.dim() == 0 or not layout.sharded:
+        shard = Replicate()
+    # `DataParallelLayout.make`: a sharded layout shards over the last dp dim, replicates over the others.
+    replicate = dp_mesh.ndim if not layout.sharded else dp_mesh.ndim - 1
+    joined = (Replicate(),) * replicate + ((shard,) if layout.sharded else ()) + tuple(param.placements)
+    mesh, order = _parent_mesh(api, fqn, dp_mesh, tp_mesh)
+    return mesh, tuple(joined[i] for i in order)
+
+
+def _parent_mesh(api: str, fqn: str, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> tuple[DeviceMesh, list[int]]:
+    """The mesh whose dims are those of `dp_mesh` and `tp_mesh`, and for each of its dims the
+    index of that dim in the dp dims followed by the tp dims. The named dims of their common
+    root mesh, in the root's order, where both were sliced from one; else their concatenation."""
+    names = (dp_mesh.mesh_dim_names or ()) + (tp_mesh.mesh_dim_names or ())
     root = dp_mesh._get_root_mesh()
-    if tp_mesh._get_root_mesh() != root or root.ndim < 2 or root.mesh_dim_names is None:
-        # Two meshes cut separately from one world mesh (torchtitan's ParallelDims unflattens dp
-        # and tp apart): their concatenation, the 2D mesh FSDP2 puts such parameters on too.
-        try:
-            root = DeviceMesh._concatenate([dp_mesh, tp_mesh])
-        except Exception as error:
-            raise ValueError(
-                f"fully_shard: 'mesh' and the tensor-parallel mesh of '{fqn}' must be the two dims of one 2D mesh, "
-                f"e.g. mesh['dp'] and mesh['tp'] ({error})"
-            ) from None
-        dp_dim, tp_dim = 0, 1
-    else:
-        if root.ndim > 2:  # e.g. (pp, dp, tp): the parameters live on its (dp, tp) sub-mesh
-            dims = [dp_mesh.mesh_dim_names[0], tp_mesh.mesh_dim_names[0]]
-            root = root[tuple(sorted(dims, key=list(root.mesh_dim_names).index))]
-        names = list(root.mesh_dim_names)
-        dp_dim, tp_dim = names.index(dp_mesh.mesh_dim_names[0]), names.index(tp_mesh.mesh_dim_names[0])
-    tp_placement = param.placements[0]
-    # Shard(d) over tp on the dp-sharded dim nests inside the dp shards: a strided shard keeps
-    # the global order (FSDP2's placement too).
-    dp_placement = _StridedShard(dim, split_factor=tp_mesh.size()) if tp_placement == Shard(dim) else Shard(dim)
-    if param.dim() == 0:
-        dp_placement = Replicate()
-    placements: list = [None, None]
-    placements[dp_dim], placements[tp_dim] = dp_placement, tp_placement
-    return root, tuple(placements)
+    root_names = list(root.mesh_dim_names or ())
+    if (
+        tp_mesh._get_root_mesh() == root
+        and len(names) == dp_mesh.ndim + tp_mesh.ndim
+        and len(set(names)) == len(names)
+        and all(n in root_names for n in names)
+    ):
+        order = sorted(range(len(names)), key=lambda i: root_names.index(names[i]))
+        ordered = tuple(names[i] for i in order)
+        return (root if list(ordered) == root_names else root[ordered]), order
+    # Two meshes cut separately from one world mesh (torchtitan's ParallelDims unflattens dp
+    # and tp apart): their concatenation, the mesh FSDP2 puts such parameters on too.
+    try:
+        mesh = DeviceMesh._concatenate([dp_mesh, tp_mesh])
+    except Exception as error:
+        raise ValueError(
+            f"{api}: 'mesh' and the tensor-parallel mesh of '{fqn}' must be dims of one mesh, "
+            f"e.g. mesh['dp'] and mesh['tp'] ({error})"
+        ) from None
+    return mesh, list(range(dp_mesh.ndim + tp_mesh.ndim))
 
 
 def _local_on_device(param: torch.Tensor, device: torch.device) -> torch.Tensor:
