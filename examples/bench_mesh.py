@@ -4,7 +4,9 @@
   every contender runs.
 - `hsdp`: a 2D (replicate, shard) mesh of `--dp-replicate` x world/`--dp-replicate` ranks;
   fully_shard and FSDP2 shard over "shard" and replicate over "replicate" (HSDP placements
-  `(Replicate(), Shard(0))`).
+  `(Replicate(), Shard(0))`). With `--tp-size`, a 3D (replicate, shard, tp) mesh: the model
+  tensor-parallel on "tp" with train.py's recipe first, then HSDP over (replicate, shard), as
+  torchtitan's dp_replicate x dp_shard x tp; the FSDP-style contenders' eager and compiled steps.
 - `tp`: a 2D (dp, tp) mesh of world/`--tp-size` x `--tp-size` ranks; the model is
   tensor-parallel on "tp" with train.py's recipe (examples/parallel.py's
   `apply_tensor_parallel`: sequence-parallel norms, embeddings and head included, the loss
@@ -55,11 +57,20 @@ class BenchMesh(NamedTuple):
 
     @property
     def tp(self) -> int:
-        return self.mesh["tp"].size() if self.kind == "tp" else 1
+        return self.mesh["tp"].size() if self.has_tp else 1
+
+    @property
+    def has_tp(self) -> bool:
+        return self.mesh is not None and "tp" in (self.mesh.mesh_dim_names or ())
 
     def data_rank(self) -> int:
         """The rank whose tokens this rank trains on: the tp ranks of a group share theirs."""
-        return self.mesh["dp"].get_local_rank() if self.kind == "tp" else dist.get_rank()
+        if not self.has_tp:
+            return dist.get_rank()
+        if self.kind == "tp":
+            return self.mesh["dp"].get_local_rank()  # type: ignore[index]
+        shard = self.mesh["shard"]  # type: ignore[index]
+        return self.mesh["replicate"].get_local_rank() * shard.size() + shard.get_local_rank()  # type: ignore[index]
 
 
 def tokens_per_gpu(mesh: BenchMesh | None, run: str, batch: int, seq: int) -> float:
@@ -83,7 +94,11 @@ def add_mesh_args(p: argparse.ArgumentParser) -> None:
         help=f"--mesh hsdp: replicas (the outer dim; default {DEFAULT_SECOND_DIM}), each sharded over world/replicas",
     )
     p.add_argument(
-        "--tp-size", type=int, default=None, help=f"--mesh tp: tensor-parallel ranks (default {DEFAULT_SECOND_DIM})"
+        "--tp-size",
+        type=int,
+        default=None,
+        help=f"--mesh tp: tensor-parallel ranks (default {DEFAULT_SECOND_DIM}); --mesh hsdp: a third, tensor-parallel "
+        "dim of this size (default none)",
     )
 
 
@@ -93,18 +108,30 @@ def mesh_errors(
     """The one-line error for `args`' mesh flags (None when they fit); fills in the default
     second dim. `world`: the world size where known (torchrun's WORLD_SIZE), else checked at
     `build_mesh`; `compile_off`: what left the blocks uncompiled, should `--async-tp` need them."""
+    three_d = args.mesh == "hsdp" and args.tp_size is not None
     for flag, kind in (("dp_replicate", "hsdp"), ("tp_size", "tp")):
         value = getattr(args, flag)
         name = "--" + flag.replace("_", "-")
-        if value is not None and args.mesh != kind:
+        if value is not None and args.mesh != kind and not (three_d and flag == "tp_size"):
             return f"{name} {value} needs --mesh {kind}, got --mesh {args.mesh}"
-        if args.mesh == kind:
+        if args.mesh == kind or (three_d and flag == "tp_size"):
             value = DEFAULT_SECOND_DIM if value is None else value
             setattr(args, flag, value)
             if value < 1:
                 return f"{name} must be >= 1, got {value}"
             if world is not None and world % value:
                 return f"{name} {value} must divide the world size {world} (--mesh {kind})"
+    if three_d and world is not None and world % (args.dp_replicate * args.tp_size):
+        return (
+            f"--dp-replicate {args.dp_replicate} x --tp-size {args.tp_size} must divide the world size {world} "
+            "(--mesh hsdp with --tp-size)"
+        )
+    if three_d:
+        refused = [run for run in args.runs.split(",") if run not in MESH_DEFAULT_RUNS]
+        if refused:
+            return (
+                f"--runs {refused[0]} with --mesh hsdp --tp-size: only {', '.join(MESH_DEFAULT_RUNS)} run on a 3D mesh"
+            )
     allowed = MESH_RUNS[args.mesh]
     if allowed is not None:
         refused = [run for run in args.runs.split(",") if run not in allowed]
@@ -114,11 +141,12 @@ def mesh_errors(
                 f"(replicate and ddp replicate over the whole world); "
                 f"measure {refused[0]} with --mesh dp"
             )
-    if args.mesh == "tp":
+    if args.mesh == "tp" or three_d:
+        where = "--mesh tp" if args.mesh == "tp" else "--mesh hsdp --tp-size"
         if args.model != "own":
-            return f"--model {args.model} with --mesh tp: the TP plan (examples/parallel.py) is for --model own"
+            return f"--model {args.model} with {where}: the TP plan (examples/parallel.py) is for --model own"
         if getattr(args, "float8", False):
-            return "--float8 with --mesh tp: torchao's float8 needs its own TP styles; use --mesh dp or hsdp"
+            return f"--float8 with {where}: torchao's float8 needs its own TP styles; use --mesh dp or hsdp"
         problem = tp_problem(args.tp_size, n_heads, ffn_dim, args.seq_len)
         if problem:
             return problem
@@ -137,6 +165,15 @@ def build_mesh(args: argparse.Namespace, device_type: str) -> BenchMesh:
     flag = "--dp-replicate" if args.mesh == "hsdp" else "--tp-size"
     if world % inner:
         raise ValueError(f"{flag} {inner} must divide the world size {world} (--mesh {args.mesh})")
+    if args.mesh == "hsdp" and args.tp_size is not None:
+        tp = args.tp_size
+        if world % (inner * tp):
+            raise ValueError(f"--dp-replicate {inner} x --tp-size {tp} must divide the world size {world}")
+        names = ("replicate", "shard", "tp")
+        mesh = init_device_mesh(device_type, (inner, world // (inner * tp), tp), mesh_dim_names=names)
+        if args.compile:
+            compile_kernels(args.compile_backend)
+        return BenchMesh("hsdp", mesh, mesh["replicate", "shard"])
     if args.mesh == "hsdp":
         mesh = init_device_mesh(device_type, (inner, world // inner), mesh_dim_names=("replicate", "shard"))
         return BenchMesh("hsdp", mesh, mesh)
@@ -153,6 +190,9 @@ def describe_mesh(args: argparse.Namespace, world: int) -> str:
     with `, fused projections` after it under `--fused-projections` (it changes the TP plan)."""
     mesh = getattr(args, "mesh", "dp")
     fused = ", fused projections" if getattr(args, "fused_projections", False) else ""
+    if mesh == "hsdp" and getattr(args, "tp_size", None) is not None:
+        shards = world // (args.dp_replicate * args.tp_size)
+        return f"hsdp {args.dp_replicate} replicas x {shards} shards x tp {args.tp_size}{fused}"
     if mesh == "hsdp":
         return f"hsdp {args.dp_replicate} replicas x {world // args.dp_replicate} shards{fused}"
     if mesh == "tp":
@@ -161,8 +201,8 @@ def describe_mesh(args: argparse.Namespace, world: int) -> str:
 
 
 def tensor_parallel(model: nn.Module, bench_mesh: BenchMesh) -> None:
-    """`model` (ours) tensor-parallel on the tp dim with train.py's recipe (no-op off `--mesh tp`)."""
-    if bench_mesh.kind == "tp":
+    """`model` (ours) tensor-parallel on the tp dim with train.py's recipe (no-op without a tp dim)."""
+    if bench_mesh.has_tp:
         apply_tensor_parallel(model, bench_mesh.mesh["tp"])  # type: ignore[arg-type]
 
 

@@ -1,7 +1,8 @@
 """The benchmark's `--mesh` (examples/bench_mesh.py): the flags and their refusals, the
 contenders each mesh builds (fully_shard and FSDP2 with the same placements on the same 2D
 mesh, the floors without one), the report's per-GPU token accounting and mesh naming, and a
-4-rank gloo smoke run of each 2D mesh in which fully_shard trains like FSDP2."""
+4-rank gloo smoke run of each 2D mesh and of the 3D (replicate, shard, tp) one in which
+fully_shard trains like FSDP2."""
 
 from __future__ import annotations
 
@@ -52,6 +53,17 @@ def test_mesh_defaults() -> None:
         (["--mesh", "hsdp", "--runs", "ddp"], None, "measure ddp with --mesh dp"),
         (["--mesh", "tp", "--model", "hf-llama"], None, "--model hf-llama with --mesh tp: the TP plan"),
         (["--mesh", "tp", "--float8"], None, "--float8 with --mesh tp: torchao's float8 needs its own TP styles"),
+        (
+            ["--mesh", "hsdp", "--dp-replicate", "2", "--tp-size", "4"],
+            "4",
+            "--dp-replicate 2 x --tp-size 4 must divide the world size 4 (--mesh hsdp with --tp-size)",
+        ),
+        (
+            ["--mesh", "hsdp", "--tp-size", "2", "--runs", "floor,fully_shard,replicate"],
+            None,
+            "--runs replicate with --mesh hsdp --tp-size: only floor, fully_shard, fsdp2 run on a 3D mesh",
+        ),
+        (["--mesh", "hsdp", "--tp-size", "2", "--float8"], None, "--float8 with --mesh hsdp --tp-size: torchao"),
     ],
 )
 def test_mesh_flags_are_refused_where_they_do_not_fit(
@@ -143,10 +155,17 @@ def test_report_counts_tokens_per_gpu_and_names_the_mesh(
     assert any(line.split()[:3] == ["fully_shard", "0.8000", "10"] for line in printed.splitlines()), printed
 
 
+_SMOKE_MESHES = {
+    "hsdp": ["--mesh", "hsdp"],
+    "tp": ["--mesh", "tp"],
+    "hsdp_tp": ["--mesh", "hsdp", "--dp-replicate", "2", "--tp-size", "2"],  # 2 x 1 x 2
+}
+
+
 def _smoke(rank: int, world_size: int) -> dict:
     out = {}
-    for kind in ("hsdp", "tp"):
-        args = benchmark.parse_args(smoke_argv("--mesh", kind, "--runs", "floor,fully_shard,fsdp2", batch_size=2))
+    for kind, mesh in _SMOKE_MESHES.items():
+        args = benchmark.parse_args(smoke_argv(*mesh, "--runs", "floor,fully_shard,fsdp2", batch_size=2))
         rounds = benchmark.run_rounds(args, torch.device("cpu"))
         out[kind] = {run: (res["loss"], res["tokens_gpu"]) for run, res in rounds[0].items()}
     return out
@@ -160,11 +179,12 @@ def test_smoke_run_of_each_2d_mesh_on_four_gloo_ranks() -> None:
     import math
 
     results = run_on_ranks(_smoke, 4, timeout=300)
-    for kind in ("hsdp", "tp"):
+    for kind in _SMOKE_MESHES:
         for res in (r[kind] for r in results):
             (floor, floor_tokens), (ours, tokens), (theirs, _) = res["floor"], res["fully_shard"], res["fsdp2"]
             assert all(math.isfinite(v) and 4.0 < v < 7.0 for v in (floor, ours, theirs)), res
             assert ours == theirs, (kind, res)
-            assert floor_tokens == 32 and tokens == (16 if kind == "tp" else 32)
-    assert results[0]["tp"]["fully_shard"] == results[1]["tp"]["fully_shard"]  # ranks 0, 1: one tp group
-    assert results[0]["tp"]["fully_shard"] != results[2]["tp"]["fully_shard"]  # another dp rank's batch
+            assert floor_tokens == 32 and tokens == (32 if kind == "hsdp" else 16)
+    for kind in ("tp", "hsdp_tp"):
+        assert results[0][kind]["fully_shard"] == results[1][kind]["fully_shard"]  # ranks 0, 1: one tp group
+        assert results[0][kind]["fully_shard"] != results[2][kind]["fully_shard"]  # another dp rank's batch
