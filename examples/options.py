@@ -22,7 +22,7 @@ import torch
 from data import VOCAB_SIZE, ByteCorpus
 from model import PRESET_LR, PRESETS, ModelConfig, get_config
 from moe import NOT_CAPTURABLE as MOE_NOT_CAPTURABLE
-from parallel import MOE_EXPERTS, UsageError, async_tp_problem, tp_problem
+from parallel import MOE_EXPERTS, UsageError, async_tp_problem, tensor_parallel_in, tp_problem
 from pipeline import SCHEDULES, validate_pp
 
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
@@ -149,7 +149,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--nproc", type=int, default=2, help="local ranks to spawn when not started by a launcher")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tp-size", type=int, default=2, help="--parallel tp: tensor-parallel degree")
+    p.add_argument(
+        "--tp-size",
+        type=int,
+        default=None,
+        help="--parallel tp: tensor-parallel degree (default 2); --parallel hsdp: a third mesh dim, tensor-parallel "
+        "over this many ranks, HSDP over the rest (default: none)",
+    )
     p.add_argument(
         "--async-tp",
         action="store_true",
@@ -163,7 +169,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--hsdp-shard-size",
         type=int,
         default=None,
-        help="--parallel hsdp: ranks per shard group (default: world/2, at least 1)",
+        help="--parallel hsdp: ranks per shard group (default: half the data-parallel ranks, at least 1)",
     )
     m = p.add_argument_group("model size overrides (default: the preset's)")
     m.add_argument("--dim", type=int)
@@ -203,6 +209,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--fault", default=None, help=argparse.SUPPRESS
     )  # tests: RANK:KILL|STOP|TERM|SEGV:STEP, a rank signals itself; RANK:EXITHANG:0, its teardown blocks
     args = p.parse_args(argv)
+    if args.tp_size is None and args.parallel == "tp":
+        args.tp_size = 2
     if args.fused_projections is None:
         # Async TP fuses a reduce-scatter only with a single producer matmul (parallel.tp_block_plan).
         args.fused_projections = args.async_tp
@@ -266,6 +274,10 @@ def validate(args: argparse.Namespace) -> str | None:
     pp_problem = validate_pp(args)
     if pp_problem:
         return pp_problem
+    if args.tp_size is not None and args.parallel not in ("tp", "hsdp"):
+        return f"--tp-size {args.tp_size} needs --parallel tp or hsdp, got --parallel {args.parallel}"
+    if args.parallel == "hsdp" and args.tp_size is not None and args.pp > 1:
+        return f"--parallel hsdp --tp-size {args.tp_size} with --pp {args.pp}: pipeline stages take --parallel tp"
     if args.cpu_offload and args.parallel == "replicate":
         return "--cpu-offload needs --parallel fsdp, hsdp or tp (replicate has no offload policy)"
     if args.cuda_graph == "on":
@@ -296,7 +308,7 @@ def validate(args: argparse.Namespace) -> str | None:
 def _tp_flags_problem(args: argparse.Namespace, cfg: ModelConfig, seq_len: int) -> str | None:
     """--tp-size against the model and sequence (pipeline stages keep the textbook plan, which
     leaves the sequence whole), then --async-tp against the other flags."""
-    if args.parallel == "tp":
+    if tensor_parallel_in(args):
         problem = tp_problem(args.tp_size, cfg.n_heads, cfg.ffn_dim, seq_len if args.pp == 1 else None)
         if problem:
             return problem
@@ -320,6 +332,8 @@ def cuda_graph_unsupported(args: argparse.Namespace, device_type: str) -> str | 
         return f"--parallel {args.parallel} is not supported (only {', '.join(CUDA_GRAPH_PARALLEL)})"
     if args.cpu_offload:
         return "--cpu-offload steps the optimizer on the CPU, which a CUDA graph cannot hold"
+    if args.parallel == "hsdp" and getattr(args, "tp_size", None) is not None:
+        return "--parallel hsdp --tp-size: the 3D mesh's step is not captured"
     if getattr(args, "optimizer", "adamw") == "muon":
         return "--optimizer muon: Muon's step (its all-to-alls to the matrices' owners) is not captured"
     if getattr(args, "pp", 1) > 1:

@@ -35,9 +35,26 @@ class UsageError(ValueError):
     """Flags that do not fit the world size or the model (reported without a traceback)."""
 
 
+def tensor_parallel_in(args: argparse.Namespace) -> bool:
+    """Whether the run's mesh has a tensor-parallel dim: --parallel tp, or hsdp with --tp-size."""
+    return args.parallel == "tp" or (args.parallel == "hsdp" and getattr(args, "tp_size", None) is not None)
+
+
 def build_mesh(args: argparse.Namespace, device_type: str) -> tuple[DeviceMesh, DeviceMesh, int, int]:
     """(mesh for parallelize, data-parallel mesh, data-parallel rank, data-parallel size)."""
     world = dist.get_world_size()
+    if args.parallel == "hsdp" and tensor_parallel_in(args):
+        # (replicate, shard, tp), torchtitan's dp_replicate x dp_shard x tp: HSDP over the first two.
+        if world % args.tp_size:
+            raise UsageError(f"--tp-size {args.tp_size} does not divide the world size {world}")
+        dp = world // args.tp_size
+        shard = args.hsdp_shard_size or max(1, dp // 2)
+        if dp % shard:
+            raise UsageError(f"--hsdp-shard-size {shard} does not divide world/--tp-size = {dp}")
+        names = ("replicate", "shard", "tp")
+        mesh = init_device_mesh(device_type, (dp // shard, shard, args.tp_size), mesh_dim_names=names)
+        dp_rank = mesh["replicate"].get_local_rank() * shard + mesh["shard"].get_local_rank()
+        return mesh, mesh["replicate", "shard"], dp_rank, dp
     if args.parallel == "tp":
         if world % args.tp_size:
             raise UsageError(f"--tp-size {args.tp_size} does not divide the world size {world}")
@@ -217,7 +234,7 @@ def parallelize(model: Transformer, args: argparse.Namespace, mesh: DeviceMesh, 
         for block in model.layers:
             block.compile(backend=args.compile_backend)
     checkpoint_blocks(model.layers, args.ac)
-    if args.parallel == "tp":
+    if tensor_parallel_in(args):
         cfg = model.cfg
         problem = tp_problem(args.tp_size, cfg.n_heads, cfg.ffn_dim, getattr(args, "seq_len", None) or cfg.max_seq_len)
         if problem:

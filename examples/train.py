@@ -19,7 +19,8 @@ rank: a rank that dies or stalls ends the job with a line naming it (watchdog.py
 
 Parallelism (`--parallel`; parallel.py):
   fsdp       fully_shard on the embeddings, the head, every transformer block, then the root
-  hsdp       the same on a 2D (replicate, shard) mesh
+  hsdp       the same on a 2D (replicate, shard) mesh; with --tp-size, a 3D (replicate, shard, tp) mesh: the
+             tp recipe below on mesh["tp"], then HSDP on (replicate, shard)
   replicate  replicate (DDP semantics) on the whole model
   tp         torchtitan's tensor-parallel recipe on mesh["tp"] (sequence-parallel norms, vocabulary-sharded
              head and its vocabulary-parallel loss, fused AdamW on CUDA), then fully_shard on mesh["dp"]; --async-tp
@@ -29,10 +30,11 @@ Parallelism (`--parallel`; parallel.py):
 leading "pp" mesh dim, each stage parallelized as above, run by torch's Schedule<NAME>.
 
 CUDA graphs (`--cuda-graph auto|on|off`, default auto; train_step.py): on CUDA with fsdp, hsdp,
-replicate or tp (--async-tp too), without --cpu-offload (and, for auto, without --mp fp16), on one rank or several, each
+replicate or tp (--async-tp too), without --cpu-offload, --optimizer muon or hsdp's --tp-size (and, for auto, without --mp fp16), on one rank or several, each
 training step runs through `composable.graphed_step`: two eager steps, then one captured step
 replayed every step, which takes the host's per-step overhead away at small per-GPU batches.
-The optimizer is then a fused, capturable AdamW with a tensor learning rate set in place every
+`--optimizer muon` (muon_adamw.py): Muon on the blocks' matrices, AdamW on the rest, one optimizer.
+The optimizer of a graphed step is a fused, capturable AdamW with a tensor learning rate set in place every
 step. The first lines of the output say which mode runs and why ("cuda graph: on (auto)",
 "cuda graph: off (...)").
 """

@@ -2,7 +2,8 @@
 `--fused-projections`) and the benchmark (`--mesh tp`, `--async-tp`, `--fused-projections`,
 compile on by default on GPUs): each bad value refused at parse time with one line naming the
 flag and the value, `--async-tp` turning fused projections on unless told otherwise, and the
-main job training dp 2 x tp 2 with the recipe as dp 2 does without it, fused or not."""
+main job training dp 2 x tp 2 with the recipe as dp 2 does without it, fused or not, and on the
+3D (replicate, shard, tp) mesh of `--parallel hsdp --tp-size`."""
 
 from __future__ import annotations
 
@@ -30,6 +31,10 @@ TRAIN_ERRORS = [
     (["--parallel", "tp", "--tp-size", "4"], "--tp-size 4 must divide n_heads (2): the recipe splits it evenly"),
     (["--parallel", "tp", "--n-heads", "4", "--ffn-dim", "66", "--tp-size", "4"], "must divide ffn_dim (66)"),
     (["--parallel", "tp", "--seq-len", "31"], "--tp-size 2 must divide the sequence length (31)"),
+    (["--tp-size", "2"], "--tp-size 2 needs --parallel tp or hsdp, got --parallel fsdp"),
+    (["--parallel", "hsdp", "--tp-size", "4"], "--tp-size 4 must divide n_heads (2): the recipe splits it evenly"),
+    (["--parallel", "hsdp", "--tp-size", "2", "--pp", "2"], "--parallel hsdp --tp-size 2 with --pp 2: pipeline"),
+    (["--parallel", "hsdp", "--tp-size", "2", "--async-tp"], "--async-tp needs --parallel tp, got --parallel hsdp"),
     (
         ["--parallel", "tp", "--fused-projections", "--pp", "2"],
         "--fused-projections with --parallel tp --pp 2: pipeline stages keep the textbook TP plan",
@@ -118,3 +123,18 @@ def test_train_dp2_tp2_recipe_trains_as_dp2(fused: bool, tmp_path: Path) -> None
     got = _losses(_run([*argv, "--parallel", "tp", "--out", str(tmp_path / "tp")], world_size=4))
     expected = _losses(_run([*argv, "--out", str(tmp_path / "dp")], world_size=2))
     assert_close_tensors(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=1e-5)
+
+
+def test_train_hsdp_tp_3d_mesh_trains_as_dp2(tmp_path: Path) -> None:
+    """train.py --parallel hsdp --tp-size 2 on 4 ranks (2 replicas x shard groups of 1 x tp 2:
+    the recipe, then HSDP) against --parallel fsdp on 2 (the same two data-parallel batches per
+    step): the same losses to fp32 rounding. Not captured as a CUDA graph (one line)."""
+    argv = [*SMALL, "--steps", "3", "--eval-every", "0", "--ckpt-every", "0"]
+    got = _losses(_run([*argv, "--parallel", "hsdp", "--tp-size", "2", "--out", str(tmp_path / "3d")], world_size=4))
+    expected = _losses(_run([*argv, "--out", str(tmp_path / "dp")], world_size=2))
+    assert_close_tensors(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=1e-5)
+    args = options.parse_args([*argv, "--parallel", "hsdp", "--tp-size", "2", "--out", str(tmp_path / "g")])
+    assert (
+        options.cuda_graph_unsupported(args, "cuda") == "--parallel hsdp --tp-size: the 3D mesh's step is not captured"
+    )
+    assert options.parse_args([*argv, "--parallel", "tp", "--out", str(tmp_path / "t")]).tp_size == 2

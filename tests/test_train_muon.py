@@ -115,10 +115,10 @@ def test_the_main_job_trains_with_muon_and_resumes_as_the_run_that_never_stopped
             assert losses == full, (losses, full)
 
 
-def test_muon_is_not_captured_as_a_cuda_graph() -> None:
-    args = options.parse_args(MUON + ["--steps", "2"])
+def test_muon_is_not_captured_as_a_cuda_graph(tmp_path: Path) -> None:
+    args = options.parse_args(MUON + ["--steps", "2", "--out", str(tmp_path)])
     assert options.cuda_graph_unsupported(args, "cuda") == (
         "--optimizer muon: Muon's step (its all-to-alls to the matrices' owners) is not captured"
     )
     assert options.cuda_graph_mode(args, "cuda")[0] is False
-    assert options.cuda_graph_unsupported(options.parse_args(SMALL), "cuda") is None
+    assert options.cuda_graph_unsupported(options.parse_args(SMALL + ["--out", str(tmp_path)]), "cuda") is None
