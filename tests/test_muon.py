@@ -25,7 +25,7 @@ import torch.nn as nn
 from _harness import on_gpus, run_on_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import composable
@@ -60,7 +60,7 @@ class MLP(nn.Module):
 
 def _model(layout: str = "fully_shard") -> nn.Sequential:
     torch.manual_seed(0)
-    block = MLP if layout == "tp" else Block
+    block = MLP if layout in ("tp", "hsdp_tp") else Block
     return nn.Sequential(block(), block(), nn.Linear(8, 3))
 
 
@@ -75,12 +75,15 @@ def _shard(model: nn.Module, layout: str, world: int, device: str = "cpu") -> No
     if layout == "replicate":
         composable.replicate(model)
         return
-    if layout == "tp":  # the blocks' up and gate column-parallel, down row-parallel on tp, then dp
-        mesh = init_device_mesh(device, (2, world // 2), mesh_dim_names=("dp", "tp"))
+    if layout in ("tp", "hsdp_tp"):  # the blocks' up column-parallel, down row-parallel on tp, then dp
+        if layout == "tp":
+            mesh = init_device_mesh(device, (2, world // 2), mesh_dim_names=("dp", "tp"))
+        else:  # HSDP x TP: replicate 2 x shard world/4 x tp 2
+            mesh = init_device_mesh(device, (2, world // 4, 2), mesh_dim_names=("replicate", "shard", "tp"))
         plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
         for block in model[:2]:
             parallelize_module(block, mesh["tp"], plan)
-        mesh = mesh["dp"]
+        mesh = mesh["dp"] if layout == "tp" else mesh["replicate", "shard"]
     else:
         mesh = init_device_mesh(device, (2, world // 2) if layout == "hsdp" else (world,))
     shard = torch_fully_shard if layout == "fsdp2" else composable.fully_shard
@@ -117,7 +120,7 @@ def _vs_one_process(rank: int, world: int, layout: str, device: str = "cpu") -> 
 
 @pytest.mark.parametrize(
     "layout, world",
-    [("fully_shard", 2), ("fully_shard", 4), ("hsdp", 4), ("tp", 4), ("replicate", 2), ("fsdp2", 2)],
+    [("fully_shard", 2), ("fully_shard", 4), ("hsdp", 4), ("tp", 4), ("hsdp_tp", 4), ("replicate", 2), ("fsdp2", 2)],
     ids=str,
 )
 def test_update_equals_one_process(layout: str, world: int) -> None:
@@ -168,18 +171,36 @@ def test_accumulated_clipped_bf16_compute_steps_as_one_process() -> None:
 
 
 def _which_path(rank: int, world: int) -> list:
-    from composable.optim.muon import _rows_dim
+    from torch.distributed.tensor.placement_types import _StridedShard
 
-    mesh = init_device_mesh("cpu", (2, 2))
-    shapes = [((Replicate(), Shard(0)), 1), ((Shard(0), Replicate()), 0), ((Shard(0), Shard(1)), None)]
+    from composable.optim.muon import _nested_rows, _row_layout
+
+    named = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    unnamed = init_device_mesh("cpu", (2, 2))
+    strided = (_StridedShard(0, split_factor=2), Shard(0))
+    cases = [
+        (named, (Replicate(), Shard(0)), ((1,), False)),  # HSDP: each replica group on its own
+        (named, (Shard(0), Replicate()), ((0,), False)),
+        (named, (Shard(0), Shard(0)), ((0, 1), False)),
+        (named, strided, ((1, 0), False)),  # column-parallel under dp: tp's rows split over dp
+        (named, (Shard(0), Shard(1)), ((0, 1), True)),  # row-parallel: laid out by rows first
+        (unnamed, (Shard(0), Shard(1)), None),  # no names to flatten two dims: gathered
+        (named, (Replicate(), Replicate()), None),  # whole everywhere
+    ]
     found = []
-    for placements, _ in shapes:
-        found.append(_rows_dim(distribute_tensor(torch.zeros(8, 8), mesh, placements)))
-    return [(found[i], want) for i, (_, want) in enumerate(shapes)]
+    for mesh, placements, want in cases:
+        local = torch.zeros(2, 8)  # the layout alone is read
+        param = DTensor.from_local(local, mesh, placements, shape=(8, 8), stride=(8, 1), run_check=False)
+        found.append((_row_layout(param), want))
+    # Shard(0) over one dim then another: torch.chunk's sizes, nested (10 rows: 5 | 5, then 3 2 | 3 2).
+    found.append((_nested_rows(10, [2, 2]), [3, 2, 3, 2]))
+    found.append((_nested_rows(5, [4]), [2, 2, 1, 0]))
+    return found
 
 
-def test_row_sharded_layouts_take_the_owners_path() -> None:
-    """HSDP's layout divides its matrices among its shard ranks; a 2D-sharded one is gathered."""
+def test_layouts_take_the_owners_path_where_they_can() -> None:
+    """HSDP's layout divides its matrices among its shard ranks; a dp x tp matrix goes to owners
+    over the whole (dp, tp) group, laid out by rows first; only an unnamed 2D mesh is gathered."""
     assert all(got == want for got, want in run_on_ranks(_which_path, 4)[0])
 
 

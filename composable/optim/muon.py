@@ -16,12 +16,15 @@ the same elements as one process), and each matrix goes whole to one owner rank:
 The matrices go in a few rounds, so that the collectives of one round run while the owners
 orthogonalize another.
 
-This serves parameters sharded by rows over one mesh dim and whole over the others: `fully_shard`'s
-`Shard(0)` (uneven rows included) and HSDP's `(Replicate(), Shard(0))`, where each replica group
-divides its matrices among its own ranks. 3D expert weights split by experts are orthogonalized
-where they are, matrix by matrix. Any other DTensor layout (tensor parallelism) is gathered whole
-on every rank and orthogonalized there: the same update, at more FLOPs (`replicate`'s parameters
-are whole on every rank already). Plain tensors take torch's path.
+This serves every layout whose ranks each hold whole rows of a matrix, nested over some mesh dims
+and whole over the others: `fully_shard`'s `Shard(0)` (uneven rows included), HSDP's `(Replicate(),
+Shard(0))` (each replica group divides its matrices among its own ranks), and a column-parallel
+matrix under `fully_shard` on dp x tp or HSDP x TP (`_StridedShard` over dp inside tp's rows: the
+owners span the whole dp x tp group). A row-parallel matrix (columns split over tp) is first
+redistributed to rows on the same dims, and back after. 3D expert weights split by experts are
+orthogonalized where they are, matrix by matrix. Any other DTensor layout is gathered whole on
+every rank and orthogonalized there: the same update, at more FLOPs (`replicate`'s parameters are
+whole on every rank already). Plain tensors take torch's path.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.optim import Muon as TorchMuon
 from torch.optim import Optimizer
 from torch.optim._muon import (
@@ -166,11 +170,11 @@ def _orthogonalize(
         return _zeropower_via_newtonschulz(matrix, coefficients, steps, eps)
 
     out: list[torch.Tensor | None] = [None] * len(updates)
-    row_sharded: dict[Any, list[int]] = {}  # (mesh, its rows' dim) -> the parameters sharded by rows there
+    by_rows: dict[Any, list[int]] = {}  # (mesh, the row nesting, redistributed?) -> the parameters
     for i, (pending, param) in enumerate(zip(updates, params)):
-        rows_dim = _rows_dim(param)
-        if rows_dim is not None:
-            row_sharded.setdefault((param.device_mesh, rows_dim), []).append(i)
+        layout = _row_layout(param)
+        if layout is not None:
+            by_rows.setdefault((param.device_mesh, *layout), []).append(i)
             continue
         update = pending.tensor()
         if update.ndim == 3 and _whole_matrices_here(param):  # one matrix per expert, each whole here
@@ -184,13 +188,92 @@ def _orthogonalize(
             result = _each_matrix(newton_schulz, full) if full.ndim == 3 else newton_schulz(full)
             replicated = DTensor.from_local(result, mesh, [Replicate()] * mesh.ndim)
             out[i] = replicated.redistribute(mesh, placements)._local_tensor
-    for (mesh, rows_dim), indices in row_sharded.items():
+    for (mesh, nest, columns_split), indices in by_rows.items():
+        rows = [Shard(0) if d in nest else Replicate() for d in range(mesh.ndim)]
+        as_rows = [_as_rows(updates[i], params[i], rows) if columns_split else updates[i] for i in indices]
+        group, order = _rows_group(mesh, nest)
+        sizes = [_nested_rows(params[i].shape[0], [mesh.size(d) for d in nest]) for i in indices]
         results = _orthogonalize_on_owners(
-            [updates[i] for i in indices], [params[i].shape for i in indices], mesh.get_group(rows_dim), newton_schulz
+            as_rows, [params[i].shape for i in indices], sizes, group, order, newton_schulz
         )
         for i, result in zip(indices, results):
+            if columns_split:  # back to the parameter's own layout
+                param = params[i]
+                laid = DTensor.from_local(result, mesh, rows, shape=param.shape, stride=param.stride())
+                result = laid.redistribute(mesh, param.placements)._local_tensor
             out[i] = result
     return out  # type: ignore[return-value]
+
+
+def _row_layout(param: torch.Tensor) -> tuple[tuple[int, ...], bool] | None:
+    """How the owners' path takes `param` (a 2D DTensor), as (nest, columns_split), or None
+    (gathered on every rank instead). Each rank's part is whole rows, nested over the mesh dims
+    `nest` (the first of them splits the matrix, the next each of its parts, and so on):
+
+    - `Shard(0)` on some dims, `Replicate()` on the others: `fully_shard`'s rows, HSDP's
+      `(Replicate(), Shard(0))`, nested in mesh-dim order;
+    - a column-parallel matrix under `fully_shard` on (dp, tp): `(_StridedShard(0, sf=tp),
+      Shard(0))`, tp's rows split over dp, nested tp first (HSDP x TP's 3D layout alike);
+    - `columns_split`: `Shard` on dims 0 and 1 (a row-parallel matrix under `fully_shard`),
+      redistributed to `Shard(0)` on those dims first (DTensor moves the elements), nested in
+      mesh-dim order.
+
+    Several dims make one flattened group, which needs the mesh's dim names."""
+    if not isinstance(param, DTensor) or param.ndim != 2:
+        return None
+    placements, mesh = param.placements, param.device_mesh
+    dims = tuple(d for d, p in enumerate(placements) if not p.is_replicate())
+    if not dims or (len(dims) > 1 and mesh.mesh_dim_names is None):
+        return None
+    if all(placements[d] == Shard(0) for d in dims):
+        return dims, False
+    strided = [d for d in dims if isinstance(placements[d], _StridedShard)]
+    if len(dims) == 2 and strided == [dims[0]]:
+        first, second = dims
+        outer = placements[first]
+        if outer.dim == 0 and placements[second] == Shard(0) and outer.split_factor == mesh.size(second):
+            return (second, first), False
+        return None
+    if not strided and all(placements[d].is_shard() and placements[d].dim in (0, 1) for d in dims):
+        return dims, True
+    return None
+
+
+def _as_rows(pending: _Update, param: torch.Tensor, rows: list[Any]) -> _Update:
+    """The update of a matrix split by columns somewhere, redistributed to `Shard(0)` on the
+    same dims (the same fp32 elements moved; the send buffer converts them once)."""
+    mesh = param.device_mesh
+    update = DTensor.from_local(pending.tensor(), mesh, param.placements, shape=param.shape, stride=param.stride())
+    return _Update(None, update.redistribute(mesh, rows)._local_tensor, None)
+
+
+def _rows_group(mesh: Any, nest: tuple[int, ...]) -> tuple[dist.ProcessGroup, list[int]]:
+    """The process group over the dims of `nest` (one dim's own, or the flattened group of
+    several: each replica of the other dims its own) and `order`: the group rank holding each
+    nested row part, in row order (row-major over `nest`)."""
+    if len(nest) == 1:
+        group = mesh.get_group(nest[0])
+    else:
+        names = tuple(mesh.mesh_dim_names[d] for d in sorted(nest))
+        group = mesh[names]._flatten().get_group()
+    others = [d for d in range(mesh.ndim) if d not in nest]
+    size = 1
+    for d in nest:
+        size *= mesh.size(d)
+    members = mesh.mesh.permute(*others, *nest).reshape(-1, size)
+    me = dist.get_rank()
+    in_row_order = next(row for row in members.tolist() if me in row)
+    group_ranks = dist.get_process_group_ranks(group)
+    return group, [group_ranks.index(r) for r in in_row_order]
+
+
+def _nested_rows(rows: int, sizes: list[int]) -> list[int]:
+    """Rows each part holds when `rows` are split as `Shard(0)` over mesh dims of `sizes`, one
+    after the other (torch.chunk's sizes: ceil-sized parts, the last ones short or empty)."""
+    parts = [rows]
+    for n in sizes:
+        parts = [max(0, min(-(-p // n), p - k * -(-p // n))) for p in parts for k in range(n)]
+    return parts
 
 
 def _each_matrix(newton_schulz: Any, stack: torch.Tensor) -> torch.Tensor:
@@ -206,20 +289,6 @@ def _whole_matrices_here(param: torch.Tensor) -> bool:
     if not isinstance(param, DTensor):
         return True
     return all(getattr(p, "dim", 0) == 0 for p in param.placements if not p.is_replicate())
-
-
-def _rows_dim(param: torch.Tensor) -> int | None:
-    """The mesh dim over which `param` is sharded by rows, when it is whole on every other dim
-    (`fully_shard`'s `Shard(0)`, HSDP's `(Replicate(), Shard(0))`); else None."""
-    if not isinstance(param, DTensor) or param.ndim != 2:
-        return None
-    placements = param.placements
-    shards = [d for d, p in enumerate(placements) if p.is_shard()]
-    if len(shards) != 1 or placements[shards[0]] != Shard(0):
-        return None
-    if not all(p.is_replicate() for d, p in enumerate(placements) if d != shards[0]):
-        return None
-    return shards[0]
 
 
 def _owners(shapes: list[torch.Size], world: int) -> list[int]:
@@ -255,20 +324,28 @@ _BUCKETS = 4
 
 
 def _orthogonalize_on_owners(
-    updates: list[_Update], shapes: list[torch.Size], group: dist.ProcessGroup, newton_schulz: Any
+    updates: list[_Update],
+    shapes: list[torch.Size],
+    sizes: list[list[int]],
+    group: dist.ProcessGroup,
+    order: list[int],
+    newton_schulz: Any,
 ) -> list[torch.Tensor]:
-    """Matrices sharded by rows over `group` (whole on any other mesh dim): each whole on its
-    owner, orthogonalized there, its rows back where they came from. Each round (`_buckets`) is
-    two all-to-alls, in flight while the owners orthogonalize another round; each rank's rows
-    padded to `ceil(rows / world)` so every block has the size the receiver expects (the padding
-    is never read: `fully_shard`'s uneven rows leave it at a matrix's end, which `[:rows]` drops).
+    """Matrices split by rows over `group` (whole on any other mesh dim): each whole on its
+    owner, orthogonalized there, its rows back where they came from. `sizes[i][k]`: the rows of
+    matrix i that the k-th part (in row order) holds; `order[k]`: the group rank holding part k.
+    Each round (`_buckets`) is two all-to-alls, in flight while the owners orthogonalize another
+    round; each rank's rows padded to the largest part so every block has the size the receiver
+    expects (the padding is never read).
 
     The rows travel in bfloat16: Newton-Schulz's first step is `.bfloat16()` of its input, so
     converting each element before sending gives the owner the very tensor it would make itself,
     at half the bytes; it computes and returns in bfloat16 too."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    chunk_rows = [-(-s[0] // world) for s in shapes]  # a rank's rows, padded
+    part_of = {g: k for k, g in enumerate(order)}
+    chunk_rows = [max(part) for part in sizes]  # a rank's rows, padded
     chunk = [r * s[1] for r, s in zip(chunk_rows, shapes)]  # the same, in elements
+    starts = [[sum(part[:k]) for k in range(world)] for part in sizes]  # each part's first row
     owners = _owners(shapes, world)
     dtype, device = torch.bfloat16, updates[0].buf.device
 
@@ -292,9 +369,9 @@ def _orthogonalize_on_owners(
         work = dist.all_to_all_single(received, send, [per_source] * world, send_sizes, group=group, async_op=True)
         inbound.append((bucket, mine, per_source, received, send, work))
 
-    # Round by round: whole matrices on their owner, orthogonalized, each rank's rows sent back
-    # while the next round is orthogonalized. Block s of `back` holds rank s's rows of every result
-    # this rank owns in the round, each matrix's at its padded offset.
+    # Round by round: whole matrices on their owner (the parts in row order), orthogonalized,
+    # each rank's rows sent back while the next round is orthogonalized. Block g of `back` holds
+    # rank g's rows of every result this rank owns in the round, each matrix's at its padded offset.
     outbound = []
     for bucket, mine, per_source, received, send, work in inbound:
         work.wait()
@@ -303,13 +380,16 @@ def _orthogonalize_on_owners(
         back_blocks = back.view(world, per_source)
         column = 0
         for i in mine:
-            rows, cols = shapes[i]
-            result = newton_schulz(blocks[:, column : column + chunk[i]].reshape(-1, cols)[:rows])
+            cols = shapes[i][1]
+            parts = [blocks[order[k], column : column + n * cols].view(n, cols) for k, n in enumerate(sizes[i])]
+            result = newton_schulz(torch.cat(parts))
             for dest in range(world):
-                first, last = dest * chunk_rows[i], min((dest + 1) * chunk_rows[i], rows)
-                if last > first:
-                    count = (last - first) * cols
-                    back_blocks[dest, column : column + count].view(last - first, cols).copy_(result[first:last])
+                k = part_of[dest]
+                first, count = starts[i][k], sizes[i][k]
+                if count:
+                    back_blocks[dest, column : column + count * cols].view(count, cols).copy_(
+                        result[first : first + count]
+                    )
             column += chunk[i]
         receive_sizes = [sum(chunk[i] for i in bucket if owners[i] == src) for src in range(world)]
         returned = torch.empty(sum(receive_sizes), dtype=dtype, device=device)
