@@ -13,6 +13,7 @@ from bench_build import (
     GRAPHED_RUNS,
     HF_MISSING,
     MODELS,
+    OFFLOAD_RUNS,
     RUNS,
     WRAPS,
     hf_available,
@@ -49,7 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--runs",
         default=None,
-        help=f"comma list of {', '.join(ALL_RUNS)} (the *_graphed ones: the whole step in a CUDA graph); "
+        help=f"comma list of {', '.join(ALL_RUNS)} (the *_graphed ones: the whole step in a CUDA graph; the *_offload "
+        "ones: CPUOffloadPolicy, the shards, gradients and optimizer step on the host); "
         f"default {','.join(RUNS)}, on a 2D --mesh {','.join(MESH_DEFAULT_RUNS)}",
     )
     p.add_argument(
@@ -144,6 +146,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(
             f"--warmup must be >= 2 with --runs {graphed[0]} (graphed_step's eager warm-up, then the capture, "
             f"so that every timed step is a replay), got {args.warmup}"
+        )
+    offloaded = [run for run in args.runs.split(",") if run in OFFLOAD_RUNS]
+    if offloaded and (args.float8 or args.moe or args.model != "own" or args.optimizer != "adamw" or args.mesh != "dp"):
+        p.error(
+            f"--runs {offloaded[0]} runs with --model own, --mesh dp and --optimizer adamw, without --float8 or --moe "
+            f"(got --model {args.model}, --mesh {args.mesh}, --optimizer {args.optimizer}"
+            f"{', --float8' if args.float8 else ''}{', --moe' if args.moe else ''})"
         )
     if graphed and args.optimizer != "adamw":
         p.error(f"--optimizer {args.optimizer} is not measured with --runs {graphed[0]}: choose eager or compiled runs")

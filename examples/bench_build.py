@@ -7,7 +7,8 @@ Every contender is built the same way, in the order the APIs need:
    before any API is applied, as torchtitan does; with `ac` "full" or "selective" every block
    checkpointed (composable's `checkpoint` for our contenders, torch's `checkpoint_wrapper`
    for FSDP2 and DDP; "selective" keeps the matmuls: `composable.checkpoint.save_matmuls`);
-4. the API: nothing (floor), `fully_shard` on every sharding unit bottom-up (ours or FSDP2),
+4. the API: nothing (floor), `fully_shard` on every sharding unit bottom-up (ours or FSDP2;
+   the `*_offload` runs with `CPUOffloadPolicy`: shards, gradients and the step on the host),
    or `replicate` on the root; on `--mesh hsdp` / `tp` (bench_mesh.py) the FSDP-style ones
    shard over its data-parallel mesh, under `tp` after train.py's tensor-parallel recipe;
 5. materialised on the device and initialised *after* sharding (each rank fills its shards);
@@ -34,7 +35,10 @@ import composable
 RUNS = ("floor", "fully_shard", "fsdp2", "replicate", "ddp")
 # The same contenders with the whole step in a CUDA graph (composable.graphed_step); opt-in, CUDA only.
 GRAPHED_RUNS = ("floor_graphed", "fully_shard_graphed", "replicate_graphed")
-ALL_RUNS = RUNS + GRAPHED_RUNS
+# fully_shard and FSDP2 with CPU offload (`CPUOffloadPolicy`: sharded parameters, gradients and the
+# optimizer step on the host); opt-in, measured beside the same contenders without it.
+OFFLOAD_RUNS = ("fully_shard_offload", "fsdp2_offload")
+ALL_RUNS = RUNS + GRAPHED_RUNS + OFFLOAD_RUNS
 MODELS = ("own", "hf-llama")
 AC_MODES = ("none", "full", "selective")  # activation checkpointing of every block
 WRAPS = ("separate-ends", "blocks")  # how fully_shard/FSDP2 group the model: see `sharding_units`
@@ -142,7 +146,8 @@ def build(
     allowed = MESH_RUNS[mesh.kind] if mesh is not None else None
     if allowed is not None and run not in allowed:
         raise ValueError(f"build: run {run!r} does not run on --mesh {mesh.kind}; runs there: {allowed}")
-    run = run.removesuffix("_graphed")
+    offload = run in OFFLOAD_RUNS
+    run = run.removesuffix("_graphed").removesuffix("_offload")
     if model not in MODELS:
         raise ValueError(f"build: model must be one of {MODELS}, got {model!r}")
     if ac not in AC_MODES:
@@ -161,20 +166,25 @@ def build(
     if run in ("fully_shard", "fsdp2"):
         if run == "fully_shard":
             shard, mpp = composable.fully_shard, composable.MixedPrecisionPolicy(**bf16)
+            policy = composable.CPUOffloadPolicy() if offload else composable.OffloadPolicy()
         else:
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+            from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
             shard, mpp = fully_shard, MixedPrecisionPolicy(**bf16)
+            # FSDP2 pins the host shards, which needs an accelerator; composable skips pinning without one.
+            policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
         if mesh is not None:
             tensor_parallel(net, mesh)  # --mesh tp: the TP recipe first, as train.py
         dp_mesh = None if mesh is None else mesh.dp_mesh  # None: the API's default world mesh
         if cfg.n_experts:  # --moe: expert parallelism, the experts sharded over the rest first
             shard_experts(net, expert_mesh(device.type, cfg.n_experts), shard, mp_policy=mpp)  # type: ignore[arg-type]
         for module in sharding_units(net, wrap):
-            shard(module, mesh=dp_mesh, mp_policy=mpp)
+            shard(module, mesh=dp_mesh, mp_policy=mpp, offload_policy=policy)
     elif run == "replicate":
         composable.replicate(net, mp_policy=composable.MixedPrecisionPolicy(**bf16))
-    net.to_empty(device=device)
+    # Offloaded shards live on the host from the start (as torchtitan materialises them); the
+    # rotary tables, buffers, on the device (`init_weights(buffer_device=...)`).
+    net.to_empty(device="cpu" if offload else device)
     _init_weights(net, device)
     if run == "ddp":
         net = nn.parallel.DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)

@@ -27,6 +27,10 @@ RATIOS = (
     ("replicate_graphed", "ddp"),
     ("replicate_graphed", "floor_graphed"),
     ("floor_graphed", "floor"),
+    # CPU offload: against FSDP2's, and what it costs against the same contender without it.
+    ("fully_shard_offload", "fsdp2_offload"),
+    ("fully_shard_offload", "fully_shard"),
+    ("fsdp2_offload", "fsdp2"),
 )
 
 
@@ -53,12 +57,22 @@ def report(rounds: list[dict[str, dict]], args: argparse.Namespace, world: int, 
     reserved = {run: max(rd[run]["peak_reserved_gib"] for rd in rounds) for run in runs}
     print(f"\n{device_name} x{world}, mesh {describe_mesh(args, world)}, {describe(args)}")
     w = max(12, *map(len, runs))  # fully_shard_graphed is 19 wide
-    print(f"{'run':<{w}} {'s/step':>8} {'tok/s/GPU':>10} {'MFU':>6} {'alloc GiB':>10} {'reserved GiB':>13}")
+    # The host's memory matters where a run keeps its state there: the process's resident set at
+    # the end of each run (a high-water mark over the contenders run before it too).
+    host = {run: max(rd[run].get("host_rss_gib", 0.0) for rd in rounds) for run in runs}
+    host_column = any(run.endswith("_offload") for run in runs)
+    print(
+        f"{'run':<{w}} {'s/step':>8} {'tok/s/GPU':>10} {'MFU':>6} {'alloc GiB':>10} {'reserved GiB':>13}"
+        + (f" {'host GiB':>9}" if host_column else "")
+    )
     tokens = {run: _tokens(rounds[0][run], args) for run in runs}
     for run in runs:
         tok = tokens[run] / med[run]
         mfu = tok * rounds[0][run]["mfu_per_tok_s"]
-        print(f"{run:<{w}} {med[run]:>8.4f} {tok:>10.0f} {mfu:>6.1%} {peak[run]:>10.2f} {reserved[run]:>13.2f}")
+        print(
+            f"{run:<{w}} {med[run]:>8.4f} {tok:>10.0f} {mfu:>6.1%} {peak[run]:>10.2f} {reserved[run]:>13.2f}"
+            + (f" {host[run]:>9.2f}" if host_column else "")
+        )
     ratios = {}
     for ours, theirs in RATIOS:
         if ours in med and theirs in med:

@@ -225,6 +225,7 @@ def time_run(
         "peak_alloc_gib": (max_alloc - before_alloc) / 2**30,
         "peak_reserved_gib": (max_reserved - before_reserved) / 2**30,
         "left_before_gib": before_alloc / 2**30,
+        "host_rss_gib": _host_rss_bytes() / 2**30,
         "loss": float(loss),
     }
     teardown(c.model, opt)
@@ -233,6 +234,15 @@ def time_run(
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+def _host_rss_bytes() -> int:
+    """This process's resident memory now (Linux's /proc; 0 where there is none)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
 
 
 def teardown(model: nn.Module, opt: torch.optim.Optimizer) -> None:

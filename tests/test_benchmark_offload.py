@@ -1,0 +1,83 @@
+"""The benchmark's CPU-offload contenders (`--runs fully_shard_offload,fsdp2_offload`): fully_shard
+and FSDP2 with `CPUOffloadPolicy` (shards, gradients and the optimizer step on the host), measured
+beside the same contenders without it. Their shards live on the host, the loss after a step is the
+one without offload (the same math), the report holds them against FSDP2's and against no offload,
+with the host's memory beside the GPU's, and the combinations not measured are refused in one line."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _harness import run_on_ranks, smoke_argv
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+
+import bench_args  # noqa: E402
+import bench_build  # noqa: E402
+import benchmark  # noqa: E402
+
+RUNS = "fully_shard,fully_shard_offload,fsdp2_offload"
+
+
+def _smoke(rank: int, world_size: int, out: str) -> dict:
+    args = benchmark.parse_args(smoke_argv("--runs", RUNS, "--out", out))
+    rounds = benchmark.run_rounds(args, torch.device("cpu"))
+    if rank == 0:
+        benchmark.report(rounds, args, world_size, "cpu")
+    return {run: (res["loss"], res["host_rss_gib"]) for run, res in rounds[0].items()}
+
+
+@pytest.mark.filterwarnings("ignore:DTensor random operators")
+def test_offload_contenders_train_as_without_offload_and_are_reported(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "offload.json"
+    results = run_on_ranks(_smoke, 2, str(out), timeout=300)
+    for res in results:
+        (plain, _), (ours, host), (theirs, _) = res["fully_shard"], res["fully_shard_offload"], res["fsdp2_offload"]
+        assert math.isfinite(plain) and 4.0 < plain < 7.0, res
+        assert ours == plain == theirs, res  # offload moves the state, not the math
+        assert host > 0
+    ratios = json.loads(out.read_text())["ratios"]
+    assert {"fully_shard_offload/fsdp2_offload", "fully_shard_offload/fully_shard"} <= set(ratios)
+
+
+def _shard_devices(rank: int, world_size: int) -> dict:
+    """Each contender built for a compute device other than the host ('meta' stands in for the
+    GPU here): where its shards live."""
+    cfg = bench_args.model_config(benchmark.parse_args(smoke_argv()))
+    devices = {}
+    for run in ("fully_shard", *bench_build.OFFLOAD_RUNS):
+        contender = bench_build.build(run, cfg, torch.device("meta"), "separate-ends", "own")
+        devices[run] = sorted({p.to_local().device.type for p in contender.model.parameters()})
+    return devices
+
+
+def test_offload_shards_live_on_the_host() -> None:
+    """Materialised on the host (to_empty on the CPU), as the offload policies keep them; the
+    contender without offload on its compute device."""
+    got = run_on_ranks(_shard_devices, 2)[0]
+    assert got == {"fully_shard": ["meta"], "fully_shard_offload": ["cpu"], "fsdp2_offload": ["cpu"]}, got
+
+
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        (["--optimizer", "muon"], "--optimizer muon"),
+        (["--moe"], "--moe"),
+        (["--mesh", "hsdp"], "--mesh hsdp"),
+    ],
+)
+def test_offload_runs_refuse_what_is_not_measured(
+    extra: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        benchmark.parse_args(["--runs", "fully_shard_offload", *extra])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert ": error: --runs fully_shard_offload runs with --model own, --mesh dp" in line and named in line, line
