@@ -173,7 +173,7 @@ def test_accumulated_clipped_bf16_compute_steps_as_one_process() -> None:
 def _which_path(rank: int, world: int) -> list:
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from composable.optim.muon import _nested_rows, _row_layout
+    from composable.optim._whole_matrices import _nested_rows, _row_layout
 
     named = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     unnamed = init_device_mesh("cpu", (2, 2))
@@ -295,7 +295,7 @@ def test_shapes_other_than_matrices_are_refused() -> None:
 
 
 def _owners_balance(rank: int, world: int) -> list[int]:
-    from composable.optim.muon import _owners
+    from composable.optim._whole_matrices import _owners
 
     return _owners([torch.Size((64, 64)), torch.Size((8, 8)), torch.Size((64, 64)), torch.Size((16, 8))], world)
 
