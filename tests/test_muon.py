@@ -212,16 +212,24 @@ def _train_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: range, ran
         opt.zero_grad()
 
 
-def _checkpoint_round_trip(rank: int, world: int, path: str) -> None:
+def _build_for_checkpoint(seed: int, world: int, layout: str = "fully_shard") -> tuple[nn.Module, Muon]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(Block(), Block(), nn.Linear(8, 3))
+    _shard(model, layout, world)
+    hidden = [p for p in model[:2].parameters() if p.requires_grad and p.ndim == 2]
+    return model, Muon(hidden, lr=0.02, weight_decay=0.01)
+
+
+def _momenta(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [_whole(opt.state[p]["momentum_buffer"]) for p in opt.param_groups[0]["params"]]
+
+
+def _checkpoint_round_trip(rank: int, world: int, path: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-        torch.manual_seed(seed)
-        model = nn.Sequential(Block(), Block(), nn.Linear(8, 3))
-        _shard(model, "fully_shard", world)
-        hidden = [p for p in model[:2].parameters() if p.requires_grad and p.ndim == 2]
-        return model, Muon(hidden, lr=0.02, weight_decay=0.01)
+        return _build_for_checkpoint(seed, world)
 
     model, opt = build(0)
     _train_steps(model, opt, range(2), rank)
@@ -230,6 +238,7 @@ def _checkpoint_round_trip(rank: int, world: int, path: str) -> None:
         assert isinstance(state["momentum_buffer"], DTensor), fqn
         assert state["momentum_buffer"].placements == msd[fqn].placements, fqn
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    saved = _momenta(opt)
     fresh, fresh_opt = build(1)  # other values: the load must overwrite them all
     msd2, osd2 = get_state_dict(fresh, fresh_opt)
     dcp.load({"model": msd2, "optim": osd2}, checkpoint_id=path)
@@ -238,12 +247,36 @@ def _checkpoint_round_trip(rank: int, world: int, path: str) -> None:
     _train_steps(fresh, fresh_opt, range(2, 4), rank)  # the resumed one
     for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
         assert torch.equal(_whole(p), _whole(q)), f"{name}: the resumed run differs"
+    return saved, [_whole(p).detach() for p in model.parameters()]
+
+
+def _load_elsewhere(rank: int, world: int, path: str, layout: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The checkpoint loaded into a run of `layout` at `world` ranks: its momenta, and its
+    parameters after the steps the saving run took next (the same data only at 2 ranks)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, opt = _build_for_checkpoint(1, world, layout)
+    _train_steps(model, opt, range(1), rank)  # a momentum of its own, which the load replaces
+    msd, osd = get_state_dict(model, opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    loaded = _momenta(opt)
+    _train_steps(model, opt, range(2, 4), rank)
+    return loaded, [_whole(p).detach() for p in model.parameters()]
 
 
 def test_checkpoint_round_trip_resumes_bit_for_bit(tmp_path: Path) -> None:
     """DCP through `get_state_dict`: the momentum saved sharded as its parameter, loaded into a
-    fresh run, which then trains on exactly as the run that never stopped."""
-    run_on_ranks(_checkpoint_round_trip, 2, str(tmp_path / "ckpt"))
+    fresh run, which then trains on exactly as the run that never stopped; loaded into a run on
+    PyTorch FSDP2's parameters, which trains on as it too; and into 4 ranks, resharded."""
+    path = str(tmp_path / "ckpt")
+    saved, never_stopped = run_on_ranks(_checkpoint_round_trip, 2, path)[0]
+    loaded, params = run_on_ranks(_load_elsewhere, 2, path, "fsdp2")[0]
+    assert all(torch.equal(a, b) for a, b in zip(loaded, saved))
+    assert all(torch.equal(a, b) for a, b in zip(params, never_stopped))
+    loaded, _ = run_on_ranks(_load_elsewhere, 4, path, "fully_shard")[0]
+    assert all(torch.equal(a, b) for a, b in zip(loaded, saved))
 
 
 class Experts(nn.Module):
