@@ -127,7 +127,7 @@ def test_update_equals_one_process(layout: str, world: int) -> None:
     run_on_ranks(_vs_one_process, world, layout)
 
 
-_GPU_WORLDS = {"fully_shard": 2, "hsdp": 4, "tp": 4}
+_GPU_WORLDS = {"fully_shard": 2, "hsdp": 4, "tp": 4, "hsdp_tp": 4}
 
 
 @pytest.mark.parametrize("layout", [on_gpus(layout, world, id=layout) for layout, world in _GPU_WORLDS.items()])
