@@ -1,0 +1,209 @@
+"""Per-step fault tolerance with torchft: HSDP whose replicate dimension is a torchft `Manager`.
+
+Each replica group is a torch.distributed world of its own (its own `torchrun`), sharding the
+model with composable's `fully_shard` on a 2D `(replicate, shard)` mesh of its ranks (the
+replicate dimension inside a group is usually 1). `fault_tolerant(model, optimizer, manager)`
+extends that replicate dimension across the groups the torchft `Manager` keeps in its quorum:
+
+- each reduced gradient is averaged over the live groups by `manager.allreduce` (run from
+  `set_all_reduce_hook`, after the group's own reduce-scatter and replicate all-reduce);
+- `zero_grad()` starts the step's quorum, `step()` steps the optimizer only where
+  `manager.should_commit()` says every live group reduced cleanly;
+- the Manager's checkpoint transport serves this rank's shards of the parameters, buffers and
+  optimizer state, so a group that (re)joins loads them from a live group's same rank and steps
+  on with the same bits.
+
+A group that dies drops out of the quorum; the others keep stepping with the gradients averaged
+over those left; a restarted group heals from a live one and rejoins.
+
+    from torchft import Manager, ProcessGroupGloo  # or ProcessGroupNCCL / ProcessGroupBabyNCCL
+    from composable.integrations.torchft import fault_tolerant
+
+    mesh = init_device_mesh("cuda", (1, group_size), mesh_dim_names=("replicate", "shard"))
+    fully_shard(block, mesh=mesh) for each block; fully_shard(model, mesh=mesh)
+    manager = Manager(pg=ProcessGroupGloo(), load_state_dict=None, state_dict=None,
+                      min_replica_size=1, replica_id=f"group_{i}", lighthouse_addr=...)
+    optimizer = fault_tolerant(model, torch.optim.AdamW(model.parameters()), manager)
+    for batch in data:
+        optimizer.zero_grad()        # before the forward: joins the step's quorum
+        loss_fn(model(batch)).backward()
+        optimizer.step()             # True where the step was committed
+
+The core package never imports torchft; this module imports it when `fault_tolerant` runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from composable import fully_shard
+from composable.fsdp import ShardingStrategy
+
+__all__ = ["fault_tolerant", "FaultTolerantOptimizer"]
+
+_API = "fault_tolerant"
+_KEY = "composable"  # the name of this state in the Manager's state dict
+
+
+def _import_torchft() -> Any:
+    try:
+        import torchft.manager
+    except ImportError as e:
+        raise ImportError(f"{_API}: needs torchft (pip install 'composable[ft]'): {e}") from None
+    return torchft.manager
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _check_hsdp(model: nn.Module) -> list[Any]:
+    """The fully_shard states of `model`, each checked to shard on a mesh with a replicate
+    dimension (HSDP): the replica groups extend that dimension."""
+    states = [s for m in model.modules() if (s := fully_shard.state(m)) is not None]
+    if not states:
+        raise ValueError(f"{_API}: 'model' has no module sharded by composable's fully_shard")
+    for state in states:
+        if state.strategy is not ShardingStrategy.HYBRID_SHARD:
+            mesh = state.mesh
+            raise ValueError(
+                f"{_API}: 'model' is sharded on a mesh without a replicate dimension "
+                f"(shape {tuple(mesh.shape)}, dims {mesh.mesh_dim_names}, strategy {state.strategy.name}); "
+                "the replica groups extend HSDP's replicate dimension: shard on a 2D (replicate, shard) mesh"
+            )
+    return states
+
+
+class FaultTolerantOptimizer:
+    """`optimizer` stepped under a torchft `Manager` (what `fault_tolerant` returns): `zero_grad`
+    starts the step's quorum, `step` steps only a committed step. `state_dict`/`load_state_dict`
+    are the wrapped optimizer's (for periodic checkpoints, with `manager.state_dict()`)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, manager: Any) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.manager = manager
+        self.group_world_size = torch.distributed.get_world_size()
+        # Taken now, between steps: the Manager reads them from its quorum thread while the
+        # forward runs, when the module attributes hold the gathered (unsharded) parameters.
+        self._named_params = list(model.named_parameters())
+        self._named_buffers = list(model.named_buffers())
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Start this step's quorum (asynchronously: it overlaps the forward; a recovering group
+        fetches the live state meanwhile) and zero the gradients. Call it before the forward."""
+        self.manager.start_quorum()
+        self.optimizer.zero_grad(set_to_none)
+
+    def step(self) -> bool:
+        """Step the optimizer if every live replica group reduced this step's gradients cleanly
+        (`manager.should_commit()`, which also loads the state a recovering group fetched);
+        return whether it stepped. A step not committed leaves parameters and optimizer state
+        as they were; the next `zero_grad` retries with a fresh quorum."""
+        if not self.manager.should_commit():
+            return False
+        self.optimizer.step()
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    # -- the Manager's hooks ----------------------------------------------------------------
+    def _all_reduce(self, grads: torch.Tensor) -> None:
+        # The Manager averages over the groups in the quorum (a recovering group contributes
+        # zeros and is not counted); an error is recorded by the Manager and makes
+        # `should_commit` false, so the step is skipped rather than raised here.
+        self.manager.allreduce(grads).wait()
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _live_state(self) -> dict[str, Any]:
+        """This rank's shards: what a recovering group's same rank loads. The tensors are the
+        live ones, not copies: the Manager serves them only until this step's `should_commit`,
+        before the optimizer changes them."""
+        states, dtensors = [], []
+        for p in self._params():
+            st = self.optimizer.state.get(p, {})
+            states.append({k: _local(v) if isinstance(v, torch.Tensor) else v for k, v in st.items()})
+            dtensors.append(
+                {k: (list(v.placements), tuple(v.shape), v.stride()) for k, v in st.items() if isinstance(v, DTensor)}
+            )
+        return {
+            "group_world_size": self.group_world_size,
+            "params": {n: _local(p.detach()) for n, p in self._named_params},
+            "buffers": {n: _local(b) for n, b in self._named_buffers},
+            "optim_state": states,
+            "optim_dtensors": dtensors,
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
+        }
+
+    @torch.no_grad()
+    def _load_live_state(self, sd: dict[str, Any]) -> None:
+        """Take a live group's state (its same rank's shards) in place of this rank's."""
+        if sd["group_world_size"] != self.group_world_size:
+            raise ValueError(
+                f"{_API}: this replica group has {self.group_world_size} ranks, the live group it heals "
+                f"from has {sd['group_world_size']}; every replica group must have the same number of ranks"
+            )
+        for n, p in self._named_params:
+            _local(p).copy_(sd["params"][n])
+        for n, b in self._named_buffers:
+            _local(b).copy_(sd["buffers"][n])
+        for p, st, dt in zip(self._params(), sd["optim_state"], sd["optim_dtensors"]):
+            device = _local(p).device
+            new = {}
+            for k, v in st.items():
+                if k in dt:  # a DTensor on the parameter's mesh: this rank's shard of it
+                    placements, shape, stride = dt[k]
+                    v = DTensor.from_local(
+                        v.to(device), p.device_mesh, placements, run_check=False, shape=shape, stride=stride
+                    )
+                elif isinstance(v, torch.Tensor):
+                    old = self.optimizer.state.get(p, {}).get(k)
+                    v = v.to(old.device) if isinstance(old, torch.Tensor) else v
+                new[k] = v
+            self.optimizer.state[p] = new
+        for g, saved in zip(self.optimizer.param_groups, sd["param_groups"]):
+            g.update(saved)
+
+
+def fault_tolerant(model: nn.Module, optimizer: torch.optim.Optimizer, manager: Any) -> FaultTolerantOptimizer:
+    """Run `model`'s HSDP replicate dimension through torchft's `manager` and return the
+    optimizer to train with (a `FaultTolerantOptimizer`: `zero_grad()` before each forward,
+    `step()` after backward).
+
+    `model` is sharded by composable's `fully_shard` on a 2D `(replicate, shard)` mesh of this
+    replica group's ranks (its own torch.distributed world); `optimizer` holds its parameters;
+    `manager` is this group's `torchft.Manager` (created with `load_state_dict=None,
+    state_dict=None`: this registers composable's state with it). Every module fully_shard
+    manages gets an all-reduce hook that averages its reduced gradients over the live replica
+    groups. Raises `ValueError` naming the mesh when a module is sharded without a replicate
+    dimension; a group that heals from one of another size raises `ValueError` in `step()`.
+    """
+    ft = _import_torchft()
+    if not isinstance(manager, ft.Manager):
+        raise TypeError(f"{_API}: 'manager' must be a torchft.Manager, got {type(manager).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"{_API}: 'optimizer' must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    states = _check_hsdp(model)
+    wrapped = FaultTolerantOptimizer(model, optimizer, manager)
+    for state in states:
+        state.set_all_reduce_hook(wrapped._all_reduce)
+    manager.register_state_dict_fn(_KEY, wrapped._load_live_state, wrapped._live_state)
+    return wrapped

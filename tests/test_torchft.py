@@ -1,0 +1,286 @@
+"""torchft integration (`composable.integrations.torchft`): HSDP whose replicate dimension runs
+through a torchft Manager, on CPU (gloo, torchft's ProcessGroupGloo, a lighthouse in the test).
+
+- 2 replica groups x 2 ranks train; group 1 kills itself at a given step; group 0 keeps
+  committing steps; group 1 is restarted, heals from group 0 and from then on its parameters and
+  optimizer state equal group 0's bit for bit at every step.
+- Before the kill (both groups live) every rank's shards equal plain HSDP's on a 2x2 mesh of one
+  world, bit for bit, at every step.
+- The user's mistakes: no lighthouse reachable, a model without a replicate dimension, a group of
+  another size.
+
+Replica groups are separate torch.distributed worlds (one TCPStore each) that must die and restart
+on their own, which `run_on_ranks`' single world cannot give: the groups here are plain
+subprocesses running `_group_main` from this file, with files in `tmp_path` for results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torchft = pytest.importorskip("torchft")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+from _harness import run_on_ranks  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+from composable import fully_shard  # noqa: E402
+
+GROUP = 2  # ranks per replica group
+KILL_STEP = 3  # group 1 dies at the start of this step (after committing steps 1..KILL_STEP-1)
+HEALED_STEPS = 3  # steps the restarted group commits after healing
+DEADLINE_S = 90.0  # a bound on each scenario; on 2 loaded cores a run takes ~20 s
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------- the model and data
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _shard(model: nn.Module, mesh: Any) -> nn.Module:
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model[2], mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _batch(step: int, replica: int, shard_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + 10 * replica + shard_rank)
+    return torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
+
+
+def _loss(model: nn.Module, step: int, replica: int, shard_rank: int) -> torch.Tensor:
+    x, y = _batch(step, replica, shard_rank)
+    return ((model(x) - y) ** 2).mean()
+
+
+def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """This rank's shards of the parameters and the optimizer state, by name."""
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
+
+    out = {f"param.{n}": local(p) for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        for k, v in opt.state.get(p, {}).items():
+            out[f"optim.{n}.{k}"] = local(v)
+    return out
+
+
+# ----------------------------------------------------------------------------- a replica group's rank
+
+
+def _group_main(cfg: dict[str, Any]) -> None:
+    """One rank of one replica group: train under the Manager, recording each committed step's
+    loss and shards in `cfg["out"]`. Group 0 runs until `cfg["stop"]` exists; a group with
+    `kill_at` kills itself (SIGKILL) at that step; a group started with `until` stops after that
+    many committed steps past the one it healed at."""
+    from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupGloo
+
+    from composable.integrations.torchft import fault_tolerant
+
+    group, rank = cfg["group"], cfg["rank"]
+    dist.init_process_group("gloo", rank=rank, world_size=cfg["world"], timeout=timedelta(seconds=30))
+    mesh = init_device_mesh("cpu", (1, cfg["world"]), mesh_dim_names=("replicate", "shard"))
+    model = _shard(_model(), mesh)
+    timeout = timedelta(seconds=10)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timeout),
+        load_state_dict=None,
+        state_dict=None,
+        min_replica_size=1,
+        rank=rank,
+        world_size=cfg["world"],
+        replica_id=f"group_{group}",
+        lighthouse_addr=cfg["lighthouse"],
+        timeout=timeout,
+        quorum_timeout=timedelta(seconds=30),
+        connect_timeout=timedelta(seconds=5),
+        init_sync=False,  # every group builds the same weights from the same seed
+    )
+    opt = fault_tolerant(model, _optimizer(model), manager)
+    Path(cfg["out"] + ".ready").touch()
+    for other in cfg["wait_for"]:  # both groups in the first quorum: the parity run
+        while not Path(other).exists():
+            time.sleep(0.02)
+    record: dict[str, Any] = {"steps": {}, "uncommitted": 0, "healed_at": None}
+    start = time.monotonic()
+    while time.monotonic() - start < DEADLINE_S:
+        step = manager.current_step()
+        if cfg.get("kill_at") == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if cfg.get("stop") and Path(cfg["stop"]).exists():
+            break
+        opt.zero_grad()
+        loss = _loss(model, step, group, rank)
+        loss.backward()
+        if not opt.step():
+            record["uncommitted"] += 1
+            continue
+        done = manager.current_step()
+        if record["healed_at"] is None:
+            record["healed_at"] = done - 1  # the step whose start state this group took (or began with)
+        record["steps"][done] = {"loss": loss.item(), "state": _snapshot(model, opt.optimizer)}
+        if rank == 0:
+            Path(cfg["out"] + ".progress").write_text(str(done))
+        if cfg.get("until") is not None and done >= record["healed_at"] + cfg["until"]:
+            break
+    torch.save(record, cfg["out"])
+    manager.shutdown(wait=False)
+    dist.destroy_process_group()
+
+
+class _Groups:
+    """The replica groups' processes of one test, each rank a subprocess of its own."""
+
+    def __init__(self, tmp: Path, lighthouse: str) -> None:
+        self.tmp, self.lighthouse = tmp, lighthouse
+        self.procs: dict[tuple[int, int], subprocess.Popen] = {}
+
+    def start(self, group: int, life: int, world: int = GROUP, **cfg: Any) -> list[str]:
+        port = _free_port()
+        outs = []
+        for rank in range(world):
+            out = str(self.tmp / f"g{group}_l{life}_r{rank}.pt")
+            outs.append(out)
+            spec = {"group": group, "rank": rank, "world": world, "lighthouse": self.lighthouse, "out": out, **cfg}
+            spec.setdefault("wait_for", [])
+            env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+            code = (
+                f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+                f"from test_torchft import _group_main; _group_main(json.loads({json.dumps(spec)!r}))"
+            )
+            log = open(self.tmp / f"g{group}_l{life}_r{rank}.log", "w")
+            self.procs[(group, life, rank)] = subprocess.Popen(
+                [sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT, cwd=os.getcwd(), env=env
+            )
+        return outs
+
+    def wait(self, group: int, life: int, timeout: float = DEADLINE_S) -> list[int]:
+        end = time.monotonic() + timeout
+        codes = []
+        for (g, lf, r), p in self.procs.items():
+            if (g, lf) != (group, life):
+                continue
+            try:
+                codes.append(p.wait(max(1.0, end - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                raise AssertionError(f"group {g} (life {lf}) rank {r} did not finish:\n{self.logs(g, lf)}") from None
+        return codes
+
+    def logs(self, group: int, life: int) -> str:
+        return "\n".join(
+            f"--- rank {p.name}\n" + p.read_text()[-3000:] for p in sorted(self.tmp.glob(f"g{group}_l{life}_r*.log"))
+        )
+
+    def kill_all(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture
+def lighthouse() -> Any:
+    from torchft.coordination import LighthouseServer
+
+    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000, heartbeat_timeout_ms=1000)
+    yield server.address()
+    server.shutdown()
+
+
+def _wait_for(path: Path, pred: Any, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if path.exists() and pred(path.read_text() or "0"):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+# ----------------------------------------------------------------------------- plain HSDP, one world
+
+
+def _plain_hsdp(rank: int, world_size: int, steps: int) -> dict[int, dict[str, torch.Tensor]]:
+    mesh = init_device_mesh("cpu", (2, GROUP), mesh_dim_names=("replicate", "shard"))
+    model = _shard(_model(), mesh)
+    opt = _optimizer(model)
+    replica, shard_rank = divmod(rank, GROUP)
+    out = {}
+    for step in range(steps):
+        opt.zero_grad()
+        _loss(model, step, replica, shard_rank).backward()
+        opt.step()
+        out[step + 1] = _snapshot(model, opt)
+    return out
+
+
+def _assert_same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) -> None:
+    assert a.keys() == b.keys(), what
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{what}: {k} differs (max {(a[k] - b[k]).abs().max().item()})"
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+def test_group_dies_others_step_restarted_group_heals(tmp_path: Path, lighthouse: str) -> None:
+    groups = _Groups(tmp_path, lighthouse)
+    stop = str(tmp_path / "stop")
+    try:
+        ready = [str(tmp_path / f"g{g}_l0_r0.pt.ready") for g in (0, 1)]
+        live = groups.start(0, 0, stop=stop, wait_for=ready)
+        groups.start(1, 0, kill_at=KILL_STEP, wait_for=ready)
+        assert all(c == -signal.SIGKILL for c in groups.wait(1, 0)), groups.logs(1, 0)
+        # Group 0 commits steps alone before group 1 comes back.
+        _wait_for(Path(live[0] + ".progress"), lambda s: int(s) >= KILL_STEP + 2, DEADLINE_S, "group 0 alone")
+        healed = groups.start(1, 1, until=HEALED_STEPS)
+        assert groups.wait(1, 1) == [0] * GROUP, groups.logs(1, 1)
+        Path(stop).touch()
+        assert groups.wait(0, 0) == [0] * GROUP, groups.logs(0, 0)
+    finally:
+        groups.kill_all()
+    reference = run_on_ranks(_plain_hsdp, 2 * GROUP, KILL_STEP - 1)
+    for rank in range(GROUP):
+        g0, g1 = torch.load(live[rank], weights_only=False), torch.load(healed[rank], weights_only=False)
+        steps = sorted(g0["steps"])
+        # Group 0 committed every step in order, through the death and the rejoin.
+        assert steps == list(range(1, steps[-1] + 1)), steps
+        assert steps[-1] >= KILL_STEP + 2 + HEALED_STEPS
+        assert all(torch.isfinite(torch.tensor(r["loss"])) for r in g0["steps"].values())
+        # While both groups lived, HSDP through the Manager is plain HSDP, bit for bit.
+        for step in range(1, KILL_STEP):
+            _assert_same_bits(g0["steps"][step]["state"], reference[rank][step], f"rank {rank} step {step}")
+        # The restarted group healed from group 0 at a later step, then matched it at every step.
+        assert g1["healed_at"] > KILL_STEP, g1["healed_at"]
+        assert sorted(g1["steps"]) == list(range(g1["healed_at"] + 1, g1["healed_at"] + HEALED_STEPS + 1))
+        for step, rec in g1["steps"].items():
+            _assert_same_bits(rec["state"], g0["steps"][step]["state"], f"healed rank {rank} step {step}")
