@@ -34,7 +34,7 @@ torchft = pytest.importorskip("torchft")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
-from _harness import run_on_ranks  # noqa: E402
+from _harness import fake_process_group, run_on_ranks  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
@@ -43,7 +43,7 @@ from composable import fully_shard  # noqa: E402
 GROUP = 2  # ranks per replica group
 KILL_STEP = 3  # group 1 dies at the start of this step (after committing steps 1..KILL_STEP-1)
 HEALED_STEPS = 3  # steps the restarted group commits after healing
-DEADLINE_S = 90.0  # a bound on each scenario; on 2 loaded cores a run takes ~20 s
+DEADLINE_S = 240.0  # a bound on each scenario: ~20 s on 2 idle cores, 60 s on 2 cores under a load of 11
 
 
 def _free_port() -> int:
@@ -101,26 +101,16 @@ def _group_main(cfg: dict[str, Any]) -> None:
     loss and shards in `cfg["out"]`. Group 0 runs until `cfg["stop"]` exists; a group with
     `kill_at` kills itself (SIGKILL) at that step; a group started with `until` stops after that
     many committed steps past the one it healed at."""
-    from torchft.manager import Manager
-    from torchft.process_group import ProcessGroupGloo
-
-    from composable.integrations.torchft import fault_tolerant
+    from composable.integrations.torchft import create_manager, fault_tolerant
 
     group, rank = cfg["group"], cfg["rank"]
     dist.init_process_group("gloo", rank=rank, world_size=cfg["world"], timeout=timedelta(seconds=30))
     mesh = init_device_mesh("cpu", (1, cfg["world"]), mesh_dim_names=("replicate", "shard"))
     model = _shard(_model(), mesh)
-    timeout = timedelta(seconds=10)
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timeout),
-        load_state_dict=None,
-        state_dict=None,
-        min_replica_size=1,
-        rank=rank,
-        world_size=cfg["world"],
+    manager = create_manager(
         replica_id=f"group_{group}",
-        lighthouse_addr=cfg["lighthouse"],
-        timeout=timeout,
+        lighthouse=cfg["lighthouse"],
+        timeout=timedelta(seconds=cfg.get("timeout", 10)),
         quorum_timeout=timedelta(seconds=30),
         connect_timeout=timedelta(seconds=5),
         init_sync=False,  # every group builds the same weights from the same seed
@@ -132,11 +122,17 @@ def _group_main(cfg: dict[str, Any]) -> None:
             time.sleep(0.02)
     record: dict[str, Any] = {"steps": {}, "uncommitted": 0, "healed_at": None}
     start = time.monotonic()
-    while time.monotonic() - start < DEADLINE_S:
+    while True:
         step = manager.current_step()
         if cfg.get("kill_at") == step:
             os.kill(os.getpid(), signal.SIGKILL)
-        if cfg.get("stop") and Path(cfg["stop"]).exists():
+        # Rank 0 decides for the group: ranks that stopped at different steps would leave the
+        # others waiting in a collective.
+        stop = torch.tensor(
+            [time.monotonic() - start > DEADLINE_S or bool(cfg.get("stop") and Path(cfg["stop"]).exists())]
+        )
+        dist.broadcast(stop, src=0)
+        if stop.item():
             break
         opt.zero_grad()
         loss = _loss(model, step, group, rank)
@@ -150,6 +146,7 @@ def _group_main(cfg: dict[str, Any]) -> None:
         record["steps"][done] = {"loss": loss.item(), "state": _snapshot(model, opt.optimizer)}
         if rank == 0:
             Path(cfg["out"] + ".progress").write_text(str(done))
+        time.sleep(cfg.get("pace", 0.0))  # a group stepping alone leaves the 2 cores to a restart
         if cfg.get("until") is not None and done >= record["healed_at"] + cfg["until"]:
             break
     torch.save(record, cfg["out"])
@@ -257,7 +254,7 @@ def test_group_dies_others_step_restarted_group_heals(tmp_path: Path, lighthouse
     stop = str(tmp_path / "stop")
     try:
         ready = [str(tmp_path / f"g{g}_l0_r0.pt.ready") for g in (0, 1)]
-        live = groups.start(0, 0, stop=stop, wait_for=ready)
+        live = groups.start(0, 0, stop=stop, wait_for=ready, pace=0.02)
         groups.start(1, 0, kill_at=KILL_STEP, wait_for=ready)
         assert all(c == -signal.SIGKILL for c in groups.wait(1, 0)), groups.logs(1, 0)
         # Group 0 commits steps alone before group 1 comes back.
@@ -284,3 +281,65 @@ def test_group_dies_others_step_restarted_group_heals(tmp_path: Path, lighthouse
         assert sorted(g1["steps"]) == list(range(g1["healed_at"] + 1, g1["healed_at"] + HEALED_STEPS + 1))
         for step, rec in g1["steps"].items():
             _assert_same_bits(rec["state"], g0["steps"][step]["state"], f"healed rank {rank} step {step}")
+
+
+def test_group_of_another_size_is_one_line(tmp_path: Path, lighthouse: str) -> None:
+    groups = _Groups(tmp_path, lighthouse)
+    ready = [str(tmp_path / f"g{g}_l0_r0.pt.ready") for g in (0, 1)]
+    try:
+        groups.start(0, 0, world=2, wait_for=ready, timeout=3)
+        groups.start(1, 0, world=1, wait_for=ready, timeout=3)
+        codes = groups.wait(0, 0) + groups.wait(1, 0)
+    finally:
+        groups.kill_all()
+    logs = groups.logs(0, 0) + groups.logs(1, 0)
+    assert codes == [1, 1, 1], logs
+    for group, ranks in ((0, 2), (1, 1)):
+        for rank in range(ranks):
+            text = (tmp_path / f"g{group}_l0_r{rank}.log").read_text()
+            line = f"ValueError: fault_tolerant: replica groups of different sizes in one quorum: this group has {ranks} ranks"
+            assert line in text, text[-3000:]
+
+
+def _no_lighthouse(rank: int, world_size: int, address: str) -> str:
+    from composable.integrations.torchft import create_manager
+
+    with pytest.raises(ConnectionError) as e:
+        create_manager(replica_id="group_0", lighthouse=address, connect_timeout=timedelta(seconds=1))
+    return str(e.value)
+
+
+def test_no_lighthouse_is_one_line() -> None:
+    address = f"http://127.0.0.1:{_free_port()}"
+    messages = run_on_ranks(_no_lighthouse, 2, address)
+    assert messages[0] == messages[1]  # every rank of the group, not only rank 0
+    assert "\n" not in messages[0]
+    assert messages[0].startswith(f"create_manager: no torchft lighthouse reachable at 'lighthouse'={address!r}")
+
+
+def test_mesh_without_replicate_dimension_is_one_line() -> None:
+    from composable.integrations.torchft import fault_tolerant
+
+    with fake_process_group(2):
+        model = _shard(_model(), init_device_mesh("cpu", (2,), mesh_dim_names=("shard",)))
+        with pytest.raises(ValueError) as e:
+            fault_tolerant(model, _optimizer(model), manager=None)
+    message = str(e.value)
+    assert "\n" not in message
+    assert message.startswith("fault_tolerant: 'model' is sharded on a mesh without a replicate dimension (shape (2,)")
+
+
+def test_wrong_arguments_are_one_line() -> None:
+    from composable.integrations.torchft import fault_tolerant
+
+    with fake_process_group(2):
+        mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))
+        model = _shard(_model(), mesh)
+        with pytest.raises(TypeError, match=r"^fault_tolerant: 'manager' must be a torchft.Manager, got NoneType$"):
+            fault_tolerant(model, _optimizer(model), manager=None)
+        with pytest.raises(TypeError, match=r"^fault_tolerant: 'optimizer' must be a torch.optim.Optimizer, got list$"):
+            fault_tolerant(model, [], manager=None)
+        with pytest.raises(
+            ValueError, match=r"^fault_tolerant: 'model' has no module sharded by composable's fully_shard$"
+        ):
+            fault_tolerant(_model(), _optimizer(model), manager=None)

@@ -34,16 +34,22 @@ The core package never imports torchft; this module imports it when `fault_toler
 
 from __future__ import annotations
 
+import importlib
+import os
+import socket
+import urllib.parse
+from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from composable import fully_shard
 from composable.fsdp import ShardingStrategy
 
-__all__ = ["fault_tolerant", "FaultTolerantOptimizer"]
+__all__ = ["create_manager", "fault_tolerant", "FaultTolerantOptimizer"]
 
 _API = "fault_tolerant"
 _KEY = "composable"  # the name of this state in the Manager's state dict
@@ -87,11 +93,12 @@ class FaultTolerantOptimizer:
         self.model = model
         self.optimizer = optimizer
         self.manager = manager
-        self.group_world_size = torch.distributed.get_world_size()
+        self.group_world_size = dist.get_world_size()
         # Taken now, between steps: the Manager reads them from its quorum thread while the
         # forward runs, when the module attributes hold the gathered (unsharded) parameters.
         self._named_params = list(model.named_parameters())
         self._named_buffers = list(model.named_buffers())
+        self._checked_quorum: Any = None  # the quorum whose group sizes were checked
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -125,10 +132,42 @@ class FaultTolerantOptimizer:
 
     # -- the Manager's hooks ----------------------------------------------------------------
     def _all_reduce(self, grads: torch.Tensor) -> None:
+        manager = self.manager
+        manager.wait_quorum()
+        # torchft names no public attribute for the quorum; its id changes with the membership,
+        # the only time a group of another size can appear.
+        quorum = manager._quorum_id
+        if quorum != self._checked_quorum and self._check_group_sizes(grads.device):
+            self._checked_quorum = quorum
         # The Manager averages over the groups in the quorum (a recovering group contributes
         # zeros and is not counted); an error is recorded by the Manager and makes
         # `should_commit` false, so the step is skipped rather than raised here.
-        self.manager.allreduce(grads).wait()
+        manager.allreduce(grads).wait()
+
+    def _check_group_sizes(self, device: torch.device) -> bool:
+        """Raise if the groups in this quorum have another number of ranks than this one (their
+        shards would not line up). Every group has a rank 0, so only ranks 0 meet over the
+        Manager and each tells its group: the other ranks of a larger group have no peer there.
+        Returns whether the check ran (not when this step's Manager errored: it is not committed,
+        and the next one checks again)."""
+        from torch.distributed import ReduceOp
+
+        t = torch.zeros(3, device=device)
+        if dist.get_rank() == 0:
+            t[0], t[1] = self.group_world_size, 1.0  # a recovering group sends zeros: not counted
+            self.manager.allreduce(t, reduce_op=ReduceOp.SUM).wait()
+            t[2] = self.manager.errored() is not None
+        dist.broadcast(t, src=0)  # one verdict for the group, from its rank 0
+        ranks, groups, errored = t.tolist()
+        if errored:
+            return False
+        if groups and ranks != self.group_world_size * groups:
+            raise ValueError(
+                f"{_API}: replica groups of different sizes in one quorum: this group has "
+                f"{self.group_world_size} ranks, the {int(groups)} live groups {int(ranks)} in all; "
+                "every replica group must have the same number of ranks"
+            )
+        return True
 
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -197,13 +236,95 @@ def fault_tolerant(model: nn.Module, optimizer: torch.optim.Optimizer, manager: 
     dimension; a group that heals from one of another size raises `ValueError` in `step()`.
     """
     ft = _import_torchft()
-    if not isinstance(manager, ft.Manager):
-        raise TypeError(f"{_API}: 'manager' must be a torchft.Manager, got {type(manager).__name__}")
+    states = _check_hsdp(model)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"{_API}: 'optimizer' must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    states = _check_hsdp(model)
+    if not isinstance(manager, ft.Manager):
+        raise TypeError(f"{_API}: 'manager' must be a torchft.Manager, got {type(manager).__name__}")
     wrapped = FaultTolerantOptimizer(model, optimizer, manager)
     for state in states:
         state.set_all_reduce_hook(wrapped._all_reduce)
     manager.register_state_dict_fn(_KEY, wrapped._load_live_state, wrapped._live_state)
     return wrapped
+
+
+def _reachable(address: str, timeout: timedelta) -> str | None:
+    """None if a TCP connection to `address` (http://host:port) opens within `timeout`, else why not."""
+    url = urllib.parse.urlparse(address if "://" in address else f"http://{address}")
+    try:
+        port = url.port
+    except ValueError as e:
+        return str(e)
+    if url.hostname is None or port is None:
+        return "it is not http://host:port"
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout.total_seconds()).close()
+    except OSError as e:
+        return str(e) or type(e).__name__
+    return None
+
+
+def create_manager(
+    *,
+    replica_id: str,
+    lighthouse: str | None = None,
+    min_replica_size: int = 1,
+    timeout: timedelta = timedelta(seconds=60),
+    quorum_timeout: timedelta = timedelta(seconds=60),
+    connect_timeout: timedelta = timedelta(seconds=10),
+    init_sync: bool = True,
+    **manager_kwargs: Any,
+) -> Any:
+    """This replica group's `torchft.Manager`, for `fault_tolerant`: call it on every rank of
+    the group after `init_process_group` (the group's own world; its store, `MASTER_ADDR` and
+    `MASTER_PORT` as torchrun sets them, is the Manager's too).
+
+    `replica_id` names the group (ending in its index, e.g. "group_3": torchft numbers the
+    groups' ranks from it); `lighthouse` is the lighthouse's address (default: the
+    `TORCHFT_LIGHTHOUSE` environment variable). The cross-group process group is torchft's gloo
+    one on CPU and its NCCL one where the group's backend is NCCL. `init_sync=False` when every
+    group builds the same weights from the same seed (no fetch at the first step). The other
+    keyword arguments go to `Manager`. Raises `ConnectionError` on every rank of the group, in
+    one line naming the address, when rank 0 cannot reach the lighthouse within
+    `connect_timeout`."""
+    ft = _import_torchft()
+    api = "create_manager"
+    if not dist.is_initialized():
+        raise RuntimeError(
+            f"{api}: torch.distributed is not initialized; start each replica group as its own world "
+            "(torchrun) and call init_process_group first"
+        )
+    if not isinstance(replica_id, str) or not replica_id:
+        raise ValueError(f"{api}: 'replica_id' must be a non-empty str, got {replica_id!r}")
+    lighthouse = lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
+    if not lighthouse:
+        raise ValueError(f"{api}: 'lighthouse' is not given and TORCHFT_LIGHTHOUSE is not set")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # Only rank 0 talks to the lighthouse; the others would wait for it in the store, so rank 0
+    # tries first and tells them.
+    verdict = [_reachable(lighthouse, connect_timeout) if rank == 0 else None]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise ConnectionError(
+            f"{api}: no torchft lighthouse reachable at 'lighthouse'={lighthouse!r} within "
+            f"{connect_timeout.total_seconds():g} s ({verdict[0]}); start one (torchft_lighthouse "
+            "--min_replicas 1 --bind [::]:29510) or pass its address"
+        )
+    pgs = importlib.import_module("torchft.process_group")
+    nccl = dist.get_backend() == "nccl"
+    pg = pgs.ProcessGroupNCCL(timeout=timeout) if nccl else pgs.ProcessGroupGloo(timeout=timeout)
+    return ft.Manager(
+        pg=pg,
+        load_state_dict=None,
+        state_dict=None,
+        min_replica_size=min_replica_size,
+        rank=rank,
+        world_size=world,
+        replica_id=replica_id,
+        lighthouse_addr=lighthouse,
+        timeout=timeout,
+        quorum_timeout=quorum_timeout,
+        connect_timeout=connect_timeout,
+        init_sync=init_sync,
+        **manager_kwargs,
+    )
