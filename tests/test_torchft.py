@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from composable import fully_shard  # noqa: E402
 
 GROUP = 2  # ranks per replica group
-KILL_STEP = 3  # group 1 dies at the start of this step (after committing steps 1..KILL_STEP-1)
+KILL_STEP = 4  # group 1 dies at the start of this step (after committing steps 1..KILL_STEP-1)
 HEALED_STEPS = 3  # steps the restarted group commits after healing
 DEADLINE_S = 240.0  # a bound on each scenario: ~20 s on 2 idle cores, 60 s on 2 cores under a load of 11
 

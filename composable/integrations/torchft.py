@@ -264,6 +264,17 @@ def _reachable(address: str, timeout: timedelta) -> str | None:
     return None
 
 
+def _group_store() -> tuple[str, int] | None:
+    """The host and port of the group's own TCPStore (the default process group's: torchrun's
+    at MASTER_ADDR:MASTER_PORT, or one the caller made), or None (the Manager then reads
+    MASTER_ADDR and MASTER_PORT)."""
+    # torch names no public accessor for the default group's store.
+    store = dist.distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return (store.host, store.port) if isinstance(store, dist.TCPStore) else None
+
+
 def create_manager(
     *,
     replica_id: str,
@@ -276,8 +287,8 @@ def create_manager(
     **manager_kwargs: Any,
 ) -> Any:
     """This replica group's `torchft.Manager`, for `fault_tolerant`: call it on every rank of
-    the group after `init_process_group` (the group's own world; its store, `MASTER_ADDR` and
-    `MASTER_PORT` as torchrun sets them, is the Manager's too).
+    the group after `init_process_group` (the group's own world; its TCPStore, torchrun's, is
+    the Manager's too; without one, `MASTER_ADDR` and `MASTER_PORT` name it).
 
     `replica_id` names the group (ending in its index, e.g. "group_3": torchft numbers the
     groups' ranks from it); `lighthouse` is the lighthouse's address (default: the
@@ -310,6 +321,8 @@ def create_manager(
             f"{connect_timeout.total_seconds():g} s ({verdict[0]}); start one (torchft_lighthouse "
             "--min_replicas 1 --bind [::]:29510) or pass its address"
         )
+    if "store_addr" not in manager_kwargs and (address := _group_store()) is not None:
+        manager_kwargs["store_addr"], manager_kwargs["store_port"] = address
     pgs = importlib.import_module("torchft.process_group")
     nccl = dist.get_backend() == "nccl"
     pg = pgs.ProcessGroupNCCL(timeout=timeout) if nccl else pgs.ProcessGroupGloo(timeout=timeout)
