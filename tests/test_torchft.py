@@ -355,3 +355,11 @@ def test_wrong_arguments_are_one_line() -> None:
             ValueError, match=r"^fault_tolerant: 'model' has no module sharded by composable's fully_shard$"
         ):
             fault_tolerant(_model(), _optimizer(model), manager=None)
+        # A Manager without its servers: only its registry of state-dict functions is used here.
+        from torchft.manager import Manager
+
+        manager = Manager.__new__(Manager)
+        manager._load_state_dict_fns, manager._user_state_dicts = {}, {}
+        fault_tolerant(model, _optimizer(model), manager)
+        with pytest.raises(ValueError, match=r"^fault_tolerant: 'manager' already serves a model's state \(fault"):
+            fault_tolerant(model, _optimizer(model), manager)

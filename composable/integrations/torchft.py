@@ -102,10 +102,12 @@ class FaultTolerantOptimizer:
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's (an lr schedule sets them here as usual)."""
         return self.optimizer.param_groups
 
     @property
     def state(self) -> Any:
+        """The wrapped optimizer's state."""
         return self.optimizer.state
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -125,9 +127,11 @@ class FaultTolerantOptimizer:
         return True
 
     def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state dict (a checkpoint's; healing does not use it)."""
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the wrapped optimizer's state dict (from a checkpoint)."""
         self.optimizer.load_state_dict(state_dict)
 
     # -- the Manager's hooks ----------------------------------------------------------------
@@ -232,7 +236,7 @@ def fault_tolerant(model: nn.Module, optimizer: torch.optim.Optimizer, manager: 
     `manager` is this group's `torchft.Manager` (created with `load_state_dict=None,
     state_dict=None`: this registers composable's state with it). Every module fully_shard
     manages gets an all-reduce hook that averages its reduced gradients over the live replica
-    groups. Raises `ValueError` naming the mesh when a module is sharded without a replicate
+    groups (it replaces a hook set before). Raises `ValueError` naming the mesh when a module is sharded without a replicate
     dimension; a group that heals from one of another size raises `ValueError` in `step()`.
     """
     ft = _import_torchft()
@@ -242,9 +246,15 @@ def fault_tolerant(model: nn.Module, optimizer: torch.optim.Optimizer, manager: 
     if not isinstance(manager, ft.Manager):
         raise TypeError(f"{_API}: 'manager' must be a torchft.Manager, got {type(manager).__name__}")
     wrapped = FaultTolerantOptimizer(model, optimizer, manager)
+    try:
+        manager.register_state_dict_fn(_KEY, wrapped._load_live_state, wrapped._live_state)
+    except AssertionError:  # torchft asserts that a key is registered once
+        raise ValueError(
+            f"{_API}: 'manager' already serves a model's state (fault_tolerant was called with it before); "
+            "one Manager per replica group and model"
+        ) from None
     for state in states:
         state.set_all_reduce_hook(wrapped._all_reduce)
-    manager.register_state_dict_fn(_KEY, wrapped._load_live_state, wrapped._live_state)
     return wrapped
 
 
