@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-torchft = pytest.importorskip("torchft")
+pytest.importorskip("torchft", exc_type=ImportError)  # also one installed that fails to import
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
