@@ -363,3 +363,97 @@ def test_wrong_arguments_are_one_line() -> None:
         fault_tolerant(model, _optimizer(model), manager)
         with pytest.raises(ValueError, match=r"^fault_tolerant: 'manager' already serves a model's state \(fault"):
             fault_tolerant(model, _optimizer(model), manager)
+
+
+# ----------------------------------------------------------------------------- the main job's --fault-tolerant
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+MAIN_JOB = [
+    *("--preset", "tiny", "--dim", "32", "--n-layers", "2", "--n-heads", "2", "--ffn-dim", "64", "--seq-len", "32"),
+    *("--batch-size", "4", "--lr", "1e-2", "--warmup-steps", "2", "--eval-batches", "1", "--quiet"),
+    *("--steps", "3", "--eval-every", "0", "--ckpt-every", "0"),
+]
+
+
+def _main_job_losses(out: Path) -> list[float]:
+    (metrics,) = out.glob("*/metrics.json")
+    return [h["loss"] for h in json.loads(metrics.read_text())["history"]]
+
+
+def test_main_job_groups_train_as_plain_hsdp(tmp_path: Path) -> None:
+    """Two launches of `train.py --fault-tolerant` (2 ranks each) train as one `--parallel hsdp`
+    launch of 4 ranks: each step's loss (a group's mean over its ranks) averages to plain HSDP's."""
+    from _harness import env_without_launcher
+    from torchft.coordination import LighthouseServer
+
+    server = LighthouseServer(bind="[::]:0", min_replicas=2)  # both groups in every step's quorum
+    flags = [*MAIN_JOB, "--parallel", "hsdp", "--nproc", "2", "--fault-tolerant", "--lighthouse", server.address()]
+    procs, logs = [], []
+    try:
+        for g in (0, 1):
+            logs.append(tmp_path / f"g{g}.log")
+            cmd = [
+                sys.executable,
+                str(EXAMPLES / "train.py"),
+                *flags,
+                "--replica-group",
+                str(g),
+                "--out",
+                str(tmp_path / f"g{g}"),
+            ]
+            procs.append(
+                subprocess.Popen(cmd, env=env_without_launcher(), stdout=logs[-1].open("w"), stderr=subprocess.STDOUT)
+            )
+        codes = [p.wait(DEADLINE_S) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        server.shutdown()
+    assert codes == [0, 0], "\n".join(log.read_text()[-3000:] for log in logs)
+    plain_cmd = [sys.executable, str(EXAMPLES / "train.py"), *MAIN_JOB, "--parallel", "hsdp", "--hsdp-shard-size", "2"]
+    plain = subprocess.run(
+        [*plain_cmd, "--nproc", "4", "--out", str(tmp_path / "plain")],
+        env=env_without_launcher(),
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE_S,
+    )
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    groups = [_main_job_losses(tmp_path / f"g{g}") for g in (0, 1)]
+    # The same models: a group's loss is the mean over its 2 ranks, plain HSDP's over all 4 (one
+    # float32 rounding apart).
+    mean = [(a + b) / 2 for a, b in zip(*groups)]
+    assert mean == pytest.approx(_main_job_losses(tmp_path / "plain"), rel=1e-6, abs=0)
+    assert groups[0] != groups[1]  # the groups trained on different data
+
+
+MAIN_JOB_ERRORS = [
+    (
+        ["--fault-tolerant"],
+        "--fault-tolerant needs --parallel hsdp (the groups are its replicate dim), got --parallel fsdp",
+    ),
+    (["--parallel", "hsdp", "--fault-tolerant", "--pp", "2"], "--fault-tolerant with --pp 2: not supported"),
+    (["--parallel", "hsdp", "--fault-tolerant", "--tp-size", "2"], "--fault-tolerant with --tp-size 2: not supported"),
+    (["--parallel", "hsdp", "--fault-tolerant", "--mp", "fp16"], "--fault-tolerant with --mp fp16 (its scaler"),
+    (["--lighthouse", "http://h:1"], "--lighthouse needs --fault-tolerant"),
+    (["--replica-group", "1"], "--replica-group needs --fault-tolerant"),
+    (["--parallel", "hsdp", "--fault-tolerant", "--replica-group", "-1"], "--replica-group must be >= 0, got -1"),
+    (["--parallel", "hsdp", "--fault-tolerant"], "--fault-tolerant needs --lighthouse HOST:PORT or TORCHFT_LIGHTHOUSE"),
+]
+
+
+@pytest.mark.parametrize("argv,message", MAIN_JOB_ERRORS, ids=[m[:40] for _, m in MAIN_JOB_ERRORS])
+def test_main_job_refuses_fault_tolerant_flags_that_do_not_fit(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    import options
+
+    with pytest.raises(SystemExit) as exit_info:
+        options.parse_args([*MAIN_JOB, "--out", str(tmp_path), *argv])
+    assert exit_info.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("train.py: error: ") and message in line, line
