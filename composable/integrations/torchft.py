@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed import ReduceOp
 from torch.distributed.tensor import DTensor
 
 from composable import fully_shard
@@ -154,8 +155,6 @@ class FaultTolerantOptimizer:
         Manager and each tells its group: the other ranks of a larger group have no peer there.
         Returns whether the check ran (not when this step's Manager errored: it is not committed,
         and the next one checks again)."""
-        from torch.distributed import ReduceOp
-
         t = torch.zeros(3, device=device)
         if dist.get_rank() == 0:
             t[0], t[1] = self.group_world_size, 1.0  # a recovering group sends zeros: not counted
