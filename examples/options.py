@@ -18,6 +18,7 @@ import sys
 import tempfile
 from typing import NoReturn
 
+import fault_tolerance
 import torch
 from data import VOCAB_SIZE, ByteCorpus
 from model import PRESET_LR, PRESETS, ModelConfig, get_config
@@ -171,6 +172,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="--parallel hsdp: ranks per shard group (default: half the data-parallel ranks, at least 1)",
     )
+    f = p.add_argument_group("fault tolerance (torchft; docs/fault-tolerance.md)")
+    f.add_argument(
+        "--fault-tolerant",
+        action="store_true",
+        help="this launch is one torchft replica group (--parallel hsdp over its ranks): the groups average "
+        "gradients through a torchft Manager, a lost group drops out and a restarted one heals from a live one",
+    )
+    f.add_argument("--lighthouse", default=None, help="--fault-tolerant: the lighthouse (default: $TORCHFT_LIGHTHOUSE)")
+    f.add_argument(
+        "--replica-group",
+        type=int,
+        default=None,
+        help="--fault-tolerant: this group's index (default: $REPLICA_GROUP_ID, else 0)",
+    )
     m = p.add_argument_group("model size overrides (default: the preset's)")
     m.add_argument("--dim", type=int)
     m.add_argument("--n-layers", type=int)
@@ -271,7 +286,7 @@ def validate(args: argparse.Namespace) -> str | None:
         return f"--moe-capacity-factor {args.moe_capacity_factor:g} needs --moe"
     if args.vocab_size is not None and args.vocab_size < VOCAB_SIZE:
         return f"--vocab-size must be >= {VOCAB_SIZE} for byte-level data, got {args.vocab_size}"
-    pp_problem = validate_pp(args)
+    pp_problem = validate_pp(args) or fault_tolerance.problem(args)
     if pp_problem:
         return pp_problem
     if args.tp_size is not None and args.parallel not in ("tp", "hsdp"):

@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from fault_tolerance import replica_group
 from model import Transformer
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
@@ -60,6 +61,14 @@ def build_mesh(args: argparse.Namespace, device_type: str) -> tuple[DeviceMesh, 
             raise UsageError(f"--tp-size {args.tp_size} does not divide the world size {world}")
         mesh = init_device_mesh(device_type, (world // args.tp_size, args.tp_size), mesh_dim_names=("dp", "tp"))
         return mesh, mesh["dp"], mesh["dp"].get_local_rank(), mesh["dp"].size()
+    if args.parallel == "hsdp" and getattr(args, "fault_tolerant", False):
+        # One replica group: its ranks are the shard dim; the Manager extends the replicate dim.
+        if args.hsdp_shard_size not in (None, world):
+            raise UsageError(
+                f"--fault-tolerant shards over the group's {world} ranks: --hsdp-shard-size {args.hsdp_shard_size} must be {world} or left out"
+            )
+        mesh = init_device_mesh(device_type, (1, world), mesh_dim_names=("replicate", "shard"))
+        return mesh, mesh, replica_group(args) * world + dist.get_rank(), world
     if args.parallel == "hsdp":
         shard = args.hsdp_shard_size or max(1, world // 2)
         if world % shard:

@@ -64,6 +64,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from checkpointing import checkpoint_dirs, load_newest_intact, rank0_then_broadcast, save_checkpoint  # noqa: E402
 from data import ByteCorpus, get_batch  # noqa: E402
+from fault_tolerance import committed, next_step  # noqa: E402
+from fault_tolerance import start as start_fault_tolerance  # noqa: E402
 from launch import exit_process, run_rank, spawn_local  # noqa: E402
 from memory_check import check_memory, host_memory_bytes  # noqa: E402
 from model import ModelConfig, Transformer, count_parameters  # noqa: E402
@@ -264,10 +266,14 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
 
     fault = FAULT.fullmatch(args.fault) if args.fault else None
     hsdp_accum = args.parallel == "hsdp" and args.grad_accum > 1
+    # --fault-tolerant: the train step steps through the Manager; checkpoints take the optimizer.
+    stepper, manager = (
+        start_fault_tolerance(model, optimizer, args, start_step) if args.fault_tolerant else (optimizer, None)
+    )
     train_step = (
         pipeline.make_train_step(optimizer, args, device)
         if pipeline
-        else make_train_step(model, optimizer, scaler, args, hsdp_accum)
+        else make_train_step(model, stepper, scaler, args, hsdp_accum)
     )
     # Two eager steps (lazy init, compilation, NCCL set-up), then captured once and replayed.
     run_step: TrainStep = graphed_step(train_step, warmup=2) if graphs else train_step
@@ -279,7 +285,9 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     model.train()
-    for step in range(start_step + 1, args.steps + 1):
+    step = start_step
+    while step < args.steps:
+        step = next_step(manager, step)
         watchdog.progress(step, "forward/backward")
         if (
             fault and fault[2] != "EXITHANG" and int(fault[1]) == rank and int(fault[3]) == step
@@ -303,6 +311,9 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
         loss_sum, norm = run_step(xs, ys)  # tensors: read here, outside a graph
         grad_norm = None if norm is None else norm.item()
         train_loss = world_mean(loss_sum)  # also waits for the step to finish
+        if not committed(manager, step):  # a group died during it: taken again
+            step -= 1
+            continue
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0

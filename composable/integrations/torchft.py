@@ -1,0 +1,352 @@
+"""Per-step fault tolerance with torchft: HSDP whose replicate dimension is a torchft `Manager`.
+
+Each replica group is a torch.distributed world of its own (its own `torchrun`), sharding the
+model with composable's `fully_shard` on a 2D `(replicate, shard)` mesh of its ranks (the
+replicate dimension inside a group is usually 1). `fault_tolerant(model, optimizer, manager)`
+extends that replicate dimension across the groups the torchft `Manager` keeps in its quorum:
+
+- each reduced gradient is averaged over the live groups by `manager.allreduce` (run from
+  `set_all_reduce_hook`, after the group's own reduce-scatter and replicate all-reduce);
+- `zero_grad()` starts the step's quorum, `step()` steps the optimizer only where
+  `manager.should_commit()` says every live group reduced cleanly;
+- the Manager's checkpoint transport serves this rank's shards of the parameters, buffers and
+  optimizer state, so a group that (re)joins loads them from a live group's same rank and steps
+  on with the same bits.
+
+A group that dies drops out of the quorum; the others keep stepping with the gradients averaged
+over those left; a restarted group heals from a live one and rejoins.
+
+    from torchft import Manager, ProcessGroupGloo  # or ProcessGroupNCCL / ProcessGroupBabyNCCL
+    from composable.integrations.torchft import fault_tolerant
+
+    mesh = init_device_mesh("cuda", (1, group_size), mesh_dim_names=("replicate", "shard"))
+    fully_shard(block, mesh=mesh) for each block; fully_shard(model, mesh=mesh)
+    manager = Manager(pg=ProcessGroupGloo(), load_state_dict=None, state_dict=None,
+                      min_replica_size=1, replica_id=f"group_{i}", lighthouse_addr=...)
+    optimizer = fault_tolerant(model, torch.optim.AdamW(model.parameters()), manager)
+    for batch in data:
+        optimizer.zero_grad()        # before the forward: joins the step's quorum
+        loss_fn(model(batch)).backward()
+        optimizer.step()             # True where the step was committed
+
+The core package never imports torchft; this module imports it when `fault_tolerant` runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+import urllib.parse
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed import ReduceOp
+from torch.distributed.tensor import DTensor
+
+from composable import fully_shard
+from composable.fsdp import ShardingStrategy
+
+__all__ = ["create_manager", "fault_tolerant", "FaultTolerantOptimizer"]
+
+_API = "fault_tolerant"
+_KEY = "composable"  # the name of this state in the Manager's state dict
+
+
+def _import_torchft() -> Any:
+    try:
+        import torchft.manager
+    except ImportError as e:
+        raise ImportError(f"{_API}: needs torchft (pip install 'composable[ft]'): {e}") from None
+    return torchft.manager
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _check_hsdp(model: nn.Module) -> list[Any]:
+    """The fully_shard states of `model`, each checked to shard on a mesh with a replicate
+    dimension (HSDP): the replica groups extend that dimension."""
+    states = [s for m in model.modules() if (s := fully_shard.state(m)) is not None]
+    if not states:
+        raise ValueError(f"{_API}: 'model' has no module sharded by composable's fully_shard")
+    for state in states:
+        if state.strategy is not ShardingStrategy.HYBRID_SHARD:
+            mesh = state.mesh
+            raise ValueError(
+                f"{_API}: 'model' is sharded on a mesh without a replicate dimension "
+                f"(shape {tuple(mesh.shape)}, dims {mesh.mesh_dim_names}, strategy {state.strategy.name}); "
+                "the replica groups extend HSDP's replicate dimension: shard on a 2D (replicate, shard) mesh"
+            )
+    return states
+
+
+class FaultTolerantOptimizer:
+    """`optimizer` stepped under a torchft `Manager` (what `fault_tolerant` returns): `zero_grad`
+    starts the step's quorum, `step` steps only a committed step. `state_dict`/`load_state_dict`
+    are the wrapped optimizer's (for periodic checkpoints, with `manager.state_dict()`)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, manager: Any) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.manager = manager
+        self.group_world_size = dist.get_world_size()
+        # Taken now, between steps: the Manager reads them from its quorum thread while the
+        # forward runs, when the module attributes hold the gathered (unsharded) parameters.
+        self._named_params = list(model.named_parameters())
+        self._named_buffers = list(model.named_buffers())
+        self._checked_quorum: Any = None  # the quorum whose group sizes were checked
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's (an lr schedule sets them here as usual)."""
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        """The wrapped optimizer's state."""
+        return self.optimizer.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Start this step's quorum (asynchronously: it overlaps the forward; a recovering group
+        fetches the live state meanwhile) and zero the gradients. Call it before the forward."""
+        self.manager.start_quorum()
+        self.optimizer.zero_grad(set_to_none)
+
+    def step(self) -> bool:
+        """Step the optimizer if every live replica group reduced this step's gradients cleanly
+        (`manager.should_commit()`, which also loads the state a recovering group fetched);
+        return whether it stepped. A step not committed leaves parameters and optimizer state
+        as they were; the next `zero_grad` retries with a fresh quorum."""
+        if not self.manager.should_commit():
+            return False
+        self.optimizer.step()
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state dict (a checkpoint's; healing does not use it)."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the wrapped optimizer's state dict (from a checkpoint)."""
+        self.optimizer.load_state_dict(state_dict)
+
+    # -- the Manager's hooks ----------------------------------------------------------------
+    def _all_reduce(self, grads: torch.Tensor) -> None:
+        manager = self.manager
+        manager.wait_quorum()
+        # torchft names no public attribute for the quorum; its id changes with the membership,
+        # the only time a group of another size can appear.
+        quorum = manager._quorum_id
+        if quorum != self._checked_quorum and self._check_group_sizes(grads.device):
+            self._checked_quorum = quorum
+        # The Manager averages over the groups in the quorum (a recovering group contributes
+        # zeros and is not counted); an error is recorded by the Manager and makes
+        # `should_commit` false, so the step is skipped rather than raised here.
+        manager.allreduce(grads).wait()
+
+    def _check_group_sizes(self, device: torch.device) -> bool:
+        """Raise if the groups in this quorum have another number of ranks than this one (their
+        shards would not line up). Every group has a rank 0, so only ranks 0 meet over the
+        Manager and each tells its group: the other ranks of a larger group have no peer there.
+        Returns whether the check ran (not when this step's Manager errored: it is not committed,
+        and the next one checks again)."""
+        t = torch.zeros(3, device=device)
+        if dist.get_rank() == 0:
+            t[0], t[1] = self.group_world_size, 1.0  # a recovering group sends zeros: not counted
+            self.manager.allreduce(t, reduce_op=ReduceOp.SUM).wait()
+            t[2] = self.manager.errored() is not None
+        dist.broadcast(t, src=0)  # one verdict for the group, from its rank 0
+        ranks, groups, errored = t.tolist()
+        if errored:
+            return False
+        if groups and ranks != self.group_world_size * groups:
+            raise ValueError(
+                f"{_API}: replica groups of different sizes in one quorum: this group has "
+                f"{self.group_world_size} ranks, the {int(groups)} live groups {int(ranks)} in all; "
+                "every replica group must have the same number of ranks"
+            )
+        return True
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _live_state(self) -> dict[str, Any]:
+        """This rank's shards: what a recovering group's same rank loads. The tensors are the
+        live ones, not copies: the Manager serves them only until this step's `should_commit`,
+        before the optimizer changes them."""
+        states, dtensors = [], []
+        for p in self._params():
+            st = self.optimizer.state.get(p, {})
+            states.append({k: _local(v) if isinstance(v, torch.Tensor) else v for k, v in st.items()})
+            dtensors.append(
+                {k: (list(v.placements), tuple(v.shape), v.stride()) for k, v in st.items() if isinstance(v, DTensor)}
+            )
+        return {
+            "group_world_size": self.group_world_size,
+            "params": {n: _local(p.detach()) for n, p in self._named_params},
+            "buffers": {n: _local(b) for n, b in self._named_buffers},
+            "optim_state": states,
+            "optim_dtensors": dtensors,
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
+        }
+
+    @torch.no_grad()
+    def _load_live_state(self, sd: dict[str, Any]) -> None:
+        """Take a live group's state (its same rank's shards) in place of this rank's."""
+        if sd["group_world_size"] != self.group_world_size:
+            raise ValueError(
+                f"{_API}: this replica group has {self.group_world_size} ranks, the live group it heals "
+                f"from has {sd['group_world_size']}; every replica group must have the same number of ranks"
+            )
+        for n, p in self._named_params:
+            _local(p).copy_(sd["params"][n])
+        for n, b in self._named_buffers:
+            _local(b).copy_(sd["buffers"][n])
+        for p, st, dt in zip(self._params(), sd["optim_state"], sd["optim_dtensors"]):
+            device = _local(p).device
+            new = {}
+            for k, v in st.items():
+                if k in dt:  # a DTensor on the parameter's mesh: this rank's shard of it
+                    placements, shape, stride = dt[k]
+                    v = DTensor.from_local(
+                        v.to(device), p.device_mesh, placements, run_check=False, shape=shape, stride=stride
+                    )
+                elif isinstance(v, torch.Tensor):
+                    old = self.optimizer.state.get(p, {}).get(k)
+                    v = v.to(old.device) if isinstance(old, torch.Tensor) else v
+                new[k] = v
+            self.optimizer.state[p] = new
+        for g, saved in zip(self.optimizer.param_groups, sd["param_groups"]):
+            g.update(saved)
+
+
+def fault_tolerant(model: nn.Module, optimizer: torch.optim.Optimizer, manager: Any) -> FaultTolerantOptimizer:
+    """Run `model`'s HSDP replicate dimension through torchft's `manager` and return the
+    optimizer to train with (a `FaultTolerantOptimizer`: `zero_grad()` before each forward,
+    `step()` after backward).
+
+    `model` is sharded by composable's `fully_shard` on a 2D `(replicate, shard)` mesh of this
+    replica group's ranks (its own torch.distributed world); `optimizer` holds its parameters;
+    `manager` is this group's `torchft.Manager` (created with `load_state_dict=None,
+    state_dict=None`: this registers composable's state with it). Every module fully_shard
+    manages gets an all-reduce hook that averages its reduced gradients over the live replica
+    groups (it replaces a hook set before). Raises `ValueError` naming the mesh when a module is sharded without a replicate
+    dimension; a group that heals from one of another size raises `ValueError` in `step()`.
+    """
+    ft = _import_torchft()
+    states = _check_hsdp(model)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"{_API}: 'optimizer' must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if not isinstance(manager, ft.Manager):
+        raise TypeError(f"{_API}: 'manager' must be a torchft.Manager, got {type(manager).__name__}")
+    wrapped = FaultTolerantOptimizer(model, optimizer, manager)
+    try:
+        manager.register_state_dict_fn(_KEY, wrapped._load_live_state, wrapped._live_state)
+    except AssertionError:  # torchft asserts that a key is registered once
+        raise ValueError(
+            f"{_API}: 'manager' already serves a model's state (fault_tolerant was called with it before); "
+            "one Manager per replica group and model"
+        ) from None
+    for state in states:
+        state.set_all_reduce_hook(wrapped._all_reduce)
+    return wrapped
+
+
+def _reachable(address: str, timeout: timedelta) -> str | None:
+    """None if a TCP connection to `address` (http://host:port) opens within `timeout`, else why not."""
+    url = urllib.parse.urlparse(address if "://" in address else f"http://{address}")
+    try:
+        port = url.port
+    except ValueError as e:
+        return str(e)
+    if url.hostname is None or port is None:
+        return "it is not http://host:port"
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout.total_seconds()).close()
+    except OSError as e:
+        return str(e) or type(e).__name__
+    return None
+
+
+def _group_store() -> tuple[str, int] | None:
+    """The host and port of the group's own TCPStore (the default process group's: torchrun's
+    at MASTER_ADDR:MASTER_PORT, or one the caller made), or None (the Manager then reads
+    MASTER_ADDR and MASTER_PORT)."""
+    # torch names no public accessor for the default group's store.
+    store = dist.distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return (store.host, store.port) if isinstance(store, dist.TCPStore) else None
+
+
+def create_manager(
+    *,
+    replica_id: str,
+    lighthouse: str | None = None,
+    min_replica_size: int = 1,
+    timeout: timedelta = timedelta(seconds=60),
+    quorum_timeout: timedelta = timedelta(seconds=60),
+    connect_timeout: timedelta = timedelta(seconds=10),
+    init_sync: bool = True,
+    **manager_kwargs: Any,
+) -> Any:
+    """This replica group's `torchft.Manager`, for `fault_tolerant`: call it on every rank of
+    the group after `init_process_group` (the group's own world; its TCPStore, torchrun's, is
+    the Manager's too; without one, `MASTER_ADDR` and `MASTER_PORT` name it).
+
+    `replica_id` names the group (ending in its index, e.g. "group_3": torchft numbers the
+    groups' ranks from it); `lighthouse` is the lighthouse's address (default: the
+    `TORCHFT_LIGHTHOUSE` environment variable). The cross-group process group is torchft's gloo
+    one on CPU and its NCCL one where the group's backend is NCCL. `init_sync=False` when every
+    group builds the same weights from the same seed (no fetch at the first step). The other
+    keyword arguments go to `Manager`. Raises `ConnectionError` on every rank of the group, in
+    one line naming the address, when rank 0 cannot reach the lighthouse within
+    `connect_timeout`."""
+    ft = _import_torchft()
+    api = "create_manager"
+    if not dist.is_initialized():
+        raise RuntimeError(
+            f"{api}: torch.distributed is not initialized; start each replica group as its own world "
+            "(torchrun) and call init_process_group first"
+        )
+    if not isinstance(replica_id, str) or not replica_id:
+        raise ValueError(f"{api}: 'replica_id' must be a non-empty str, got {replica_id!r}")
+    lighthouse = lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
+    if not lighthouse:
+        raise ValueError(f"{api}: 'lighthouse' is not given and TORCHFT_LIGHTHOUSE is not set")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # Only rank 0 talks to the lighthouse; the others would wait for it in the store, so rank 0
+    # tries first and tells them.
+    verdict = [_reachable(lighthouse, connect_timeout) if rank == 0 else None]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise ConnectionError(
+            f"{api}: no torchft lighthouse reachable at 'lighthouse'={lighthouse!r} within "
+            f"{connect_timeout.total_seconds():g} s ({verdict[0]}); start one (torchft_lighthouse "
+            "--min_replicas 1 --bind [::]:29510) or pass its address"
+        )
+    if "store_addr" not in manager_kwargs and (address := _group_store()) is not None:
+        manager_kwargs["store_addr"], manager_kwargs["store_port"] = address
+    pgs = importlib.import_module("torchft.process_group")
+    nccl = dist.get_backend() == "nccl"
+    pg = pgs.ProcessGroupNCCL(timeout=timeout) if nccl else pgs.ProcessGroupGloo(timeout=timeout)
+    return ft.Manager(
+        pg=pg,
+        load_state_dict=None,
+        state_dict=None,
+        min_replica_size=min_replica_size,
+        rank=rank,
+        world_size=world,
+        replica_id=replica_id,
+        lighthouse_addr=lighthouse,
+        timeout=timeout,
+        quorum_timeout=quorum_timeout,
+        connect_timeout=connect_timeout,
+        init_sync=init_sync,
+        **manager_kwargs,
+    )
