@@ -260,3 +260,13 @@ def divide_factors(world: float, dtype: torch.dtype) -> tuple[float, float]:
             pre *= 2
         return float(pre), world / pre
     return 1.0, float(world)
+
+
+def copy_to_pinned_host(output: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`output` (on the GPU) copied, in `dtype`, into pinned host memory without waiting, on the
+    current stream (the caller records an event after it). The cast runs on the GPU; its temporary
+    is freed in that stream's order. Pinned blocks come from torch's caching host allocator, which
+    hands a block out again only once the copies that used it are done."""
+    host = torch.empty(output.shape, dtype=dtype, pin_memory=True)
+    host.copy_(output if output.dtype == dtype else output.to(dtype), non_blocking=True)
+    return host

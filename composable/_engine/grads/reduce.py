@@ -54,6 +54,7 @@ class _Reduction:
     event: "torch.cuda.Event | None" = None  # CUDA: recorded on the reduce stream when done
     divided: bool = False  # averaging applied (by ReduceOp.AVG, or the division after a SUM)
     assigned: list[bool] = field(default_factory=list)  # sharded grads already pointed at `output`
+    host_output: torch.Tensor | None = None  # offload from CUDA: `output` copied to pinned memory (before `event`)
 
 
 MISSING = -0.0  # what a rank reduces in place of a gradient it does not have (see the module's note)
@@ -106,6 +107,7 @@ class ReduceSpec:
     device: torch.device  # compute device: where unsharded gradients and reductions live
     offload: bool  # sharded gradients live on the CPU
     dtypes: GroupDtypes
+    pin_host: bool = False  # offload with pinned host memory from CUDA: copies to the host overlap backward
 
 
 class GradReducer(NoSyncSums, ReduceOptions):
@@ -290,6 +292,8 @@ class GradReducer(NoSyncSums, ReduceOptions):
                 self._run_all_reduce_hook(red)
             if streams is not None:
                 self._average(red)
+                if self.spec.pin_host and red.all_reduced:
+                    red.host_output = comm.copy_to_pinned_host(out, self.spec.dtypes.orig)
                 red.event = streams.reduce.record_event()
                 streams.after_reduce(red.event, flat_in)
         red.works = [w for w in red.works if w is not None]
@@ -387,8 +391,12 @@ class GradReducer(NoSyncSums, ReduceOptions):
                 present_anywhere = list(red.present)
                 for i, somewhere in zip(missing, _had_a_gradient_somewhere(out, regions)):
                     present_anywhere[i] = somewhere
-            target_device = torch.device("cpu") if self.spec.offload else self.spec.device
-            out = out.to(device=target_device, dtype=self.spec.dtypes.orig)
+            if red.host_output is not None and red.event is not None:
+                red.event.synchronize()  # its copy to the host, launched with the reduction, overlapped backward
+                out = red.host_output
+            else:
+                target_device = torch.device("cpu") if self.spec.offload else self.spec.device
+                out = out.to(device=target_device, dtype=self.spec.dtypes.orig)
             for i, (mp, present, off) in enumerate(zip(red.params, present_anywhere, red.offsets)):
                 if present and not (red.assigned and red.assigned[i]):
                     mp.add_to_sharded_grad(mp.layout.local_at(out, off))
