@@ -36,9 +36,8 @@ RUNS = ("floor", "fully_shard", "fsdp2", "replicate", "ddp")
 # The same contenders with the whole step in a CUDA graph (composable.graphed_step); opt-in, CUDA only.
 GRAPHED_RUNS = ("floor_graphed", "fully_shard_graphed", "replicate_graphed")
 # fully_shard and FSDP2 with CPU offload (`CPUOffloadPolicy`: sharded parameters, gradients and the
-# optimizer step on the host); opt-in, measured beside the same contenders without it. The `_overlap`
-# run steps on the host behind the next forward (composable.optim.overlap_host_step).
-OFFLOAD_RUNS = ("fully_shard_offload", "fully_shard_offload_overlap", "fsdp2_offload")
+# optimizer step on the host); opt-in, measured beside the same contenders without it.
+OFFLOAD_RUNS = ("fully_shard_offload", "fsdp2_offload")
 ALL_RUNS = RUNS + GRAPHED_RUNS + OFFLOAD_RUNS
 MODELS = ("own", "hf-llama")
 AC_MODES = ("none", "full", "selective")  # activation checkpointing of every block
@@ -148,7 +147,7 @@ def build(
     if allowed is not None and run not in allowed:
         raise ValueError(f"build: run {run!r} does not run on --mesh {mesh.kind}; runs there: {allowed}")
     offload = run in OFFLOAD_RUNS
-    run = run.removesuffix("_overlap").removesuffix("_graphed").removesuffix("_offload")
+    run = run.removesuffix("_graphed").removesuffix("_offload")
     if model not in MODELS:
         raise ValueError(f"build: model must be one of {MODELS}, got {model!r}")
     if ac not in AC_MODES:

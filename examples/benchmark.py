@@ -70,8 +70,6 @@ from launch import init_torchrun_rank
 from model import get_config, lm_loss, model_flops_per_token  # noqa: F401 (get_config: the tests')
 from torch import nn
 
-from composable.optim import overlap_host_step
-
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0}
 
 
@@ -193,7 +191,6 @@ def time_run(
     )
     graphed = run in GRAPHED_RUNS
     opt = build_optimizer(c.model, args.optimizer, 1e-4, graphed)
-    overlap = overlap_host_step(opt, c.model) if run.endswith("_overlap") else None
     step_fn = make_step(c, opt, graphed, args.warmup)
     g = tokens_generator(mesh, device)  # the tp ranks of a group train on the same tokens
     tokens = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), device=device, generator=g)
@@ -231,10 +228,8 @@ def time_run(
         "host_rss_gib": _host_rss_bytes() / 2**30,
         "loss": float(loss),
     }
-    if overlap is not None:
-        overlap.close()  # the last step's host work, before the state goes
     teardown(c.model, opt)
-    del c, opt, loss, step_fn, overlap
+    del c, opt, loss, step_fn
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

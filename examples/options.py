@@ -64,13 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--cpu-offload",
-        nargs="?",
-        const="overlap",
-        default=None,
-        choices=["overlap", "after-backward"],
-        help="CPUOffloadPolicy: sharded params, grads and the optimizer step on the CPU; the step runs behind the "
-        "next forward (overlap, the default: composable.optim.overlap_host_step) or between backward and forward "
-        "(after-backward: as FSDP2); the same numbers either way",
+        action="store_true",
+        help="CPUOffloadPolicy: sharded params, grads and the optimizer step on the CPU",
     )
     p.add_argument(
         "--compile",
@@ -300,9 +295,6 @@ def validate(args: argparse.Namespace) -> str | None:
         return f"--parallel hsdp --tp-size {args.tp_size} with --pp {args.pp}: pipeline stages take --parallel tp"
     if args.cpu_offload and args.parallel == "replicate":
         return "--cpu-offload needs --parallel fsdp, hsdp or tp (replicate has no offload policy)"
-    if args.cpu_offload == "overlap" and (args.optimizer == "muon" or args.pp > 1):
-        why = "Muon's step communicates" if args.optimizer == "muon" else "pipeline stages step on their own"
-        return f"--cpu-offload overlap steps on a host thread behind the forward and {why}: pass --cpu-offload after-backward"
     if args.cuda_graph == "on":
         if not torch.cuda.is_available():
             return "--cuda-graph on: CUDA graphs need a CUDA device, and torch.cuda.is_available() is False"

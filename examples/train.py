@@ -80,7 +80,6 @@ from train_step import TrainStep, build_graph_optimizer, checkpoint_ready, make_
 from watchdog import Watchdog  # noqa: E402
 
 from composable import ShardedGradScaler, graphed_step  # noqa: E402
-from composable.optim import overlap_host_step  # noqa: E402
 
 __all__ = ["checkpoint_dirs", "main", "parse_args", "train"]
 
@@ -217,8 +216,6 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
     model, pipeline = build_parallel_model(model, args, mesh, job.dp_mesh, device, meta_init)
     fused = args.parallel == "tp" and device.type == "cuda"  # the TP recipe's optimizer
     optimizer = build_graph_optimizer(model, args, device) if graphs else build_optimizer(model, args, fused)
-    if args.cpu_offload == "overlap":  # the host's step behind the next forward (same numbers)
-        stack.callback(overlap_host_step(optimizer, model).close)  # the last step's host work, at the end
     scaler = ShardedGradScaler(enabled=args.mp == "fp16")
 
     corpus = ByteCorpus.load()

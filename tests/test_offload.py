@@ -82,6 +82,8 @@ def _train_pair(
         assert_close_tensors(losses[0], losses[1], **(tol if step else {"exact": True}), msg=f"step {step} loss")
         for (name, p), q in zip(offloaded.named_parameters(), plain.parameters()):
             assert p.grad.device.type == "cpu" and p.grad.dtype == p.dtype, name
+            if device == "cuda":  # pinned: copied to the host as they were reduced, overlapping backward
+                assert p.grad.to_local().is_pinned() == pin_memory, name
             assert isinstance(p.grad, DTensor) and p.grad.placements == p.placements, name
             assert_close_tensors(
                 p.grad.full_tensor().to(device),
@@ -177,6 +179,16 @@ def test_offload_parity_gpu(mp: MixedPrecisionPolicy) -> None:
     The process group has a CPU backend too (as with PyTorch FSDP2's offload), so that DTensor
     ops on the CPU-resident shards (full_tensor, clip_grad_norm_) can communicate."""
     run_on_ranks(_train_pair, 2, "cuda", mp, ShardingStrategy.FULL_SHARD, backend="cpu:gloo,cuda:nccl")
+
+
+@requires_gpus(1)
+@pytest.mark.parametrize("pin_memory", [True, False], ids=["pinned", "pageable"])
+def test_offload_parity_one_gpu(pin_memory: bool) -> None:
+    """One GPU (where offload lets a model fit at all): bf16 compute, the gradients copied to
+    pinned host memory as they are reduced (or, unpinned, at the end of backward); identical to
+    no offload."""
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    run_on_ranks(_train_pair, 1, "cuda", bf16, ShardingStrategy.FULL_SHARD, pin_memory, backend="cpu:gloo,cuda:nccl")
 
 
 def _default_mesh_gpu(rank: int, world_size: int) -> None:

@@ -100,9 +100,7 @@ class ParamGroup:
             self.extension_params, extension_sources, lay.shard_world, lay.shard_rank, self._storage_device, config.api
         )
 
-    host_write: Any = None  # a Future: a host thread's optimizer step of these CPU shards (optim/host_step.py)
-
-    _SHARED_ON_COPY = ("streams", "all_gather_comm", "host_write")  # runtime handles: a deep copy of the model shares them
+    _SHARED_ON_COPY = ("streams", "all_gather_comm")  # runtime handles: a deep copy of the model shares them
 
     def __deepcopy__(self, memo: dict) -> "ParamGroup":
         new = ParamGroup.__new__(ParamGroup)
@@ -212,7 +210,6 @@ class ParamGroup:
     @labelled("composable::unshard")
     def unshard(self, async_op: bool = False) -> None:
         """Gather the unsharded parameters and register them on their modules."""
-        self.wait_for_host_write()
         if self._kept_versions is not None and self._shard_versions() != self._kept_versions:
             self.reshard()  # kept unsharded (reshard_after_backward=False) across an optimizer step
         if self.state is GroupState.SHARDED:
@@ -399,11 +396,4 @@ class ParamGroup:
     @labelled("composable::finish_reduce")
     def finish_reduce(self) -> None:
         """Wait for launched reductions and accumulate them into the sharded gradients."""
-        self.wait_for_host_write()
         self.reducer.finish()
-
-    def wait_for_host_write(self) -> None:
-        """Wait for `host_write` before the shards or gradients are read (its error raises here)."""
-        pending, self.host_write = self.host_write, None
-        if pending is not None:
-            pending.result()
