@@ -55,6 +55,7 @@ import torch.distributed as dist
 from bench_args import model_config, parse_args, width_overrides  # noqa: F401 (the tests' entry points)
 from bench_build import (
     GRAPHED_RUNS,
+    OFFLOAD_RUNS,
     Contender,
     build,
 )
@@ -66,7 +67,7 @@ from bench_mesh import (
 )
 from bench_optim import build_optimizer
 from bench_report import report, write_trace
-from launch import init_torchrun_rank
+from launch import host_threads_for_offload, init_torchrun_rank
 from model import get_config, lm_loss, model_flops_per_token  # noqa: F401 (get_config: the tests')
 from torch import nn
 
@@ -326,6 +327,8 @@ def run_rounds(args: argparse.Namespace, device: torch.device) -> list[dict[str,
 def main(args: argparse.Namespace) -> None:
     """Under torchrun: NCCL on the local GPU, or gloo on the CPU where there is none."""
     device = init_torchrun_rank()
+    if any(run in OFFLOAD_RUNS for run in (args.runs or "").split(",")):
+        host_threads_for_offload()
     try:
         prewarm_libraries(device)
         run_rounds(args, device)

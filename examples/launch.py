@@ -137,6 +137,14 @@ def _stop(procs: list[Any]) -> None:
 # ----------------------------------------------------------------------------- rank side
 
 
+def host_threads_for_offload() -> None:
+    """CPU offload steps the optimizer on the host: give each local rank its share of the
+    host's cores. torchrun sets OMP_NUM_THREADS=1 when it starts several processes, which leaves a
+    1b model's host AdamW step on one core (1.8 s on an H200 host against 0.25 s on 16)."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+
+
 def init_torchrun_rank() -> torch.device:
     """The benchmarks' join, under torchrun: the default process group on this rank's device,
     NCCL on the local GPU or gloo on the CPU where there is none; returns the device."""

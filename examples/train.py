@@ -66,7 +66,7 @@ from checkpointing import checkpoint_dirs, load_newest_intact, rank0_then_broadc
 from data import ByteCorpus, get_batch  # noqa: E402
 from fault_tolerance import committed, next_step  # noqa: E402
 from fault_tolerance import start as start_fault_tolerance  # noqa: E402
-from launch import exit_process, run_rank, spawn_local  # noqa: E402
+from launch import exit_process, host_threads_for_offload, run_rank, spawn_local  # noqa: E402
 from memory_check import check_memory, host_memory_bytes  # noqa: E402
 from model import ModelConfig, Transformer, count_parameters  # noqa: E402
 from options import FAULT, cuda_graph_mode, model_config, parse_args  # noqa: E402
@@ -204,6 +204,8 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
     watchdog, say, warn, verbose = job.watchdog, job.say, job.warn, job.verbose
     rank, world = dist.get_rank(), dist.get_world_size()
     graphs, graphs_why = cuda_graph_mode(args, device.type)  # before the model: `on` may be refused
+    if args.cpu_offload and device.type == "cuda":
+        host_threads_for_offload()
     # Same seed on every rank: identical initial weights before sharding. On a GPU the model
     # is built on the meta device and materialised shard by shard after parallelize (a 1B
     # model never exists unsharded); on the CPU it is built whole, so the initial weights do

@@ -81,3 +81,18 @@ def test_offload_runs_refuse_what_is_not_measured(
         benchmark.parse_args(["--runs", "fully_shard_offload", *extra])
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert ": error: --runs fully_shard_offload runs with --model own, --mesh dp" in line and named in line, line
+
+
+def test_offloaded_ranks_share_the_host_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun starts several processes with OMP_NUM_THREADS=1; the host's optimizer step of an
+    offloaded run gets each local rank's share of the cores instead."""
+    import launch
+
+    before = torch.get_num_threads()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(os, "cpu_count", lambda: 32)
+    try:
+        launch.host_threads_for_offload()
+        assert torch.get_num_threads() == 16
+    finally:
+        torch.set_num_threads(before)
