@@ -59,6 +59,33 @@ class TinyTransformer(nn.Module):
         return self.head(self.norm(x))
 
 
+class NormMLPBlock(nn.Module):
+    """A residual LayerNorm -> Linear -> ReLU -> Linear block: the shape the tensor-parallel tests
+    split (norm sequence-parallel, w1 column-parallel, w2 row-parallel)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.w1 = nn.Linear(dim, hidden)
+        self.w2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.w2(torch.relu(self.w1(self.norm(x))))
+
+
+class NormMLPStack(nn.Module):
+    """`layers` NormMLPBlocks in a ModuleList `layers`."""
+
+    def __init__(self, dim: int, hidden: int, layers: int = 2) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(NormMLPBlock(dim, hidden) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
 def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     logits = model(tokens[:, :-1])
     return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())

@@ -24,6 +24,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from _harness import assert_close_tensors, run_on_ranks
+from _models import NormMLPStack
 from _training import (
     FULL,
     adamw,
@@ -168,7 +169,7 @@ TP_CASES = [
 
 def _tp_model(seed: int, dims: tuple[int, int, int], mesh: DeviceMesh, local_outputs: bool) -> nn.Module:
     torch.manual_seed(seed)
-    return tp._parallelize(tp._Stack(*dims[:2]), mesh, local_outputs)
+    return tp._parallelize(NormMLPStack(*dims[:2]), mesh, local_outputs)
 
 
 def _tp_train(
@@ -192,7 +193,7 @@ def _tp_train(
 
 def _1d_model(seed: int, dims: tuple[int, int, int]) -> nn.Module:
     torch.manual_seed(seed)
-    model = tp._Stack(*dims[:2])
+    model = NormMLPStack(*dims[:2])
     for block in model.layers:
         fully_shard(block)
     return fully_shard(model)
@@ -204,7 +205,7 @@ def _tp_save(
     """TP x FSDP: state dict layout, full state dict == reference, DCP round trip + resume."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
-    ref = tp._Stack(*dims[:2])
+    ref = NormMLPStack(*dims[:2])
     model = _tp_model(0, dims, mesh, local_outputs)
     sd = model.state_dict()
     assert list(sd) == list(ref.state_dict())

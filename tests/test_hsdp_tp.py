@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from _harness import assert_close_tensors, count_collectives, run_on_ranks
+from _models import NormMLPStack
 from torch.distributed._composable.replicate_with_fsdp import replicate as torch_replicate
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -46,28 +47,6 @@ DIMS = (8, 12, 4)  # model dim, hidden, sequence
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
-class _Block(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.w1 = nn.Linear(dim, hidden)
-        self.w2 = nn.Linear(hidden, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.w2(torch.relu(self.w1(self.norm(x))))
-
-
-class _Stack(nn.Module):
-    def __init__(self, dim: int, hidden: int, layers: int = 2) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(_Block(dim, hidden) for _ in range(layers))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
 def _plan(sequence_parallel: bool) -> dict:
     if not sequence_parallel:
         return {"w1": ColwiseParallel(), "w2": RowwiseParallel()}
@@ -83,8 +62,8 @@ def _mesh() -> DeviceMesh:
 
 
 def _parallelize(
-    shard: Any, model: _Stack, mesh: DeviceMesh, sequence_parallel: bool, dp_mesh: DeviceMesh | None = None
-) -> _Stack:
+    shard: Any, model: NormMLPStack, mesh: DeviceMesh, sequence_parallel: bool, dp_mesh: DeviceMesh | None = None
+) -> NormMLPStack:
     """The TP plan on mesh["tp"], then `shard` over `dp_mesh` (HSDP's 2D dp mesh by default)
     per block and on the root."""
     dp_mesh = mesh["dp_replicate", "dp_shard"] if dp_mesh is None else dp_mesh
@@ -154,7 +133,7 @@ def _torch_norm(model: nn.Module) -> torch.Tensor:
 def _train_against_fsdp2(rank: int, world: int, sequence_parallel: bool, path: str) -> None:
     mesh = _mesh()
     dim, hidden, _ = DIMS
-    ref = _Stack(dim, hidden)
+    ref = NormMLPStack(dim, hidden)
     ours = _parallelize(fully_shard, copy.deepcopy(ref), mesh, sequence_parallel)
     theirs = _parallelize(torch_fully_shard, copy.deepcopy(ref), mesh, sequence_parallel)
     named = list(ours.named_parameters())
@@ -212,14 +191,14 @@ def _train_against_fsdp2(rank: int, world: int, sequence_parallel: bool, path: s
         _assert_same(ours_sd[key], theirs_sd[key], f"state dict {key}")
     # DCP: a checkpoint written from composable's model loads into FSDP2's, and back.
     dcp.save(ours_sd, checkpoint_id=path)
-    fresh = _parallelize(torch_fully_shard, _Stack(dim, hidden), mesh, sequence_parallel)
+    fresh = _parallelize(torch_fully_shard, NormMLPStack(dim, hidden), mesh, sequence_parallel)
     loaded = fresh.state_dict()
     dcp.load(loaded, checkpoint_id=path)
     for key in ours_sd:
         _assert_same(loaded[key], theirs_sd[key], f"FSDP2 loaded {key}")
     dist.barrier()
     dcp.save(theirs_sd, checkpoint_id=path + "_fsdp2")
-    back = _parallelize(fully_shard, _Stack(dim, hidden), mesh, sequence_parallel)
+    back = _parallelize(fully_shard, NormMLPStack(dim, hidden), mesh, sequence_parallel)
     back_sd = back.state_dict()
     dcp.load(back_sd, checkpoint_id=path + "_fsdp2")
     back.load_state_dict(back_sd)
@@ -236,7 +215,7 @@ def _replicated_over_tp(rank: int, world: int) -> None:
     mesh = _mesh()
     dim, hidden, _ = DIMS
     flat = mesh["dp_replicate", "dp_shard"]._flatten()
-    ref = _Stack(dim, hidden)
+    ref = NormMLPStack(dim, hidden)
     ours = _parallelize(replicate, copy.deepcopy(ref), mesh, False, flat)
     theirs = _parallelize(torch_replicate, copy.deepcopy(ref), mesh, False, flat)
     no_shard = _parallelize(

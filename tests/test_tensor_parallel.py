@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from _harness import assert_close_tensors, run_on_ranks
+from _models import NormMLPBlock, NormMLPStack
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -56,28 +57,6 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 # ----------------------------------------------------------------------------- model
 
 
-class _Block(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.w1 = nn.Linear(dim, hidden)
-        self.w2 = nn.Linear(hidden, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.w2(torch.relu(self.w1(self.norm(x))))
-
-
-class _Stack(nn.Module):
-    def __init__(self, dim: int, hidden: int, layers: int = 2) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(_Block(dim, hidden) for _ in range(layers))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
 def _plan(local_outputs: bool) -> dict:
     return {
         "norm": SequenceParallel(use_local_output=local_outputs),
@@ -90,7 +69,7 @@ def _mesh() -> DeviceMesh:
     return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
 
 
-def _parallelize(model: _Stack, mesh: DeviceMesh, local_outputs: bool) -> _Stack:
+def _parallelize(model: NormMLPStack, mesh: DeviceMesh, local_outputs: bool) -> NormMLPStack:
     for block in model.layers:
         parallelize_module(block, mesh["tp"], _plan(local_outputs))
         fully_shard(block, mesh=mesh["dp"])
@@ -188,7 +167,7 @@ def _local_loss(out: torch.Tensor, rows_numel: int) -> torch.Tensor:
 def _tp_fsdp_parity(rank: int, world: int, dims: tuple[int, int, int], local_outputs: bool) -> None:
     dim, hidden, seq = dims
     mesh = _mesh()
-    ref = _Stack(dim, hidden)
+    ref = NormMLPStack(dim, hidden)
     model = _parallelize(copy.deepcopy(ref), mesh, local_outputs)
     _check_layout(model, ref, mesh)
 
@@ -251,7 +230,7 @@ def test_tp_fsdp_parity_with_single_process(dims: tuple[int, int, int], local_ou
 
 def _unsupported(rank: int, world: int) -> None:
     mesh = _mesh()
-    block = _Block(8, 12)
+    block = NormMLPBlock(8, 12)
     parallelize_module(block, mesh["tp"], _plan(True))
     # A dp mesh over the TP mesh's own ranks: no 2D mesh holds the two (one cut separately
     # from the same ranks, as other["a"] is, is concatenated with tp, as FSDP2 does).
@@ -272,7 +251,7 @@ def test_unsupported_tp_compositions_raise() -> None:
 
 def _no_shard(rank: int, world: int) -> None:
     mesh = _mesh()
-    block = _Block(8, 12)
+    block = NormMLPBlock(8, 12)
     parallelize_module(block, mesh["tp"], _plan(True))
     fully_shard(block, mesh=mesh["dp"], strategy=ShardingStrategy.NO_SHARD)
     for name, param in block.named_parameters():
@@ -290,7 +269,7 @@ def _tp_of_one(rank: int, world: int) -> None:
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))
-    block = _Block(8, 12)
+    block = NormMLPBlock(8, 12)
     blocks = [block, copy.deepcopy(block)]
     for block, shard in zip(blocks, (fully_shard, torch_fully_shard)):
         parallelize_module(block, mesh["tp"], _plan(True))
