@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-__all__ = ["LocalMatrix", "map_whole_matrices"]
+__all__ = ["LocalMatrix", "map_whole_matrices", "whole_matrices"]
 
 
 class LocalMatrix(Protocol):
@@ -60,6 +60,57 @@ class _Rows:
 
     def write(self, out: torch.Tensor) -> None:
         out.copy_(self.rows)
+
+
+def whole_matrices(
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    tensors: Sequence[torch.Tensor],
+    wire_dtype: torch.dtype | None = None,
+) -> list[torch.Tensor]:
+    """`fn` of each whole matrix of `tensors`, each result laid out as its tensor: the mechanism
+    `composable.optim.Muon` orthogonalizes with, for any function of a whole matrix (another
+    whole-matrix optimizer's preconditioner, a polar decomposition, a spectral norm clip).
+
+    `tensors` are laid out as parameters are: DTensors sharded by `fully_shard`, HSDP, tensor
+    parallelism and their compositions, `replicate`'s, or plain tensors (whole here). Each is a
+    matrix (2D) or a stack of matrices along dim 0 (3D, one per expert). Each matrix goes whole to
+    one owner rank, which applies `fn` to it and sends each rank its part back (see the module's
+    note), so the result is, bit for bit, `fn` of the whole matrix on one process.
+
+    `fn(matrix) -> matrix` takes and returns one whole matrix, of the same shape, in
+    `wire_dtype` (default: the tensors' dtype), which is what the rows travel in. Every rank calls
+    this with the same `fn` and tensors of the same shapes, in the same order (it runs
+    collectives). Returns one tensor per input, in `wire_dtype`: a DTensor with the input's mesh
+    and placements, or a plain tensor.
+
+    Raises:
+        TypeError: `fn` is not callable, or a member of `tensors` is not a tensor.
+        ValueError: a tensor is not 2D or 3D, or the tensors' dtypes differ and no `wire_dtype`
+            is given.
+    """
+    api = "composable.optim.whole_matrices"
+    if not callable(fn):
+        raise TypeError(f"{api}: 'fn' must be callable, got {type(fn).__name__}")
+    tensors = list(tensors)
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{api}: tensors[{i}] must be a tensor, got {type(t).__name__}")
+        if t.ndim not in (2, 3):
+            raise ValueError(f"{api}: tensors[{i}] must be 2D or a 3D stack of matrices, got shape {tuple(t.shape)}")
+    if wire_dtype is None and tensors:
+        dtypes = sorted({str(t.dtype) for t in tensors})
+        if len(dtypes) > 1:
+            raise ValueError(f"{api}: the tensors' dtypes differ ({', '.join(dtypes)}); pass 'wire_dtype'")
+        wire_dtype = tensors[0].dtype
+    wire = wire_dtype or torch.float32
+    locals_ = [_Rows((t._local_tensor if isinstance(t, DTensor) else t).to(wire)) for t in tensors]
+    results = map_whole_matrices(fn, locals_, tensors, wire)
+    return [
+        DTensor.from_local(r, t.device_mesh, t.placements, shape=t.shape, stride=t.stride(), run_check=False)
+        if isinstance(t, DTensor)
+        else r
+        for t, r in zip(tensors, results)
+    ]
 
 
 def map_whole_matrices(
