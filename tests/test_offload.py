@@ -10,6 +10,8 @@ compute on CUDA.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn as nn
@@ -18,7 +20,14 @@ from _models import TinyTransformer, batch_for, lm_loss
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from composable import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy, fully_shard
+from composable import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    ShardingStrategy,
+    clip_grad_norm_,
+    fully_shard,
+)
 
 STEPS = 3
 
@@ -147,6 +156,51 @@ def _offload_hsdp(rank: int, world_size: int) -> None:
 def test_offload_hsdp_cpu() -> None:
     """Offload composes with HSDP (2x2 mesh): equal to the single-process reference."""
     run_on_ranks(_offload_hsdp, 4)
+
+
+def _checkpoint_resume(rank: int, world_size: int, path: str) -> None:
+    """A DCP checkpoint of an offloaded run (parameters and AdamW state on the host) resumes bit
+    for bit as the run that never stopped, and loads into a run without offload too."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    mesh = init_device_mesh("cpu", (world_size,))
+
+    def build(offload: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        policy = CPUOffloadPolicy() if offload else OffloadPolicy()
+        model = _wrap(TinyTransformer(), mesh=mesh, offload_policy=policy)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+    def train(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+        lm_loss(model, batch_for(step, world_size, rank)).backward()
+        clip_grad_norm_(model.parameters(), max_norm=0.05)
+        opt.step()
+        opt.zero_grad()
+
+    model, opt = build(offload=True)
+    for step in range(2):
+        train(model, opt, step)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    saved = [p.full_tensor().clone() for p in model.parameters()]
+    train(model, opt, 2)
+    for offload in (True, False):
+        resumed, resumed_opt = build(offload)
+        msd, osd = get_state_dict(resumed, resumed_opt)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(resumed, resumed_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        for p, q in zip(resumed.parameters(), saved):
+            assert p.to_local().device.type == "cpu" and torch.equal(p.full_tensor(), q)
+        if offload:  # the same step on the same host kernels: the same bits
+            train(resumed, resumed_opt, 2)
+            for (name, p), q in zip(resumed.named_parameters(), model.parameters()):
+                assert torch.equal(p.to_local(), q.to_local()), f"resumed: {name}"
+
+
+def test_checkpoint_resumes_bit_for_bit(tmp_path: Path) -> None:
+    run_on_ranks(_checkpoint_resume, 2, str(tmp_path))
 
 
 def _bad_offload(rank: int, world_size: int) -> None:
