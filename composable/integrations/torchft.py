@@ -279,9 +279,10 @@ def _reachable(address: str, timeout: timedelta) -> str | None:
             return str(e) or type(e).__name__
         except OSError as e:
             why = str(e) or type(e).__name__
-        if time.monotonic() + pause >= deadline:
+        left = deadline - time.monotonic()
+        if left <= 0:
             return why
-        time.sleep(pause)
+        time.sleep(min(pause, left))  # then a last try at the deadline
         pause = min(2 * pause, 1.0)
 
 
