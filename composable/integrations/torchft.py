@@ -314,13 +314,13 @@ def create_manager(
 
     `replica_id` names the group (ending in its index, e.g. "group_3": torchft numbers the
     groups' ranks from it); `lighthouse` is the lighthouse's address, `http://host:port` or
-    `host:port` (default: the `TORCHFT_LIGHTHOUSE` environment variable). The cross-group process group is torchft's gloo
-    one on CPU and its NCCL one where the group's backend is NCCL. `init_sync=False` when every
-    group builds the same weights from the same seed (no fetch at the first step). The other
-    keyword arguments go to `Manager`. Rank 0 waits up to `connect_timeout` for the lighthouse
-    to accept a connection (one being started alongside this group is waited for); raises
-    `ConnectionError` on every rank of the group, in one line naming the address, when it does
-    not."""
+    `host:port` (default: the `TORCHFT_LIGHTHOUSE` environment variable). The cross-group
+    process group is torchft's gloo one on CPU and its NCCL one where the group's backend is
+    NCCL. `init_sync=False` when every group builds the same weights from the same seed (no
+    fetch at the first step). The other keyword arguments go to `Manager`. Rank 0 waits up to
+    `connect_timeout` for the lighthouse to accept a connection (one being started alongside
+    this group is waited for); raises `ConnectionError` on every rank of the group, in one line
+    naming the address, when it does not."""
     ft = _import_torchft()
     api = "create_manager"
     if not dist.is_initialized():
