@@ -179,7 +179,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="this launch is one torchft replica group (--parallel hsdp over its ranks): the groups average "
         "gradients through a torchft Manager, a lost group drops out and a restarted one heals from a live one",
     )
-    f.add_argument("--lighthouse", default=None, help="--fault-tolerant: the lighthouse (default: $TORCHFT_LIGHTHOUSE)")
+    f.add_argument(
+        "--lighthouse",
+        default=None,
+        help="--fault-tolerant: the lighthouse, HOST:PORT of one running (default: $TORCHFT_LIGHTHOUSE), or start:PORT "
+        "on replica group 0: its rank 0 serves one on PORT while it runs, the other groups given HOST:PORT",
+    )
+    f.add_argument(
+        "--min-replicas",
+        type=int,
+        default=None,
+        help="--lighthouse start:PORT: the groups a quorum needs (default 1: any survivor trains on)",
+    )
     f.add_argument(
         "--replica-group",
         type=int,

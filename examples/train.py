@@ -64,7 +64,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from checkpointing import checkpoint_dirs, load_newest_intact, rank0_then_broadcast, save_checkpoint  # noqa: E402
 from data import ByteCorpus, get_batch  # noqa: E402
-from fault_tolerance import committed, next_step  # noqa: E402
+from fault_tolerance import committed, next_step, serve_lighthouse  # noqa: E402
 from fault_tolerance import start as start_fault_tolerance  # noqa: E402
 from launch import exit_process, host_threads_for_offload, run_rank, spawn_local  # noqa: E402
 from memory_check import check_memory, host_memory_bytes  # noqa: E402
@@ -203,6 +203,9 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
     )
     watchdog, say, warn, verbose = job.watchdog, job.say, job.warn, job.verbose
     rank, world = dist.get_rank(), dist.get_world_size()
+    # First: a lighthouse this job starts (--lighthouse start:PORT) is up while the other groups,
+    # started alongside, build their models, and a port in use fails before any work.
+    lighthouse = serve_lighthouse(args, stack) if args.fault_tolerant else None
     graphs, graphs_why = cuda_graph_mode(args, device.type)  # before the model: `on` may be refused
     if args.cpu_offload and device.type == "cuda":
         host_threads_for_offload()
@@ -271,7 +274,9 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
     hsdp_accum = args.parallel == "hsdp" and args.grad_accum > 1
     # --fault-tolerant: the train step steps through the Manager; checkpoints take the optimizer.
     stepper, manager = (
-        start_fault_tolerance(model, optimizer, args, start_step) if args.fault_tolerant else (optimizer, None)
+        start_fault_tolerance(model, optimizer, args, start_step, lighthouse)
+        if lighthouse is not None
+        else (optimizer, None)
     )
     train_step = (
         pipeline.make_train_step(optimizer, args, device)

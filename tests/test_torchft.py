@@ -8,6 +8,9 @@ through a torchft Manager, on CPU (gloo, torchft's ProcessGroupGloo, a lighthous
   world, bit for bit, at every step.
 - The user's mistakes: no lighthouse reachable, a model without a replicate dimension, a group of
   another size.
+- The main job (`train.py --fault-tolerant`): two launches train as one plain HSDP launch, with a
+  lighthouse started apart or one that group 0 starts (`--lighthouse start:PORT`); its flags that
+  do not fit and a lighthouse port in use are one line.
 
 Replica groups are separate torch.distributed worlds (one TCPStore each) that must die and restart
 on their own, which `run_on_ranks`' single world cannot give: the groups here are plain
@@ -16,12 +19,14 @@ subprocesses running `_group_main` from this file, with files in `tmp_path` for 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -383,27 +388,19 @@ def _main_job_losses(out: Path) -> list[float]:
     return [h["loss"] for h in json.loads(metrics.read_text())["history"]]
 
 
-def test_main_job_groups_train_as_plain_hsdp(tmp_path: Path) -> None:
-    """Two launches of `train.py --fault-tolerant` (2 ranks each) train as one `--parallel hsdp`
-    launch of 4 ranks: each step's loss (a group's mean over its ranks) averages to plain HSDP's."""
+def _main_job_groups(tmp_path: Path, lighthouse_flags: dict[int, list[str]]) -> list[list[float]]:
+    """Launch `train.py --fault-tolerant` (2 ranks each) once per replica group, in the order of
+    `lighthouse_flags` (group -> its lighthouse flags), and wait for all; each group's losses,
+    by group index."""
     from _harness import env_without_launcher
-    from torchft.coordination import LighthouseServer
 
-    server = LighthouseServer(bind="[::]:0", min_replicas=2)  # both groups in every step's quorum
-    flags = [*MAIN_JOB, "--parallel", "hsdp", "--nproc", "2", "--fault-tolerant", "--lighthouse", server.address()]
+    flags = [*MAIN_JOB, "--parallel", "hsdp", "--nproc", "2", "--fault-tolerant"]
     procs, logs = [], []
     try:
-        for g in (0, 1):
+        for g, lighthouse in lighthouse_flags.items():
             logs.append(tmp_path / f"g{g}.log")
-            cmd = [
-                sys.executable,
-                str(EXAMPLES / "train.py"),
-                *flags,
-                "--replica-group",
-                str(g),
-                "--out",
-                str(tmp_path / f"g{g}"),
-            ]
+            cmd = [sys.executable, str(EXAMPLES / "train.py"), *flags, *lighthouse]
+            cmd += ["--replica-group", str(g), "--out", str(tmp_path / f"g{g}")]
             procs.append(
                 subprocess.Popen(cmd, env=env_without_launcher(), stdout=logs[-1].open("w"), stderr=subprocess.STDOUT)
             )
@@ -413,19 +410,95 @@ def test_main_job_groups_train_as_plain_hsdp(tmp_path: Path) -> None:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-        server.shutdown()
-    assert codes == [0, 0], "\n".join(log.read_text()[-3000:] for log in logs)
+    assert codes == [0] * len(procs), "\n".join(log.read_text()[-3000:] for log in logs)
+    return [_main_job_losses(tmp_path / f"g{g}") for g in sorted(lighthouse_flags)]
+
+
+@functools.cache
+def _plain_hsdp_losses() -> tuple[float, ...]:
+    """The losses of one `--parallel hsdp` launch of 4 ranks (`--hsdp-shard-size 2`), which two
+    fault-tolerant launches of 2 ranks match; run once for the tests that compare with it."""
     from test_train_example import _losses, _run  # the main job on the harness's ranks
 
-    plain = _losses(
-        _run([*MAIN_JOB, "--parallel", "hsdp", "--hsdp-shard-size", "2", "--out", str(tmp_path / "plain")], 4)
-    )
-    groups = [_main_job_losses(tmp_path / f"g{g}") for g in (0, 1)]
-    # The same models: a group's loss is the mean over its 2 ranks, plain HSDP's over all 4 (one
-    # float32 rounding apart).
+    with tempfile.TemporaryDirectory(prefix="torchft-plain-hsdp-") as out:
+        return tuple(_losses(_run([*MAIN_JOB, "--parallel", "hsdp", "--hsdp-shard-size", "2", "--out", out], 4)))
+
+
+def _assert_trained_as_plain_hsdp(groups: list[list[float]]) -> None:
+    """The same models: a group's loss is the mean over its 2 ranks, plain HSDP's over all 4 (one
+    float32 rounding apart)."""
     mean = [(a + b) / 2 for a, b in zip(*groups)]
-    assert mean == pytest.approx(plain, rel=1e-6, abs=0)
+    assert mean == pytest.approx(_plain_hsdp_losses(), rel=1e-6, abs=0)
     assert groups[0] != groups[1]  # the groups trained on different data
+
+
+def test_main_job_groups_train_as_plain_hsdp(tmp_path: Path) -> None:
+    """Two launches of `train.py --fault-tolerant` (2 ranks each) train as one `--parallel hsdp`
+    launch of 4 ranks: each step's loss (a group's mean over its ranks) averages to plain HSDP's."""
+    from torchft.coordination import LighthouseServer
+
+    server = LighthouseServer(bind="[::]:0", min_replicas=2)  # both groups in every step's quorum
+    try:
+        groups = _main_job_groups(tmp_path, {g: ["--lighthouse", server.address()] for g in (0, 1)})
+    finally:
+        server.shutdown()
+    _assert_trained_as_plain_hsdp(groups)
+
+
+def test_main_job_group_0_starts_the_lighthouse(tmp_path: Path) -> None:
+    """No lighthouse of the test's own: group 0's `--lighthouse start:PORT --min-replicas 2`
+    serves one, group 1 is given `localhost:PORT` (no scheme) and is launched first, so it waits
+    for the lighthouse to come up. They train as plain HSDP, as with a lighthouse started apart."""
+    port = _free_port()
+    groups = _main_job_groups(
+        tmp_path,
+        {1: ["--lighthouse", f"localhost:{port}"], 0: ["--lighthouse", f"start:{port}", "--min-replicas", "2"]},
+    )
+    _assert_trained_as_plain_hsdp(groups)
+
+
+def test_main_job_lighthouse_port_in_use_is_one_line(tmp_path: Path) -> None:
+    from _harness import env_without_launcher
+
+    with socket.socket() as held:  # another process's listener on the port
+        held.bind(("", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        cmd = [sys.executable, str(EXAMPLES / "train.py"), *MAIN_JOB, "--parallel", "hsdp", "--nproc", "1"]
+        cmd += ["--fault-tolerant", "--lighthouse", f"start:{port}", "--out", str(tmp_path)]
+        done = subprocess.run(cmd, env=env_without_launcher(), capture_output=True, text=True, timeout=DEADLINE_S)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("train.py:")]
+    assert done.returncode == 2 and errors == [
+        f"train.py: error: --lighthouse start:{port}: port {port} is already in use on this host; pick another "
+        f"PORT, or give --lighthouse HOST:{port} if a lighthouse already serves there"
+    ], done.stderr[-3000:]
+
+
+def test_lighthouse_that_comes_up_late_is_waited_for() -> None:
+    """`create_manager`'s check connects again until `connect_timeout`: a lighthouse that another
+    group is still starting is found; one that never comes is reported when the time is up."""
+    import threading
+
+    from composable.integrations.torchft import _reachable
+
+    port = _free_port()
+    listener = socket.socket()
+
+    def come_up() -> None:
+        time.sleep(0.5)
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+
+    thread = threading.Thread(target=come_up)
+    thread.start()
+    try:
+        assert _reachable(f"127.0.0.1:{port}", timedelta(seconds=30)) is None
+    finally:
+        thread.join()
+        listener.close()
+    began = time.monotonic()
+    assert _reachable(f"http://127.0.0.1:{_free_port()}", timedelta(seconds=0.5)) is not None
+    assert time.monotonic() - began >= 0.4
 
 
 MAIN_JOB_ERRORS = [
@@ -439,7 +512,32 @@ MAIN_JOB_ERRORS = [
     (["--lighthouse", "http://h:1"], "--lighthouse needs --fault-tolerant"),
     (["--replica-group", "1"], "--replica-group needs --fault-tolerant"),
     (["--parallel", "hsdp", "--fault-tolerant", "--replica-group", "-1"], "--replica-group must be >= 0, got -1"),
-    (["--parallel", "hsdp", "--fault-tolerant"], "--fault-tolerant needs --lighthouse HOST:PORT or TORCHFT_LIGHTHOUSE"),
+    (
+        ["--parallel", "hsdp", "--fault-tolerant"],
+        "--fault-tolerant needs a lighthouse: --lighthouse HOST:PORT or TORCHFT_LIGHTHOUSE (one running), "
+        "or --lighthouse start:PORT on replica group 0",
+    ),
+    (["--min-replicas", "2"], "--min-replicas needs --fault-tolerant"),
+    *(
+        (
+            ["--parallel", "hsdp", "--fault-tolerant", "--lighthouse", value],
+            f"--lighthouse {value}: start:PORT needs a PORT in 1..65535",
+        )
+        for value in ("start", "start:", "start:http", "start:0", "start:65536")
+    ),
+    (
+        ["--parallel", "hsdp", "--fault-tolerant", "--lighthouse", "start:29510", "--replica-group", "1"],
+        "--lighthouse start:29510 on replica group 1: only group 0 starts the lighthouse; "
+        "give this group --lighthouse HOST:29510 (HOST: group 0's node; localhost on one host)",
+    ),
+    (
+        ["--parallel", "hsdp", "--fault-tolerant", "--lighthouse", "http://h:1", "--min-replicas", "2"],
+        "--min-replicas 2 needs --lighthouse start:PORT",
+    ),
+    (
+        ["--parallel", "hsdp", "--fault-tolerant", "--lighthouse", "start:29510", "--min-replicas", "0"],
+        "--min-replicas must be >= 1, got 0",
+    ),
 ]
 
 
@@ -448,6 +546,13 @@ def test_main_job_refuses_fault_tolerant_flags_that_do_not_fit(
     argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    monkeypatch.delenv("REPLICA_GROUP_ID", raising=False)
+    _assert_refused(argv, message, tmp_path, capsys, monkeypatch)
+
+
+def _assert_refused(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.syspath_prepend(str(EXAMPLES))
     import options
 
@@ -456,3 +561,20 @@ def test_main_job_refuses_fault_tolerant_flags_that_do_not_fit(
     assert exit_info.value.code == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line.startswith("train.py: error: ") and message in line, line
+
+
+def test_main_job_reads_the_replica_group_from_the_environment(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """$REPLICA_GROUP_ID stands for --replica-group: group 1 from it may not start the
+    lighthouse, a value that is no index is refused; group 0 may, with --min-replicas."""
+    flags = ["--parallel", "hsdp", "--fault-tolerant", "--lighthouse", "start:29510"]
+    monkeypatch.setenv("REPLICA_GROUP_ID", "1")
+    _assert_refused(flags, "--lighthouse start:29510 on replica group 1: only group 0", tmp_path, capsys, monkeypatch)
+    monkeypatch.setenv("REPLICA_GROUP_ID", "one")
+    _assert_refused(flags, "$REPLICA_GROUP_ID must be an integer >= 0, got 'one'", tmp_path, capsys, monkeypatch)
+    monkeypatch.setenv("REPLICA_GROUP_ID", "0")
+    import options
+
+    args = options.parse_args([*MAIN_JOB, "--out", str(tmp_path), *flags, "--min-replicas", "2"])
+    assert (args.lighthouse, args.min_replicas) == ("start:29510", 2)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import importlib
 import os
 import socket
+import time
 import urllib.parse
 from datetime import timedelta
 from typing import Any
@@ -258,7 +259,9 @@ def fault_tolerant(model: nn.Module, optimizer: torch.optim.Optimizer, manager: 
 
 
 def _reachable(address: str, timeout: timedelta) -> str | None:
-    """None if a TCP connection to `address` (http://host:port) opens within `timeout`, else why not."""
+    """None once a TCP connection to `address` (http://host:port) opens within `timeout`, else
+    why not. A refused connection is tried again until then: a lighthouse that another replica
+    group is starting alongside this one comes up a little later."""
     url = urllib.parse.urlparse(address if "://" in address else f"http://{address}")
     try:
         port = url.port
@@ -266,11 +269,21 @@ def _reachable(address: str, timeout: timedelta) -> str | None:
         return str(e)
     if url.hostname is None or port is None:
         return "it is not http://host:port"
-    try:
-        socket.create_connection((url.hostname, port), timeout=timeout.total_seconds()).close()
-    except OSError as e:
-        return str(e) or type(e).__name__
-    return None
+    deadline = time.monotonic() + timeout.total_seconds()
+    pause = 0.05
+    while True:
+        try:
+            socket.create_connection((url.hostname, port), timeout=max(deadline - time.monotonic(), 0.01)).close()
+            return None
+        except socket.gaierror as e:  # a name that does not resolve will not start to
+            return str(e) or type(e).__name__
+        except OSError as e:
+            why = str(e) or type(e).__name__
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return why
+        time.sleep(min(pause, left))  # then a last try at the deadline
+        pause = min(2 * pause, 1.0)
 
 
 def _group_store() -> tuple[str, int] | None:
@@ -300,13 +313,14 @@ def create_manager(
     the Manager's too; without one, `MASTER_ADDR` and `MASTER_PORT` name it).
 
     `replica_id` names the group (ending in its index, e.g. "group_3": torchft numbers the
-    groups' ranks from it); `lighthouse` is the lighthouse's address (default: the
-    `TORCHFT_LIGHTHOUSE` environment variable). The cross-group process group is torchft's gloo
-    one on CPU and its NCCL one where the group's backend is NCCL. `init_sync=False` when every
-    group builds the same weights from the same seed (no fetch at the first step). The other
-    keyword arguments go to `Manager`. Raises `ConnectionError` on every rank of the group, in
-    one line naming the address, when rank 0 cannot reach the lighthouse within
-    `connect_timeout`."""
+    groups' ranks from it); `lighthouse` is the lighthouse's address, `http://host:port` or
+    `host:port` (default: the `TORCHFT_LIGHTHOUSE` environment variable). The cross-group
+    process group is torchft's gloo one on CPU and its NCCL one where the group's backend is
+    NCCL. `init_sync=False` when every group builds the same weights from the same seed (no
+    fetch at the first step). The other keyword arguments go to `Manager`. Rank 0 waits up to
+    `connect_timeout` for the lighthouse to accept a connection (one being started alongside
+    this group is waited for); raises `ConnectionError` on every rank of the group, in one line
+    naming the address, when it does not."""
     ft = _import_torchft()
     api = "create_manager"
     if not dist.is_initialized():
@@ -330,6 +344,8 @@ def create_manager(
             f"{connect_timeout.total_seconds():g} s ({verdict[0]}); start one (torchft_lighthouse "
             "--min_replicas 1 --bind [::]:29510) or pass its address"
         )
+    if "://" not in lighthouse:  # torchft's client needs the scheme
+        lighthouse = f"http://{lighthouse}"
     if "store_addr" not in manager_kwargs and (address := _group_store()) is not None:
         manager_kwargs["store_addr"], manager_kwargs["store_port"] = address
     pgs = importlib.import_module("torchft.process_group")
