@@ -22,6 +22,8 @@ from estimate_memory import activation_bytes_per_token, estimate_memory, n_param
 from estimate_setup import Setup
 from model import ModelConfig, Transformer, get_config, lm_loss
 
+pytestmark = pytest.mark.once  # the same on every torch: CI runs it once (pyproject.toml)
+
 SMALL = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, ffn_dim=48, max_seq_len=16)
 
 

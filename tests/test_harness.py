@@ -21,6 +21,8 @@ from _harness import (
 )
 from expecttest import assert_expected_inline
 
+pytestmark = pytest.mark.once  # the same on every torch: CI runs it once (pyproject.toml)
+
 # torch 2.13 renamed the tensor collectives to *_single; torch 2.11 only has the old names.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -16,6 +16,8 @@ import torch.distributed as dist
 from _harness import RankError, WorkerCrashWarning, run_on_ranks
 from test_harness import _all_reduce_ranks, _noop, _pid  # the plain rank functions
 
+pytestmark = pytest.mark.once  # the same on every torch: CI runs it once (pyproject.toml)
+
 # ----------------------------------------------------------------------------- rank functions
 # Module level, so that the workers can unpickle them.
 
