@@ -43,7 +43,7 @@ from _harness import fake_process_group, run_on_ranks  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-from composable import fully_shard  # noqa: E402
+from composable import fully_shard, replicate  # noqa: E402
 
 GROUP = 2  # ranks per replica group
 KILL_STEP = 4  # group 1 dies in this step's backward (after committing steps 1..KILL_STEP-1)
@@ -111,8 +111,11 @@ def _group_main(cfg: dict[str, Any]) -> None:
 
     group, rank = cfg["group"], cfg["rank"]
     dist.init_process_group("gloo", rank=rank, world_size=cfg["world"], timeout=timedelta(seconds=30))
-    mesh = init_device_mesh("cpu", (1, cfg["world"]), mesh_dim_names=("replicate", "shard"))
-    model = _shard(_model(), mesh)
+    if cfg.get("layout") == "replicate":  # each group data-parallel over its own ranks
+        model = replicate(_model())
+    else:
+        mesh = init_device_mesh("cpu", (1, cfg["world"]), mesh_dim_names=("replicate", "shard"))
+        model = _shard(_model(), mesh)
     manager = create_manager(
         replica_id=f"group_{group}",
         lighthouse=cfg["lighthouse"],
@@ -258,6 +261,19 @@ def _plain_hsdp(rank: int, world_size: int, steps: int) -> dict[int, dict[str, t
     return out
 
 
+def _plain_replicate(rank: int, world_size: int, steps: int) -> dict[int, dict[str, torch.Tensor]]:
+    model = replicate(_model())
+    opt = _optimizer(model)
+    replica, group_rank = divmod(rank, GROUP)
+    out = {}
+    for step in range(steps):
+        opt.zero_grad()
+        _loss(model, step, replica, group_rank).backward()
+        opt.step()
+        out[step + 1] = _snapshot(model, opt)
+    return out
+
+
 def _assert_same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) -> None:
     assert a.keys() == b.keys(), what
     for k in a:
@@ -301,6 +317,31 @@ def test_group_dies_others_step_restarted_group_heals(tmp_path: Path, lighthouse
         assert sorted(g1["steps"]) == list(range(g1["healed_at"] + 1, g1["healed_at"] + HEALED_STEPS + 1))
         for step, rec in g1["steps"].items():
             _assert_same_bits(rec["state"], g0["steps"][step]["state"], f"healed rank {rank} step {step}")
+
+
+def test_replicate_groups_train_as_one_replicate(tmp_path: Path, lighthouse: str) -> None:
+    """Two replica groups of 2 ranks, each under `replicate`, their buckets averaged over the
+    groups by the Manager: the training of `replicate` over the 4 ranks (to rounding: the sums
+    run in another order), every step committed."""
+    steps = 3
+    groups = _Groups(tmp_path, lighthouse)
+    try:
+        ready = [str(tmp_path / f"g{g}_l0_r0.pt.ready") for g in (0, 1)]
+        outs = [groups.start(g, 0, layout="replicate", until=steps, wait_for=ready) for g in (0, 1)]
+        for g in (0, 1):
+            assert groups.wait(g, 0) == [0] * GROUP, groups.logs(g, 0)
+    finally:
+        groups.kill_all()
+    reference = run_on_ranks(_plain_replicate, 2 * GROUP, steps)
+    for g in (0, 1):
+        for rank in range(GROUP):
+            record = torch.load(outs[g][rank], weights_only=False)
+            assert sorted(record["steps"]) == list(range(1, steps + 1)) and record["uncommitted"] == 0, record
+            for step in range(1, steps + 1):
+                got, want = record["steps"][step]["state"], reference[g * GROUP + rank][step]
+                assert got.keys() == want.keys()
+                for key in got:
+                    torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=f"group {g} {key}")
 
 
 def test_group_of_another_size_is_one_line(tmp_path: Path, lighthouse: str) -> None:
@@ -360,7 +401,8 @@ def test_wrong_arguments_are_one_line() -> None:
         with pytest.raises(TypeError, match=r"^fault_tolerant: 'optimizer' must be a torch.optim.Optimizer, got list$"):
             fault_tolerant(model, [], manager=None)
         with pytest.raises(
-            ValueError, match=r"^fault_tolerant: 'model' has no module sharded by composable's fully_shard$"
+            ValueError,
+            match=r"^fault_tolerant: 'model' has no module sharded by composable's fully_shard or replicated by replicate$",
         ):
             fault_tolerant(_model(), _optimizer(model), manager=None)
         # A Manager without its servers: only its registry of state-dict functions is used here.

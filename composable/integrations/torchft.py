@@ -1,4 +1,5 @@
-"""Per-step fault tolerance with torchft: HSDP whose replicate dimension is a torchft `Manager`.
+"""Per-step fault tolerance with torchft: HSDP whose replicate dimension is a torchft `Manager`
+(or `replicate` within each replica group, the groups averaged by it).
 
 Each replica group is a torch.distributed world of its own (its own `torchrun`), sharding the
 model with composable's `fully_shard` on a 2D `(replicate, shard)` mesh of its ranks (the
@@ -48,7 +49,7 @@ import torch.nn as nn
 from torch.distributed import ReduceOp
 from torch.distributed.tensor import DTensor
 
-from composable import fully_shard
+from composable import fully_shard, replicate
 from composable.fsdp import ShardingStrategy
 
 __all__ = ["create_manager", "fault_tolerant", "FaultTolerantOptimizer"]
@@ -69,12 +70,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _check_hsdp(model: nn.Module) -> list[Any]:
-    """The fully_shard states of `model`, each checked to shard on a mesh with a replicate
-    dimension (HSDP): the replica groups extend that dimension."""
+def _replica_dim_states(model: nn.Module) -> list[Any]:
+    """The states whose data-parallel reduction the replica groups extend: `fully_shard`'s, each
+    checked to shard on a mesh with a replicate dimension (HSDP), and `replicate`'s."""
     states = [s for m in model.modules() if (s := fully_shard.state(m)) is not None]
-    if not states:
-        raise ValueError(f"{_API}: 'model' has no module sharded by composable's fully_shard")
+    replicated = [s for m in model.modules() if (s := replicate.state(m)) is not None]
+    if not states and not replicated:
+        raise ValueError(
+            f"{_API}: 'model' has no module sharded by composable's fully_shard or replicated by replicate"
+        )
     for state in states:
         if state.strategy is not ShardingStrategy.HYBRID_SHARD:
             mesh = state.mesh
@@ -83,7 +87,7 @@ def _check_hsdp(model: nn.Module) -> list[Any]:
                 f"(shape {tuple(mesh.shape)}, dims {mesh.mesh_dim_names}, strategy {state.strategy.name}); "
                 "the replica groups extend HSDP's replicate dimension: shard on a 2D (replicate, shard) mesh"
             )
-    return states
+    return states + replicated
 
 
 class FaultTolerantOptimizer:
@@ -232,15 +236,18 @@ def fault_tolerant(model: nn.Module, optimizer: torch.optim.Optimizer, manager: 
     `step()` after backward).
 
     `model` is sharded by composable's `fully_shard` on a 2D `(replicate, shard)` mesh of this
-    replica group's ranks (its own torch.distributed world); `optimizer` holds its parameters;
-    `manager` is this group's `torchft.Manager` (created with `load_state_dict=None,
-    state_dict=None`: this registers composable's state with it). Every module fully_shard
-    manages gets an all-reduce hook that averages its reduced gradients over the live replica
-    groups (it replaces a hook set before). Raises `ValueError` naming the mesh when a module is sharded without a replicate
-    dimension; a group that heals from one of another size raises `ValueError` in `step()`.
+    replica group's ranks (its own torch.distributed world), or replicated over them by
+    composable's `replicate` (each group a data-parallel group of its own); `optimizer` holds its
+    parameters; `manager` is this group's `torchft.Manager` (created with `load_state_dict=None,
+    state_dict=None`: this registers composable's state with it). Every module fully_shard or
+    replicate manages gets an all-reduce hook that averages its reduced gradients (replicate's:
+    each bucket) over the live replica groups (it replaces a hook set before). Raises
+    `ValueError` naming the mesh when a module is sharded without a replicate dimension, or when
+    `model` has neither; a group that heals from one of another size raises `ValueError` in
+    `step()`.
     """
     ft = _import_torchft()
-    states = _check_hsdp(model)
+    states = _replica_dim_states(model)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"{_API}: 'optimizer' must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if not isinstance(manager, ft.Manager):

@@ -4,9 +4,11 @@ buckets, each launched from post-accumulate-grad hooks as soon as its gradients 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import torch
 
+from .._engine.groups.group_set import members
 from .._engine.module_state.state import ModuleState
 
 
@@ -15,6 +17,17 @@ class ReplicateState(ModuleState):
     `param_names`."""
 
     api_name = "replicate"
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None]) -> None:
+        """Run `hook(bucket)` in place on each of this module's gradient buckets once it is
+        all-reduced over the mesh, before the division that averages it where the collectives
+        sum (gloo): to extend the data-parallel dimension over ranks the mesh does not hold, as
+        `composable.integrations.torchft.fault_tolerant` does across replica groups. The hook
+        runs on the training thread, as the bucket's all-reduce finishes."""
+        if not callable(hook):
+            raise TypeError(f"set_all_reduce_hook: 'hook' must be callable, got {type(hook).__name__}")
+        for group in members(self.group):
+            group.reducer.all_reduce_hook = hook
 
     def _after_unshard(self) -> None:
         # Unsharded parameters are created lazily (and again after a dtype change), so the

@@ -338,6 +338,8 @@ class GradReducer(NoSyncSums, ReduceOptions):
             if i:  # a replicated 2D mesh (NO_SHARD): one dim after the other, never two at once on `flat`
                 red.works.pop().wait()
             red.works.append(comm.all_reduce_async(flat, grp, average))
+        if self.all_reduce_hook is not None:  # replicate's set_all_reduce_hook: each bucket, once reduced
+            self._run_all_reduce_hook(red)
         self._assign_early(red)
         self.pending.append(red)
         return red
