@@ -8,7 +8,7 @@ stored in the module's ``__dict__`` under a private key (so it is invisible to
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, OrderedDict, Sequence, cast
 
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
@@ -118,7 +118,7 @@ def register_api_pre_hook(module: nn.Module, hook: Callable[..., Any]) -> Remova
     """A pre-hook (with kwargs) that runs before the user's pre-hooks registered so far (and
     after) but after the outermost ones."""
     handle = module.register_forward_pre_hook(hook, prepend=True, with_kwargs=True)
-    hooks = module._forward_pre_hooks
+    hooks = cast("OrderedDict[int, Callable[..., Any]]", module._forward_pre_hooks)  # typed as a dict, is ordered
     for hook_id in reversed(module.__dict__.get(_OUTERMOST_KEY, [])):
         if hook_id in hooks:
             hooks.move_to_end(hook_id, last=False)
@@ -127,6 +127,6 @@ def register_api_pre_hook(module: nn.Module, hook: Callable[..., Any]) -> Remova
 
 def keep_post_hook_last(module: nn.Module, hook_id: int) -> None:
     """Move the forward hook `hook_id` behind any registered after it (cheap when it is last)."""
-    hooks = module._forward_hooks
+    hooks = cast("OrderedDict[int, Callable[..., Any]]", module._forward_hooks)
     if hook_id in hooks and next(reversed(hooks)) != hook_id:
         hooks.move_to_end(hook_id)
