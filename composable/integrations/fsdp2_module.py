@@ -272,7 +272,7 @@ def restore_class(module: nn.Module) -> nn.Module:
 def _policies(mp_policy: Any, offload_policy: Any) -> tuple[composable.MixedPrecisionPolicy, composable.OffloadPolicy]:
     """FSDP2's (or composable's) policies as composable's: same fields, same meaning."""
     mp, offload = check_policies("fully_shard", mp_policy, offload_policy)
-    return mp, offload  # type: ignore[return-value]  # offload_policy is never None here
+    return mp, offload
 
 
 def fsdp2_fully_shard(

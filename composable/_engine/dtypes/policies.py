@@ -7,7 +7,7 @@ as the public types. They import only torch, so anything in the package may impo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, overload
 
 import torch
 import torch.nn as nn
@@ -122,6 +122,14 @@ def _torch_policy_classes() -> tuple[type[Any] | None, type[Any] | None, type[An
         getattr(fsdp, "OffloadPolicy", None),
         getattr(fsdp, "CPUOffloadPolicy", None),
     )
+
+
+@overload
+def check_policies(api: str, mp_policy: object) -> tuple[MixedPrecisionPolicy, None]: ...
+
+
+@overload  # an offload policy in, one out (None only for None, which the APIs' types leave out)
+def check_policies(api: str, mp_policy: object, offload_policy: object) -> tuple[MixedPrecisionPolicy, OffloadPolicy]: ...
 
 
 def check_policies(

@@ -8,7 +8,7 @@ stored in the module's ``__dict__`` under a private key (so it is invisible to
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, OrderedDict, Sequence, cast
+from typing import Any, Callable, Iterator, OrderedDict, ParamSpec, Protocol, Sequence, TypeVar, cast
 
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
@@ -98,6 +98,31 @@ def state_of(api: str, module: object) -> Any | None:
     """What `api.state(module)` returns: the state `api` installed on exactly `module`, or
     None; `TypeError` naming `api` when `module` is not an `nn.Module`."""
     return get_state(check_module(f"{api}.state", module), api)
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+S = TypeVar("S")
+R_co = TypeVar("R_co", covariant=True)
+S_co = TypeVar("S_co", covariant=True)
+
+
+class StatefulApi(Protocol[P, R_co, S_co]):
+    """An API function that also answers `api.state(module)` (`fully_shard.state(m)`)."""
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R_co: ...
+
+    def state(self, module: nn.Module) -> S_co | None: ...
+
+
+def answers_state(state: Callable[[nn.Module], S | None]) -> Callable[[Callable[P, R]], StatefulApi[P, R, S]]:
+    """Decorator: sets `fn.state = state` and returns `fn` itself, typed as having it."""
+
+    def attach(fn: Callable[P, R]) -> StatefulApi[P, R, S]:
+        setattr(fn, "state", state)
+        return cast("StatefulApi[P, R, S]", fn)
+
+    return attach
 
 
 # Order of forward pre-hooks on one module, whatever order the APIs and the user's hooks were
