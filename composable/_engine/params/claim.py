@@ -58,7 +58,7 @@ def claim_parameters(
     return list(found.values())
 
 
-def mark_managed(params: list[nn.Parameter], api: str) -> None:
+def mark_managed(params: Sequence[torch.Tensor], api: str) -> None:
     """Mark the sharded parameters `api` registered, so an API applied to a descendant later
     refuses them."""
     for param in params:
