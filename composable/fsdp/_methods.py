@@ -107,7 +107,9 @@ class FSDP2Methods:
         _refuse_custom(api, group, gather_cls, reduce_cls)
         group.all_gather_comm = gather_cls(_shard_group(group)) if enable else None
         reducer = group.reducer
-        reducer.reduce_scatter_comm = reduce_cls(reducer.reduce_scatter_group or _shard_group(group)) if enable else None
+        reducer.reduce_scatter_comm = (
+            reduce_cls(reducer.reduce_scatter_group or _shard_group(group)) if enable else None
+        )
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         """All-gather outputs from symmetric memory (`torch.distributed._symmetric_memory`,

@@ -129,7 +129,9 @@ def check_policies(api: str, mp_policy: object) -> tuple[MixedPrecisionPolicy, N
 
 
 @overload  # an offload policy in, one out (None only for None, which the APIs' types leave out)
-def check_policies(api: str, mp_policy: object, offload_policy: object) -> tuple[MixedPrecisionPolicy, OffloadPolicy]: ...
+def check_policies(
+    api: str, mp_policy: object, offload_policy: object
+) -> tuple[MixedPrecisionPolicy, OffloadPolicy]: ...
 
 
 def check_policies(
