@@ -28,6 +28,7 @@ import numbers
 import types
 import warnings
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -158,9 +159,10 @@ def _total_norm(
     acc_dtype = torch.float32
     out_device: torch.device | None = None
     for layout, t in entries:
-        if isinstance(layout, DTensor):
-            key: object = (id(layout.device_mesh), layout.placements)
-            layout_local = layout._local_tensor
+        sample: DTensor | None = layout if isinstance(layout, DTensor) else None
+        if sample is not None:
+            key: object = (id(sample.device_mesh), sample.placements)
+            layout_local = sample._local_tensor
         else:
             key, layout_local = None, layout
         # From the layout, not only the value: ranks must agree on the dtype of the collective.
@@ -168,7 +170,7 @@ def _total_norm(
             acc_dtype = torch.float64
         entry = groups.get(key)
         if entry is None:
-            entry = groups[key] = (layout if key is not None else None, [])
+            entry = groups[key] = (sample, [])
         if t is None:
             continue
         local = _local_of(layout, t)
@@ -265,7 +267,7 @@ def clip_grads_with_norm_(
     max_norm = _check_max_norm(max_norm)
     _check_foreach(foreach)
     if _are_grads:
-        grads = list(parameters)  # type: ignore[arg-type]
+        grads = list(parameters)
     else:
         params = [parameters] if isinstance(parameters, torch.Tensor) else parameters
         grads = [q.grad for q in params if q.grad is not None]
@@ -276,7 +278,7 @@ def clip_grads_with_norm_(
     # Multiply even when the coefficient is 1: branching on it would sync with the device.
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     locals_ = [g._local_tensor if isinstance(g, DTensor) else g for g in grads]
-    for (device, _), ([ts], _) in _group_tensors_by_device_and_dtype([locals_]).items():
+    for device, ts in _by_device_and_dtype(locals_):
         coef_d = coef.to(device)
         if _use_foreach(ts, device, foreach):
             torch._foreach_mul_(ts, coef_d)
@@ -320,18 +322,24 @@ def _local_value(
         return torch.zeros((), dtype=acc_dtype, device=device_if_empty)
     parts: list[torch.Tensor] = []
     first_device = tensors[0].device
-    for (device, _), ([ts], _) in _group_tensors_by_device_and_dtype([tensors]).items():
+    for device, ts in _by_device_and_dtype(tensors):
         if _use_foreach(ts, device, foreach):
             # dtype=acc_dtype: a half-precision norm would overflow at 65504.
             norms = torch._foreach_norm(ts, p, dtype=acc_dtype)
         else:
-            norms = [torch.linalg.vector_norm(t, p, dtype=acc_dtype) for t in ts]
+            norms = tuple(torch.linalg.vector_norm(t, p, dtype=acc_dtype) for t in ts)
         stacked = torch.stack(norms)
         parts.append((stacked.max() if p == math.inf else stacked.pow(p).sum()).to(first_device))
     if len(parts) == 1:
         return parts[0]
     stacked = torch.stack(parts)
     return stacked.max() if p == math.inf else stacked.sum()
+
+
+def _by_device_and_dtype(tensors: list[torch.Tensor]) -> list[tuple[torch.device, list[torch.Tensor]]]:
+    """`tensors` grouped by device and dtype; torch's helper is typed for lists holding None too."""
+    grouped = _group_tensors_by_device_and_dtype([cast("list[torch.Tensor | None]", tensors)])
+    return [(device, cast("list[torch.Tensor]", ts)) for (device, _), ([ts], _) in grouped.items()]
 
 
 def _use_foreach(ts: list[torch.Tensor], device: torch.device, foreach: bool | None) -> bool:

@@ -84,7 +84,7 @@ def _install_torch_entry_point() -> None:
     setattr(register_fsdp_forward_method, _WRAPPED_ATTR, True)
     for namespace in (impl, fully_shard_pkg, fsdp):
         if getattr(namespace, "register_fsdp_forward_method", None) is original:
-            namespace.register_fsdp_forward_method = register_fsdp_forward_method
+            setattr(namespace, "register_fsdp_forward_method", register_fsdp_forward_method)
 
 
 _install_torch_entry_point()

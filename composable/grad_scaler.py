@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections import abc, defaultdict
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -284,7 +284,7 @@ def _check_state_value(where: str, key: str, value: object, integer: bool, ok: A
     kinds = (numbers.Integral,) if integer else (numbers.Real,)
     if isinstance(v, bool) or not isinstance(v, kinds):
         raise TypeError(f"{where}: state_dict[{key!r}] must be {what}, got {_describe(value)}")
-    v = int(v) if integer else float(v)
+    v = int(cast(numbers.Integral, v)) if integer else float(v)  # `kinds` checked it
     if not ok(v):
         raise ValueError(f"{where}: state_dict[{key!r}] must be {what}, got {value!r}")
     return v

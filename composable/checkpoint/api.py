@@ -106,7 +106,7 @@ def checkpoint(
             state.in_graph = True
             return
         context_fn = state.context_fn or noop_context_fn
-        positional = [recompute, state.preserve_rng_state, context_fn, state.determinism_check, state.debug]
+        positional: list[Any] = [recompute, state.preserve_rng_state, context_fn, state.determinism_check, state.debug]
         if "early_stop" in _GENERATOR_PARAMS:
             positional.append(state.early_stop)
             early_stop: Any = nullcontext()

@@ -18,7 +18,7 @@ the same call is torch's eager checkpoint: activations are never silently kept.
 from __future__ import annotations
 
 import types
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -46,7 +46,7 @@ def _run_inner_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    state: CheckpointState = get_state(self, "checkpoint")  # as every API's state is found
+    state = cast(CheckpointState, get_state(self, "checkpoint"))  # installed with it: as every API's state is found
     if not state.in_graph:
         return _run_inner_forward(self, *args, **kwargs)
 

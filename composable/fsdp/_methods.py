@@ -8,20 +8,19 @@ left at its default, a knob costs one attribute read per reduction or gather.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import torch
 import torch.distributed as dist
 
 from .._engine.comm import custom_comms
-from .._engine.groups.group_set import members
+from .._engine.groups.group_set import GroupSet, members, per_mesh_error
 from .._engine.hooks.contract import check_bool
 from .._engine.module_state.reset import reset_iteration
 from .strategy import ShardingStrategy
 
 if TYPE_CHECKING:
     from .._engine.groups.group import ParamGroup
-    from .._engine.groups.group_set import GroupSet
 
 
 class FSDP2Methods:
@@ -106,10 +105,11 @@ class FSDP2Methods:
             return
         gather_cls, reduce_cls = custom_comms.ProcessGroupAllocAllGather, custom_comms.ProcessGroupAllocReduceScatter
         _refuse_custom(api, group, gather_cls, reduce_cls)
-        lay = group.layout
-        group.all_gather_comm = gather_cls(lay.shard_group) if enable else None
+        group.all_gather_comm = gather_cls(_shard_group(group)) if enable else None
         reducer = group.reducer
-        reducer.reduce_scatter_comm = reduce_cls(reducer.reduce_scatter_group or lay.shard_group) if enable else None
+        reducer.reduce_scatter_comm = (
+            reduce_cls(reducer.reduce_scatter_group or _shard_group(group)) if enable else None
+        )
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         """All-gather outputs from symmetric memory (`torch.distributed._symmetric_memory`,
@@ -122,11 +122,11 @@ class FSDP2Methods:
             raise ValueError(f"{api}: 'backend' must be 'NCCL', got {backend!r}")
         if (group := self._sharded_group(api)) is None:
             return
-        lay = group.layout
-        if group.config.device.type != "cuda" or "nccl" not in str(dist.get_backend(lay.shard_group)):
+        group, shard_group = _one_mesh(group), _shard_group(group)
+        if group.config.device.type != "cuda" or "nccl" not in str(dist.get_backend(shard_group)):
             raise NotImplementedError(
                 f"{api}: symmetric memory needs CUDA with NCCL, got device {group.config.device} "
-                f"and backend {dist.get_backend(lay.shard_group)}"
+                f"and backend {dist.get_backend(shard_group)}"
             )
         _refuse_custom(api, group, custom_comms.SymmMemAllGather, custom_comms.SymmMemReduceScatter)
         reducer = group.reducer
@@ -135,9 +135,9 @@ class FSDP2Methods:
                 f"{api}: a symmetric-memory reduce-scatter keeps one input buffer; "
                 f"set_reduce_scatter_max_input_buffers is {reducer.max_input_buffers}"
             )
-        group.all_gather_comm = custom_comms.SymmMemAllGather(lay.shard_group, backend)
+        group.all_gather_comm = custom_comms.SymmMemAllGather(shard_group, backend)
         if reducer.force_sum:
-            rs_group = reducer.reduce_scatter_group or lay.shard_group
+            rs_group = reducer.reduce_scatter_group or shard_group
             reducer.reduce_scatter_comm = custom_comms.SymmMemReduceScatter(rs_group, backend)
 
     # -- reducing -----------------------------------------------------------------------------
@@ -237,7 +237,20 @@ def _check_comm(api: str, comm: Any) -> None:
         )
 
 
-def _refuse_custom(api: str, group: "ParamGroup", gather_cls: type, reduce_cls: type) -> None:
+def _one_mesh(group: "ParamGroup | GroupSet") -> "ParamGroup":
+    """The group of a module on one mesh: several have no one shard group (as `LayoutSet.shard_group`)."""
+    if isinstance(group, GroupSet):
+        raise per_mesh_error(len(group.members), "shard_group")
+    return group
+
+
+def _shard_group(group: "ParamGroup | GroupSet") -> dist.ProcessGroup:
+    # None only in a replicated layout (spmd parameters without a shard mesh), which neither
+    # gathers nor reduce-scatters: its collectives are made but never called.
+    return cast(dist.ProcessGroup, group.layout.shard_group)
+
+
+def _refuse_custom(api: str, group: "ParamGroup | GroupSet", gather_cls: type, reduce_cls: type) -> None:
     for current, own in (
         (group.all_gather_comm, gather_cls),
         (group.reducer.reduce_scatter_comm, reduce_cls),

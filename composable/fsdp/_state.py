@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -41,7 +41,7 @@ class FSDPState(FSDP2Methods, ModuleState):
 
     def __init__(
         self,
-        module: nn.Module,
+        module: nn.Module | Sequence[nn.Module],
         group: ParamGroup | GroupSet | None,
         *,
         mesh: DeviceMesh,

@@ -17,7 +17,14 @@ from .._engine.dtypes.policies import (
     param_dtype_resolver,
 )
 from .._engine.groups.build import GroupOptions, ListedModules, build_group
-from .._engine.hooks.contract import check_composable, check_module, install_state, owning_api, state_of
+from .._engine.hooks.contract import (
+    answers_state,
+    check_composable,
+    check_module,
+    install_state,
+    owning_api,
+    state_of,
+)
 from .._engine.meshes.mesh import check_mesh, default_mesh
 from .._engine.params.spmd import DataParallelMeshDims
 from ._state import FSDPState, make_post_forward_groups
@@ -26,6 +33,12 @@ from .strategy import ShardingStrategy, normalize_reshard, resolve_strategy, spm
 Policy = set[type[nn.Module]] | Callable[[nn.Module], bool]
 
 
+def _state(module: nn.Module) -> FSDPState | None:
+    """The state `fully_shard` installed on exactly `module`, or None (`TypeError` for a non-module)."""
+    return state_of("fully_shard", module)
+
+
+@answers_state(_state)
 def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
@@ -87,6 +100,7 @@ def fully_shard(
     if mesh is None:
         mesh = default_mesh(api, modules[0] if len(modules) == 1 else ListedModules(modules))
     spmd = None
+    reshard: bool | int  # an int: the group size backward gathers over
     if dp_mesh_dims is not None:
         spmd, strategy, reshard, reshard_is_default = spmd_strategy(
             api, mesh, dp_mesh_dims, strategy, reshard_after_forward
@@ -202,7 +216,7 @@ def _check_policy(policy: object) -> Callable[[nn.Module], bool]:
         classes = tuple(policy)
         return lambda m: isinstance(m, classes)
     if callable(policy) and not isinstance(policy, type):
-        return policy  # type: ignore[return-value]
+        return policy
     raise TypeError(
         f"fully_shard: 'policy' must be a set of nn.Module classes or a callable(module) -> bool, got {policy!r:.80}"
     )
@@ -217,11 +231,3 @@ def _auto_wrap(root: nn.Module, matches: Callable[[nn.Module], bool], **options:
     for sub in reversed(targets):  # pre-order reversed: descendants before ancestors
         if owning_api(sub) is None:
             fully_shard(sub, **options)  # type: ignore[arg-type]
-
-
-def _state(module: nn.Module) -> FSDPState | None:
-    """The state `fully_shard` installed on exactly `module`, or None (`TypeError` for a non-module)."""
-    return state_of("fully_shard", module)
-
-
-fully_shard.state = _state  # type: ignore[attr-defined]

@@ -82,12 +82,12 @@ def use_composable() -> None:
     accelerator_module = importlib.import_module("accelerate.accelerator")
     if _original is None:
         _original = accelerator_module.fsdp2_prepare_model
-    accelerator_module.fsdp2_prepare_model = fsdp2_prepare_model
+    setattr(accelerator_module, "fsdp2_prepare_model", fsdp2_prepare_model)
 
 
 def use_fsdp2() -> None:
     """Undo `use_composable()`: accelerate's FSDP2 path uses PyTorch FSDP2 again."""
     global _original
     if _original is not None:
-        importlib.import_module("accelerate.accelerator").fsdp2_prepare_model = _original
+        setattr(importlib.import_module("accelerate.accelerator"), "fsdp2_prepare_model", _original)
         _original = None

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import sys
 from types import FrameType
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Sequence, cast
 
 import torch
 import torch.nn as nn
@@ -60,12 +60,12 @@ class ComposableFSDPModule(FSDPModule):
         if args or kwargs:
             orig = cls._composable_orig_cls
             module = orig.__new__(orig)
-            module.__init__(*args, **kwargs)
+            type(module).__init__(module, *args, **kwargs)
             return module
         return object.__new__(cls)
 
     def _composable_state(self, method: str) -> Any:
-        state = fully_shard.state(self)
+        state = fully_shard.state(cast(nn.Module, self))  # the mixin is always on an nn.Module
         if state is None:
             raise RuntimeError(
                 f"{method}: {type(self).__name__} has FSDP2's interface but composable's fully_shard does not "
@@ -81,7 +81,7 @@ class ComposableFSDPModule(FSDPModule):
         self._composable_state("reshard").reshard()
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        _reject_torch_pipeline_stage(sys._getframe(1), self)
+        _reject_torch_pipeline_stage(sys._getframe(1), cast(nn.Module, self))
         self._composable_state("set_is_last_backward").set_is_last_backward(is_last_backward)
 
     def set_manual_backward_finalization(self, enabled: bool) -> None:
@@ -111,10 +111,10 @@ class ComposableFSDPModule(FSDPModule):
             reshard_after_backward, recurse=recurse
         )
 
-    def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
+    def set_modules_to_forward_prefetch(self, modules: Sequence[nn.Module | FSDPModule]) -> None:
         self._composable_state("set_modules_to_forward_prefetch").set_modules_to_forward_prefetch(modules)
 
-    def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
+    def set_modules_to_backward_prefetch(self, modules: Sequence[nn.Module | FSDPModule]) -> None:
         self._composable_state("set_modules_to_backward_prefetch").set_modules_to_backward_prefetch(modules)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
@@ -168,7 +168,8 @@ class ComposableFSDPModule(FSDPModule):
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # Skip FSDPModule._apply (it needs FSDP2's own state); composable's hooks adopt the result.
-        return super(FSDPModule, self)._apply(*args, **kwargs)
+        # The next class after FSDPModule is the module's own (an nn.Module), unknown to the checker.
+        return super(FSDPModule, self)._apply(*args, **kwargs)  # type: ignore[misc]
 
 
 def _reject_torch_pipeline_stage(caller: FrameType, module: nn.Module) -> None:
@@ -264,7 +265,7 @@ def as_fsdp_modules(root: nn.Module) -> nn.Module:
 def restore_class(module: nn.Module) -> nn.Module:
     """Undo `as_fsdp_module`: `module` gets its own class back; returns `module`."""
     if isinstance(module, ComposableFSDPModule):
-        module.__class__ = type(module)._composable_orig_cls
+        setattr(module, "__class__", type(module)._composable_orig_cls)
         _show_unsharded_between_passes(module, False)
     return module
 
@@ -272,7 +273,7 @@ def restore_class(module: nn.Module) -> nn.Module:
 def _policies(mp_policy: Any, offload_policy: Any) -> tuple[composable.MixedPrecisionPolicy, composable.OffloadPolicy]:
     """FSDP2's (or composable's) policies as composable's: same fields, same meaning."""
     mp, offload = check_policies("fully_shard", mp_policy, offload_policy)
-    return mp, offload  # type: ignore[return-value]  # offload_policy is never None here
+    return mp, offload
 
 
 def fsdp2_fully_shard(

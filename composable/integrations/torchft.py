@@ -41,7 +41,7 @@ import socket
 import time
 import urllib.parse
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -74,7 +74,7 @@ def _replica_dim_states(model: nn.Module) -> list[Any]:
     """The states whose data-parallel reduction the replica groups extend: `fully_shard`'s, each
     checked to shard on a mesh with a replicate dimension (HSDP), and `replicate`'s."""
     states = [s for m in model.modules() if (s := fully_shard.state(m)) is not None]
-    replicated = [s for m in model.modules() if (s := replicate.state(m)) is not None]
+    replicated = [r for m in model.modules() if (r := replicate.state(m)) is not None]
     if not states and not replicated:
         raise ValueError(
             f"{_API}: 'model' has no module sharded by composable's fully_shard or replicated by replicate"
@@ -208,8 +208,8 @@ class FaultTolerantOptimizer:
                 f"{_API}: this replica group has {self.group_world_size} ranks, the live group it heals "
                 f"from has {sd['group_world_size']}; every replica group must have the same number of ranks"
             )
-        for n, p in self._named_params:
-            _local(p).copy_(sd["params"][n])
+        for n, param in self._named_params:
+            _local(param).copy_(sd["params"][n])
         for n, b in self._named_buffers:
             _local(b).copy_(sd["buffers"][n])
         for p, st, dt in zip(self._params(), sd["optim_state"], sd["optim_dtensors"]):
@@ -219,7 +219,12 @@ class FaultTolerantOptimizer:
                 if k in dt:  # a DTensor on the parameter's mesh: this rank's shard of it
                     placements, shape, stride = dt[k]
                     v = DTensor.from_local(
-                        v.to(device), p.device_mesh, placements, run_check=False, shape=shape, stride=stride
+                        v.to(device),
+                        cast(DTensor, p).device_mesh,
+                        placements,
+                        run_check=False,
+                        shape=shape,
+                        stride=stride,
                     )
                 elif isinstance(v, torch.Tensor):
                     old = self.optimizer.state.get(p, {}).get(k)

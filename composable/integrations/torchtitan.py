@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, cast
 
 import torch
 import torch.nn as nn
@@ -105,13 +105,15 @@ def apply_fsdp(
     }
     reshard = _reshard_after_forward(reshard_after_forward_policy, pp_enabled)
     if getattr(model, "tok_embeddings", None) is not None:
-        fully_shard(model.tok_embeddings, reshard_after_forward=reshard, **options)
-    for block in model.layers.values():
+        fully_shard(cast(nn.Module, model.tok_embeddings), reshard_after_forward=reshard, **options)
+    for block in cast(nn.ModuleDict, model.layers).values():
         fully_shard(block, reshard_after_forward=reshard, **options)
     if getattr(model, "norm", None) is not None and getattr(model, "output", None) is not None:
         # The last group runs at the end of forward and first in backward: keep it gathered.
         fully_shard(
-            [model.norm, model.output], reshard_after_forward=reshard_after_forward_policy == "always", **options
+            [cast(nn.Module, model.norm), cast(nn.Module, model.output)],
+            reshard_after_forward=reshard_after_forward_policy == "always",
+            **options,
         )
     fully_shard(model, **options)
     seen: set[int] = set()
@@ -176,11 +178,11 @@ def _composable_stages(built: list[ComposablePipelineStage]) -> Iterator[None]:
         return stage
 
     original = pipeline_parallel.PipelineStage
-    pipeline_parallel.PipelineStage = build  # type: ignore[assignment, misc]
+    pipeline_parallel.PipelineStage = build
     try:
         yield
     finally:
-        pipeline_parallel.PipelineStage = original  # type: ignore[misc]
+        pipeline_parallel.PipelineStage = original
 
 
 def pipeline_llama(

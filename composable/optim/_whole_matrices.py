@@ -27,7 +27,7 @@ rank already). Plain tensors are whole here.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -127,8 +127,7 @@ def map_whole_matrices(
     out: list[torch.Tensor | None] = [None] * len(updates)
     by_rows: dict[Any, list[int]] = {}  # (mesh, the row nesting, redistributed?) -> the parameters
     for i, (pending, param) in enumerate(zip(updates, params)):
-        layout = _row_layout(param)
-        if layout is not None:
+        if isinstance(param, DTensor) and (layout := _row_layout(param)) is not None:
             by_rows.setdefault((param.device_mesh, *layout), []).append(i)
             continue
         update = pending.tensor()
@@ -145,14 +144,14 @@ def map_whole_matrices(
             out[i] = replicated.redistribute(mesh, placements)._local_tensor
     for (mesh, nest, columns_split), indices in by_rows.items():
         rows = [Shard(0) if d in nest else Replicate() for d in range(mesh.ndim)]
-        as_rows = [_as_rows(updates[i], params[i], rows) if columns_split else updates[i] for i in indices]
+        as_rows = [_as_rows(updates[i], _dtensor(params[i]), rows) if columns_split else updates[i] for i in indices]
         group, order = _rows_group(mesh, nest)
         sizes = [_nested_rows(params[i].shape[0], [mesh.size(d) for d in nest]) for i in indices]
         shapes = [params[i].shape for i in indices]
         results = _on_owners(as_rows, shapes, sizes, group, order, fn, wire_dtype)
         for i, result in zip(indices, results):
             if columns_split:  # back to the parameter's own layout
-                param = params[i]
+                param = _dtensor(params[i])
                 laid = DTensor.from_local(result, mesh, rows, shape=param.shape, stride=param.stride())
                 result = laid.redistribute(mesh, param.placements)._local_tensor
             out[i] = result
@@ -184,16 +183,21 @@ def _row_layout(param: torch.Tensor) -> tuple[tuple[int, ...], bool] | None:
     strided = [d for d in dims if isinstance(placements[d], _StridedShard)]
     if len(dims) == 2 and strided == [dims[0]]:
         first, second = dims
-        outer = placements[first]
+        outer = cast(_StridedShard, placements[first])  # `strided` holds it
         if outer.dim == 0 and placements[second] == Shard(0) and outer.split_factor == mesh.size(second):
             return (second, first), False
         return None
-    if not strided and all(placements[d].is_shard() and placements[d].dim in (0, 1) for d in dims):
+    if not strided and all(isinstance(p, Shard) and p.dim in (0, 1) for p in (placements[d] for d in dims)):
         return dims, True
     return None
 
 
-def _as_rows(pending: LocalMatrix, param: torch.Tensor, rows: list[Any]) -> LocalMatrix:
+def _dtensor(param: torch.Tensor) -> DTensor:
+    """A parameter `_row_layout` took: a DTensor (it takes no other)."""
+    return cast(DTensor, param)
+
+
+def _as_rows(pending: LocalMatrix, param: DTensor, rows: list[Any]) -> LocalMatrix:
     """The update of a matrix split by columns somewhere, redistributed to `Shard(0)` on the
     same dims (the same fp32 elements moved; the send buffer converts them once)."""
     mesh = param.device_mesh

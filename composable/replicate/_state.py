@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from .._engine.groups.group_set import members
 from .._engine.module_state.state import ModuleState
+
+if TYPE_CHECKING:
+    from .._engine.grads.buckets import BucketedReducer
+    from .._engine.groups.group import ParamGroup
+    from .._engine.params.param import ManagedParam
 
 
 class ReplicateState(ModuleState):
@@ -17,6 +24,8 @@ class ReplicateState(ModuleState):
     `param_names`."""
 
     api_name = "replicate"
+    mesh: DeviceMesh  # set by `replicate`, as is `bucket_cap_mb`
+    bucket_cap_mb: float
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None]) -> None:
         """Run `hook(bucket)` in place on each of this module's gradient buckets once it is
@@ -38,7 +47,7 @@ class ReplicateState(ModuleState):
                 up.register_post_accumulate_grad_hook(self._make_grad_ready_hook(mp))
                 mp.hooked_param = up
 
-    def _make_grad_ready_hook(self, mp):  # type: ignore[no-untyped-def]
+    def _make_grad_ready_hook(self, mp: ManagedParam) -> Callable[[torch.Tensor], None]:
         # Weak references only: the hook lives on the unsharded parameter (in C++), which the
         # state holds; strong ones would make a cycle the garbage collector cannot see and the
         # model would never be freed.
@@ -47,7 +56,8 @@ class ReplicateState(ModuleState):
         def hook(_param: torch.Tensor) -> None:
             state, managed = state_ref(), mp_ref()
             if state is not None and managed is not None and state.requires_gradient_sync:
-                state.group.reducer.on_grad_ready(managed)
+                # One mesh's group (replicate builds no set), whose reducer buckets (`bucket_cap_bytes`).
+                cast("BucketedReducer", cast("ParamGroup", state.group).reducer).on_grad_ready(managed)
 
         return hook
 

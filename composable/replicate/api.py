@@ -14,13 +14,19 @@ from .._engine.dtypes.policies import (
     param_dtype_resolver,
 )
 from .._engine.groups.build import GroupOptions, build_group
-from .._engine.hooks.contract import check_composable, check_module, install_state, state_of
+from .._engine.hooks.contract import answers_state, check_composable, check_module, install_state, state_of
 from .._engine.meshes.mesh import check_mesh, default_mesh, infer_device_type, mesh_from_process_group
 from .._engine.params.claim import check_ignored
 from .._engine.params.spmd import DataParallelMeshDims, resolve_dp_mesh_dims
 from ._state import ReplicateState
 
 
+def _state(module: nn.Module) -> ReplicateState | None:
+    """The state `replicate` installed on exactly `module`, or None (`TypeError` for a non-module)."""
+    return state_of("replicate", module)
+
+
+@answers_state(_state)
 def replicate(
     module: nn.Module,
     *,
@@ -100,11 +106,3 @@ def replicate(
     state.bucket_cap_mb = float(bucket_cap_mb)
     install_state(module, api, state)
     return module
-
-
-def _state(module: nn.Module) -> ReplicateState | None:
-    """The state `replicate` installed on exactly `module`, or None (`TypeError` for a non-module)."""
-    return state_of("replicate", module)
-
-
-replicate.state = _state  # type: ignore[attr-defined]

@@ -17,7 +17,7 @@ is skipped there too, as in FSDP2.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -95,7 +95,7 @@ def supports_coalesced_gather(group: dist.ProcessGroup, sample: torch.Tensor) ->
         return False
 
 
-def _op(average: bool) -> dist.ReduceOp:
+def _op(average: bool) -> dist.ReduceOp.RedOpType:
     return dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
 
 
@@ -128,7 +128,7 @@ def all_reduce_async(tensor: torch.Tensor, group: dist.ProcessGroup, average: bo
     microseconds each time) are CPU time small batches wait for. The process group still
     dispatches `c10d::allreduce_`, so dispatch modes and the fake process group see it."""
     opts = dist.AllreduceOptions()
-    opts.reduceOp = _op(average)
+    opts.reduceOp = cast(dist.ReduceOp, _op(average))  # the binding converts the enum member
     return group.allreduce([tensor], opts)
 
 

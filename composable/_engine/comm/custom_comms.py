@@ -10,7 +10,7 @@ on it. Knows nothing about modules.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,7 @@ class _ProcessGroupAlloc:
     def __init__(self, group: dist.ProcessGroup) -> None:
         self._group = group
 
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         backend = self._group._get_backend(device)
         supports = getattr(backend, "supports_tensor_alloc", None)
         if supports is not None and supports(device):
@@ -54,10 +54,10 @@ class _SymmMemAlloc:
 
         self._group = group
         self._symm_mem = symm_mem
-        symm_mem.set_backend(backend)
+        symm_mem.set_backend(cast(Any, backend))  # a name its Literal type lists: callers check it
         dist.barrier(group=group)  # the communicator exists before the first rendezvous
 
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         with torch.cuda.use_mem_pool(self._symm_mem.get_mem_pool(device)):
             return torch.empty(*size, dtype=dtype, device=device)
 

@@ -11,7 +11,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def labelled(name: str) -> Callable[[Callable[P, R]], Callable[[Callable[P, R]], R]]:
+def labelled(name: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """Decorator: calls of the function show as a `record_function` range `name` in
     `torch.profiler` traces. Without a profiler it costs one flag check: a range would cost
     microseconds per call, on every hook of every group of every step."""
@@ -26,4 +26,4 @@ def labelled(name: str) -> Callable[[Callable[P, R]], Callable[[Callable[P, R]],
 
         return wrapper
 
-    return decorate  # type: ignore[return-value]
+    return decorate

@@ -7,7 +7,7 @@ as the public types. They import only torch, so anything in the package may impo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, overload
 
 import torch
 import torch.nn as nn
@@ -111,7 +111,7 @@ def _qualname(cls: type) -> str:
     return f"{module}.{cls.__qualname__}"
 
 
-def _torch_policy_classes() -> tuple[type | None, type | None, type | None]:
+def _torch_policy_classes() -> tuple[type[Any] | None, type[Any] | None, type[Any] | None]:
     """PyTorch FSDP2's (MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy), where it has them."""
     try:
         from torch.distributed import fsdp
@@ -122,6 +122,16 @@ def _torch_policy_classes() -> tuple[type | None, type | None, type | None]:
         getattr(fsdp, "OffloadPolicy", None),
         getattr(fsdp, "CPUOffloadPolicy", None),
     )
+
+
+@overload
+def check_policies(api: str, mp_policy: object) -> tuple[MixedPrecisionPolicy, None]: ...
+
+
+@overload  # an offload policy in, one out (None only for None, which the APIs' types leave out)
+def check_policies(
+    api: str, mp_policy: object, offload_policy: object
+) -> tuple[MixedPrecisionPolicy, OffloadPolicy]: ...
 
 
 def check_policies(

@@ -54,7 +54,7 @@ class NoSyncSums:
             if up is None or up.grad is None:
                 continue
             grad, up.grad = up.grad, None
-            sp = mp.sharded_param
+            sp = mp.sharded
             mp.add_to_sharded_grad(grad.to(device=sp._local_tensor.device, dtype=sp.dtype))
             mp.grad_is_unreduced = True
 

@@ -21,7 +21,7 @@ underflow; gloo has neither AVG nor PREMUL_SUM, so this works on every backend.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -48,7 +48,7 @@ class _Reduction:
     present: list[bool]
     offsets: list[int]
     output: torch.Tensor  # 1D, reduce dtype
-    works: list[dist.Work | comm.Done] = field(default_factory=list)
+    works: list[dist.Work | comm.Done] = field(default_factory=list)  # those still running (asynchronous ones)
     all_reduced: bool = True  # False: HSDP partial, not yet reduced across replicas
     keep_alive: list[torch.Tensor] = field(default_factory=list)
     event: "torch.cuda.Event | None" = None  # CUDA: recorded on the reduce stream when done
@@ -169,9 +169,10 @@ class GradReducer(NoSyncSums, ReduceOptions):
             if acc is not None:
                 g = acc if g is None else acc.add_(g)
             if mp.take_grad_is_unreduced():  # replicated no-sync sums, shown as `.grad`
-                visible, mp.sharded_param.grad = mp.sharded_param.grad, None
+                sp = mp.sharded
+                visible, sp.grad = sp.grad, None
                 if visible is not None:  # None: the user discarded them (zero_grad)
-                    local = visible._local_tensor.to(self.spec.device)
+                    local = cast(DTensor, visible)._local_tensor.to(self.spec.device)
                     g = local if g is None else local.add_(g)
             if (
                 mp.annotation is not None and g is not None and not isinstance(g, DTensor)
@@ -198,7 +199,7 @@ class GradReducer(NoSyncSums, ReduceOptions):
         return (
             (up is not None and up.grad is not None)
             or mp.stashed_grad is not None
-            or (mp.grad_is_unreduced and mp.sharded_param.grad is not None)
+            or (mp.grad_is_unreduced and mp.sharded.grad is not None)
         )
 
     @property
@@ -276,7 +277,8 @@ class GradReducer(NoSyncSums, ReduceOptions):
             red.output = out
             async_op = streams is None
             group = self.reduce_scatter_group or lay.shard_group
-            red.works.append(comm.reduce_scatter(out, flat_in, group, average, async_op, custom))
+            if (work := comm.reduce_scatter(out, flat_in, group, average, async_op, custom)) is not None:
+                red.works.append(work)  # None: it ran synchronously
             if lay.replicate_groups:
                 if self.requires_all_reduce:
                     if async_op:
@@ -285,7 +287,8 @@ class GradReducer(NoSyncSums, ReduceOptions):
                         out.add_(self._partial)
                         self._partial = None
                     for grp in lay.replicate_groups:
-                        red.works.append(comm.all_reduce(out, grp, average, async_op=async_op))
+                        if (work := comm.all_reduce(out, grp, average, async_op=async_op)) is not None:
+                            red.works.append(work)
                 else:
                     red.all_reduced = False
             if red.all_reduced and self.all_reduce_hook is not None:
@@ -296,7 +299,6 @@ class GradReducer(NoSyncSums, ReduceOptions):
                     red.host_output = comm.copy_to_pinned_host(out, self.spec.dtypes.orig)
                 red.event = streams.reduce.record_event()
                 streams.after_reduce(red.event, flat_in)
-        red.works = [w for w in red.works if w is not None]
         self._assign_early(red)
         self.pending.append(red)
 
@@ -365,6 +367,7 @@ class GradReducer(NoSyncSums, ReduceOptions):
         assigned = red.assigned = [False] * len(red.params)
         for i, (mp, present, off) in enumerate(zip(red.params, red.present, red.offsets)):
             sp = mp.sharded_param
+            assert sp is not None  # registered before any reduction
             if present and sp.grad is None:  # per parameter per step: kept to the bare minimum
                 sp.grad = mp.make_sharded_grad(mp.layout.local_at(out, off))
                 assigned[i] = True

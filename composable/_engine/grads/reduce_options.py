@@ -72,14 +72,14 @@ class ReduceOptions:
                 work.wait()
             for mp, assigned in zip(red.params, red.assigned):
                 if assigned:  # pointed at the unfinished output early
-                    mp.sharded_param.grad = None
+                    mp.sharded.grad = None
         self.pending.clear()
         self._partial = None
         self._holds_no_sync_sums = False
         for mp in self.params:
             mp.stashed_grad, mp.grad_marker = None, None
             if mp.take_grad_is_unreduced():  # replicated no-sync: the visible `.grad` holds local sums
-                mp.sharded_param.grad = None
+                mp.sharded.grad = None
             if mp.unsharded_param is not None:
                 mp.unsharded_param.grad = None
         self._end_of_backward()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,7 @@ from ..params.claim import check_same_device, claim_parameters, mark_managed, ma
 from ..params.late_params import watch_subtree
 from ..params.optim_state import install_step_hook
 from ..params.param import DTensorSpecLite, ManagedParam, ParamLayout
-from ..params.placement_result import layout_key, own_spmd_dims, placement_of
+from ..params.placement_result import MeshInfo, layout_key, own_spmd_dims, placement_of
 from ..params.replicas import check_same_model, sync_replicas
 from ..params.spmd import SpmdDims, check_spmd_param, make_spmd_param
 from ..unshard.extension import has_extension
@@ -92,6 +92,7 @@ def build_group(
     spmd_of: dict[int, SpmdDims] = {}
     by_param = {id(p): src for p, src in zip(originals, sources)}
     notes: dict[int, Annotation] = {}  # spmd_types-annotated parameters, by their storage DTensor
+    key: tuple  # ("module",), or the mesh's and its layout's
     for fqn, slots, p in claimed:
         info, dim = _placement(api, fqn, p, layout, whole, options)
         if info is None:
@@ -109,15 +110,16 @@ def build_group(
             by_param[id(stored)], notes[id(stored)], p = by_param[id(p)], notes_of, stored
         parts[key][2].append((fqn, slots, p, dim))
     for _, spmd, members in parts.values():
-        for fqn, _, p, _ in members if spmd is not None else ():
-            check_spmd_param(api, fqn, p, spmd)
+        if spmd is not None:
+            for fqn, _, p, _ in members:
+                check_spmd_param(api, fqn, p, spmd)
     groups = [
         _make_group(api, lay, spmd, members, by_param, notes, device, options) for lay, spmd, members in parts.values()
     ]
     mark_replaced(originals, api)
     install_step_hook()  # refuses optimizers built before this call, holding `originals`
     ordered = [mp for g in groups for mp in g.params]
-    mark_managed([mp.sharded_param for mp in ordered], api)
+    mark_managed([mp.sharded for mp in ordered], api)
     if len(groups) == 1:
         return groups[0]
     position = {fqn: i for i, (fqn, _, _) in enumerate(claimed)}
@@ -151,7 +153,7 @@ def _make_group(
     params = [
         make_managed_param(fqn, slots, p, layout, dim, api)
         if spmd is None
-        else make_spmd_param(fqn, slots, p, layout, spmd, dim)
+        else make_spmd_param(fqn, slots, cast(DTensor, p), layout, spmd, dim)  # check_spmd_param checked it
         for fqn, slots, p, dim in members
     ]
     for mp, (_, _, p, _) in zip(params, members):
@@ -162,7 +164,7 @@ def _make_group(
     check_mixed_group(api, param_dtypes, layout.sharded, any(mp.extension for mp in params))
     group = ParamGroup(params, [sources[id(p)] for _, _, p, _ in members], config)
     for mp in params:
-        mp.register(mp.sharded_param)
+        mp.register(mp.sharded)
     return group
 
 
@@ -191,7 +193,7 @@ def _check_extension(api: str, mp: ManagedParam, layout: DataParallelLayout, opt
 
 def _placement(
     api: str, fqn: str, param: torch.Tensor, layout: DataParallelLayout, whole: DeviceMesh, options: GroupOptions
-) -> tuple[object | None, int]:
+) -> tuple[MeshInfo | None, int]:
     """(the mesh_info of the parameter's own mesh, or None for the module's; the dim it is
     sharded on) as `options.shard_placement_fn` asks (None: Shard(0) on the module's mesh)."""
     fn = options.shard_placement_fn

@@ -159,8 +159,8 @@ class ParamGroup:
                     mp.sharded_param = mp.make_sharded_param(local)
                 else:
                     mp.point_local_shard_at(local)
-                track_for_optimizers(mp.sharded_param)  # again after a swap (`to_empty`)
-                mp.local_registered = mp.sharded_param._local_tensor
+                track_for_optimizers(mp.sharded)  # again after a swap (`to_empty`)
+                mp.local_registered = mp.sharded._local_tensor
         self._unsharded_aliases_shard = (
             not self.layout.sharded
             and not self.config.offload
@@ -183,16 +183,17 @@ class ParamGroup:
         for mp in self.params:
             registered = mp.registered()
             if registered is not mp.sharded_param and not self._unsharded_registered:
+                assert mp.spec is not None  # made with the sharded parameter
                 if not isinstance(registered, DTensor) or registered.shape != mp.spec.shape:
                     raise RuntimeError(
                         f"fully_shard: parameter '{mp.fqn}' was replaced by a {type(registered).__name__} of shape {tuple(registered.shape)}; expected a DTensor of shape {tuple(mp.spec.shape)}"
                     )
                 # The old one is gone from the model: an optimizer still holding it (built before
                 # `load_state_dict(assign=True)`) would train nothing, so its step refuses it.
-                mark_replaced([mp.sharded_param], self.config.api)
+                mark_replaced([mp.sharded], self.config.api)
                 mp.sharded_param = registered
                 mp.register(registered)
-            if mp.sharded_param._local_tensor is not mp.local_registered:
+            if mp.sharded._local_tensor is not mp.local_registered:
                 stale, swapped = stale or not mp.extension, swapped or mp.extension
         if swapped:  # extension parameters keep their own storage: the next gather starts afresh
             self.reshard()
@@ -200,7 +201,7 @@ class ParamGroup:
         if stale:
             self.reshard()  # unsharded storage kept from an earlier forward belongs to the old shards
             self._build_flat_shard(
-                [mp.sharded_param._local_tensor for mp in self.flat_params], fresh=False, dtype_if_empty=self.orig_dtype
+                [mp.sharded._local_tensor for mp in self.flat_params], fresh=False, dtype_if_empty=self.orig_dtype
             )
             for mp in self.flat_params:  # unsharded storage must follow a dtype change
                 mp.unsharded_padded = None
@@ -222,7 +223,7 @@ class ParamGroup:
     def _register_unsharded(self) -> None:
         for mp in self.params:
             mp.sync_requires_grad()
-            mp.register(mp.unsharded_param)
+            mp.register(mp.unsharded)
         self._unsharded_registered = True
 
     def register_sharded(self) -> None:
@@ -235,7 +236,7 @@ class ParamGroup:
         if self.shows_unsharded_between_passes:
             return
         for mp in self.params:
-            mp.register(mp.sharded_param)
+            mp.register(mp.sharded)
         self._unsharded_registered = False
 
     def keep_unsharded(self) -> None:
@@ -278,8 +279,9 @@ class ParamGroup:
         if not self.layout.sharded:
             self._refill_replica()
             return
-        lay = self.layout
-        source, group, rank = self.flat_shard, lay.shard_group, lay.shard_rank
+        lay, shard_group = self.layout, self.layout.shard_group
+        assert shard_group is not None  # a sharded layout (above) has one
+        source, group, rank = self.flat_shard, shard_group, lay.shard_rank
         if self._post_forward_shard is not None:  # backward after reshard_after_forward=N
             (source, size), self._post_forward_shard = self._post_forward_shard, None
             group, rank = lay.post_forward_group(size)
@@ -290,7 +292,7 @@ class ParamGroup:
                 streams.all_gather.wait_stream(streams.current())
         if self._coalesced_gather_ok is None:  # asked once, when the process groups exist; CUDA only (gather.py)
             self._coalesced_gather_ok = streams is not None and comm.supports_coalesced_gather(
-                lay.shard_group, self.flat_shard
+                shard_group, self.flat_shard
             )
         custom = self.all_gather_comm
         ok = self._coalesced_gather_ok and not self.config.param_dtypes  # several dtypes: flat way (mixed_dtypes.py)
@@ -371,7 +373,7 @@ class ParamGroup:
         if self.state is GroupState.SHARDED:
             return
         for mp in self.params:
-            mp.register(mp.sharded_param)
+            mp.register(mp.sharded)
         if not self.keep_unsharded_storage:
             if not self._unsharded_aliases_shard:
                 free_storages(self.flat_params, self.streams)

@@ -91,7 +91,12 @@ def map_tensors(fn: Any, tree: Any) -> Any:
 def tensors_in(tree: Any) -> list[torch.Tensor]:
     """Every tensor in `tree` (see `map_tensors`)."""
     found: list[torch.Tensor] = []
-    map_tensors(lambda t: found.append(t) or t, tree)
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        found.append(t)
+        return t
+
+    map_tensors(keep, tree)
     return found
 
 

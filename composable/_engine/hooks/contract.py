@@ -8,7 +8,7 @@ stored in the module's ``__dict__`` under a private key (so it is invisible to
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, OrderedDict, ParamSpec, Protocol, Sequence, TypeVar, cast
 
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
@@ -100,6 +100,31 @@ def state_of(api: str, module: object) -> Any | None:
     return get_state(check_module(f"{api}.state", module), api)
 
 
+P = ParamSpec("P")
+R = TypeVar("R")
+S = TypeVar("S")
+R_co = TypeVar("R_co", covariant=True)
+S_co = TypeVar("S_co", covariant=True)
+
+
+class StatefulApi(Protocol[P, R_co, S_co]):
+    """An API function that also answers `api.state(module)` (`fully_shard.state(m)`)."""
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R_co: ...
+
+    def state(self, module: nn.Module) -> S_co | None: ...
+
+
+def answers_state(state: Callable[[nn.Module], S | None]) -> Callable[[Callable[P, R]], StatefulApi[P, R, S]]:
+    """Decorator: sets `fn.state = state` and returns `fn` itself, typed as having it."""
+
+    def attach(fn: Callable[P, R]) -> StatefulApi[P, R, S]:
+        setattr(fn, "state", state)
+        return cast("StatefulApi[P, R, S]", fn)
+
+    return attach
+
+
 # Order of forward pre-hooks on one module, whatever order the APIs and the user's hooks were
 # added in: [checkpoint's (captures the raw inputs; everything after it is recomputed),
 # fully_shard's or replicate's (unshard, cast inputs), the user's]. So user pre-hooks, even
@@ -118,7 +143,7 @@ def register_api_pre_hook(module: nn.Module, hook: Callable[..., Any]) -> Remova
     """A pre-hook (with kwargs) that runs before the user's pre-hooks registered so far (and
     after) but after the outermost ones."""
     handle = module.register_forward_pre_hook(hook, prepend=True, with_kwargs=True)
-    hooks = module._forward_pre_hooks
+    hooks = cast("OrderedDict[int, Callable[..., Any]]", module._forward_pre_hooks)  # typed as a dict, is ordered
     for hook_id in reversed(module.__dict__.get(_OUTERMOST_KEY, [])):
         if hook_id in hooks:
             hooks.move_to_end(hook_id, last=False)
@@ -127,6 +152,6 @@ def register_api_pre_hook(module: nn.Module, hook: Callable[..., Any]) -> Remova
 
 def keep_post_hook_last(module: nn.Module, hook_id: int) -> None:
     """Move the forward hook `hook_id` behind any registered after it (cheap when it is last)."""
-    hooks = module._forward_hooks
+    hooks = cast("OrderedDict[int, Callable[..., Any]]", module._forward_hooks)
     if hook_id in hooks and next(reversed(hooks)) != hook_id:
         hooks.move_to_end(hook_id)

@@ -61,7 +61,7 @@ class DataParallelLayout:
         `DeviceMesh.get_group` costs microseconds per call, so the groups are looked up here once."""
         if sharded:
             shard_group = mesh.get_group(mesh.ndim - 1)
-            replicate_groups = (mesh.get_group(0),) if mesh.ndim == 2 else ()
+            replicate_groups: tuple[dist.ProcessGroup, ...] = (mesh.get_group(0),) if mesh.ndim == 2 else ()
             kind = LayoutKind.HSDP if mesh.ndim == 2 else LayoutKind.SHARD
             shard_world, shard_rank = dist.get_world_size(shard_group), dist.get_rank(shard_group)
         else:

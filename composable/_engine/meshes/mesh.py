@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -56,7 +58,7 @@ def compute_device(mesh: DeviceMesh) -> torch.device:
 
 def mesh_from_process_group(api: str, group: dist.ProcessGroup, device_type: str) -> DeviceMesh:
     """A 1D DeviceMesh over an existing process group."""
-    if group is dist.GroupMember.NON_GROUP_MEMBER:
+    if cast(object, group) is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group gives ranks outside it
         raise ValueError(
             f"{api}: 'process_group' does not contain this rank (global rank {dist.get_rank()}): call {api} only on the ranks of its group"
         )

@@ -33,7 +33,7 @@ RootContext = Any
 _HandleBase: type = getattr(torch_fsdp, "GradientReductionHandle", object)
 
 
-class GradientReductionHandle(_HandleBase):  # type: ignore[misc, valid-type]
+class GradientReductionHandle(_HandleBase):
     """What `finalize_backward(async_op=True)` returns: `wait()` waits for the launched gradient
     reductions, accumulates them into the sharded gradients and ends the backward iteration.
     Call it before reading the gradients or running the tree again. A second `wait()` does

@@ -4,6 +4,8 @@ registered under (tied parameters have several)."""
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.nn as nn
 
@@ -56,14 +58,14 @@ def claim_parameters(
     return list(found.values())
 
 
-def mark_managed(params: list[nn.Parameter], api: str) -> None:
+def mark_managed(params: Sequence[torch.Tensor], api: str) -> None:
     """Mark the sharded parameters `api` registered, so an API applied to a descendant later
     refuses them."""
     for param in params:
         setattr(param, MANAGED_BY_ATTR, api)
 
 
-def mark_replaced(params: list[nn.Parameter], api: str) -> None:
+def mark_replaced(params: Sequence[torch.Tensor], api: str) -> None:
     """Mark original parameters an API replaced by sharded ones in its subtree's slots: a slot
     outside that subtree still holding one (a tied weight) must not be claimed again."""
     for param in params:
@@ -76,7 +78,7 @@ def replacement_count() -> int:
     return _replacements[0]
 
 
-def check_same_device(api: str, params: list[torch.Tensor]) -> None:
+def check_same_device(api: str, params: Sequence[torch.Tensor]) -> None:
     """Raise `ValueError` naming `api` unless every parameter is on one device."""
     devices = {p.device for p in params}
     if len(devices) > 1:

@@ -24,7 +24,6 @@ import weakref
 from typing import Any
 
 import torch
-import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -67,7 +66,7 @@ def install_step_hook() -> None:
         _step_hook = register_optimizer_step_pre_hook(_before_step)
 
 
-def track_for_optimizers(param: nn.Parameter) -> None:
+def track_for_optimizers(param: torch.Tensor) -> None:
     """Mark `param` (a sharded DTensor parameter made by the engine) as one whose optimizer
     step counters live on its mesh; installs the global optimizer hook on first use."""
     setattr(param, MANAGED_FLAG, True)

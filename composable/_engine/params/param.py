@@ -29,6 +29,7 @@ import functools
 import math
 import weakref
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.nn as nn
@@ -139,6 +140,20 @@ class ManagedParam:
         freezing or unfreezing after `fully_shard` takes effect (as in PyTorch FSDP2)."""
         return self.requires_grad if self.sharded_param is None else self.sharded_param.requires_grad
 
+    # The engine reads its parameters only after `register_sharded`/`unshard` made them: these
+    # give them their types (the DTensor behind the sharded one), with a clear error before.
+    @property
+    def sharded(self) -> DTensor:
+        if self.sharded_param is None:
+            raise RuntimeError(f"parameter '{self.fqn}' has no sharded parameter yet")
+        return cast(DTensor, self.sharded_param)
+
+    @property
+    def unsharded(self) -> nn.Parameter:
+        if self.unsharded_param is None:
+            raise RuntimeError(f"parameter '{self.fqn}' is not unsharded")
+        return self.unsharded_param
+
     def take_stashed_grad(self) -> torch.Tensor | None:
         """The no-sync sum kept by `stash`, handed over once to the next reduction."""
         grad, self.stashed_grad = self.stashed_grad, None
@@ -147,18 +162,18 @@ class ManagedParam:
     def mark_visible_grad(self) -> None:
         """No-sync sums are held out of sight (unsharded): keep a visible sharded `.grad` (zeros
         if there is none) and remember it, so `zero_grad` (to None or to zeros) is noticed."""
-        sp = self.sharded_param
+        sp = self.sharded
         if sp.grad is None:
             local = torch.zeros(self.layout.local_shape(), dtype=sp.dtype, device=sp._local_tensor.device)
             sp.grad = self.make_sharded_grad(local)
-        grad = sp.grad
+        grad = cast(DTensor, sp.grad)
         # DTensor in-place ops bump the wrapper's version, direct ones the local tensor's.
         self.grad_marker = (weakref.ref(grad), grad._version, grad._local_tensor._version)
 
     def grad_was_discarded(self) -> bool:
         """Whether the visible `.grad` was replaced, cleared or modified since `mark_visible_grad`."""
         ref, version, local_version = self.grad_marker  # type: ignore[misc]
-        grad = self.sharded_param.grad
+        grad = self.sharded.grad
         return (
             grad is None
             or grad is not ref()
@@ -211,16 +226,16 @@ class ManagedParam:
 
     def add_to_sharded_grad(self, local: torch.Tensor) -> None:
         """`local` becomes the sharded gradient if there is none, else is added to it."""
-        sp = self.sharded_param
-        if sp.grad is None:  # type: ignore[union-attr]
-            sp.grad = self.make_sharded_grad(local)  # type: ignore[union-attr]
+        sp = self.sharded
+        if sp.grad is None:
+            sp.grad = self.make_sharded_grad(local)
         else:
             with torch.no_grad():
-                sp.grad._local_tensor.add_(local)  # type: ignore[union-attr]
+                cast(DTensor, sp.grad)._local_tensor.add_(local)
 
     def point_local_shard_at(self, local: torch.Tensor) -> None:
         """Make the existing sharded parameter's local shard be `local` (keeps its identity)."""
-        self.sharded_param._local_tensor = local  # type: ignore[union-attr]
+        self.sharded._local_tensor = local
 
     # -- unsharded side -----------------------------------------------------------------
     def alloc_unsharded(
@@ -314,10 +329,11 @@ class ManagedParam:
         return new
 
     # -- registration on modules --------------------------------------------------------
-    def register(self, param: nn.Parameter) -> None:
-        """Register `param` in every slot (without going through `setattr` checks)."""
+    def register(self, param: torch.Tensor) -> None:
+        """Register `param` in every slot (without going through `setattr` checks); an
+        `nn.Parameter`, the sharded one typed as the DTensor it also is (`sharded`)."""
         for module, name in self.slots:
-            module._parameters[name] = param
+            module._parameters[name] = cast(nn.Parameter, param)
 
     def registered(self) -> nn.Parameter:
         module, name = self.slots[0]

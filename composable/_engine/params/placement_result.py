@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, cast
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -25,6 +26,12 @@ except ImportError:  # older torch: the same fields
         mesh_info: object
 
 
+class MeshInfo(Protocol):
+    """What `placement_of` checks a `mesh_info` has (torch's FSDPMeshInfo and its kin)."""
+
+    mesh: DeviceMesh
+
+
 def _ranks(group: dist.ProcessGroup | None) -> list[int]:
     return [] if group is None else dist.get_process_group_ranks(group)
 
@@ -41,7 +48,7 @@ def layout_key(layout: DataParallelLayout) -> tuple:
 
 def placement_of(
     api: str, fqn: str, result: object, layout: DataParallelLayout, whole_mesh: DeviceMesh
-) -> tuple[object, object | None]:
+) -> tuple[object, MeshInfo | None]:
     """(placement, mesh_info) of a `shard_placement_fn` result: a `Shard` or None goes on the
     group's own mesh (mesh_info None); a `ShardPlacementResult` gives its placement and its
     `mesh_info` (anything with a `mesh`: torch's FSDPMeshInfo/HSDPMeshInfo, with `spmd_mesh`
@@ -72,7 +79,7 @@ def placement_of(
         raise NotImplementedError(f"{where} sharded over mesh dim {shard_dim}: only the last dim shards")
     spmd_mesh = getattr(info, "spmd_mesh", None)
     same = layout.sharded and mesh_key(mesh) == layout_key(layout) and (spmd_mesh is None or spmd_mesh == whole_mesh)
-    return result.placement, None if same else info
+    return result.placement, None if same else cast(MeshInfo, info)
 
 
 def own_spmd_dims(api: str, fqn: str, info: object) -> SpmdDims:

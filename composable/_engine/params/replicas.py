@@ -63,7 +63,8 @@ def sync_replicas(
 
 def _buffers(module: nn.Module, api: str) -> list[tuple[str, torch.Tensor]]:
     """Buffers of the subtree, except those under a descendant `api` already synchronised."""
-    found, done = [], set()
+    found: list[tuple[str, torch.Tensor]] = []
+    done: set[int] = set()
     for prefix, sub in module.named_modules():
         if sub is not module and get_state(sub, api) is not None:
             done.update(id(m) for m in sub.modules())

@@ -105,8 +105,8 @@ def resolve_dp_mesh_dims(api: str, mesh: DeviceMesh, dims: object, *, allow_shar
         raise TypeError(
             f"{api}: 'dp_mesh_dims' must be a DataParallelMeshDims(shard=..., replicate=...), got {dims!r:.80}"
         )
-    shard = _names(api, "shard", dims.shard)  # type: ignore[attr-defined]
-    replicate = _names(api, "replicate", dims.replicate)  # type: ignore[attr-defined]
+    shard = _names(api, "shard", dims.shard)
+    replicate = _names(api, "replicate", dims.replicate)
     if not shard and not replicate:
         raise ValueError(f"{api}: 'dp_mesh_dims' names no dim: set shard=, replicate= or both, got {dims!r}")
     names = mesh.mesh_dim_names
@@ -129,7 +129,7 @@ def resolve_dp_mesh_dims(api: str, mesh: DeviceMesh, dims: object, *, allow_shar
         raise ValueError(f"{api}: 'dp_mesh_dims' names {both} as both shard and replicate dims")
     if shard and not allow_shard:
         raise ValueError(
-            f"{api}: 'dp_mesh_dims' may only name replicate dims (replicate does not shard), got shard={dims.shard!r}"  # type: ignore[attr-defined]
+            f"{api}: 'dp_mesh_dims' may only name replicate dims (replicate does not shard), got shard={dims.shard!r}"
         )
     return SpmdDims(mesh, shard, replicate, _flat(mesh, shard), _flat(mesh, replicate))
 
@@ -178,8 +178,8 @@ def sharded_placements(param: DTensor, spmd: SpmdDims, dim: int) -> tuple[Device
     for idx in spmd.shard_indices:
         split = math.prod(
             mesh.size(j)
-            for j in range(idx + 1, mesh.ndim)
-            if isinstance(orig[j], (Shard, _StridedShard)) and orig[j].dim == dim  # type: ignore[union-attr]
+            for j, pl in enumerate(orig)
+            if j > idx and isinstance(pl, (Shard, _StridedShard)) and pl.dim == dim
         )
         placements[idx] = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
     if len(spmd.shard_names) == 1:
@@ -206,16 +206,17 @@ def concatenate(meshes: list[DeviceMesh]) -> DeviceMesh:
     return root[tuple(m.mesh_dim_names[0] for m in meshes)]  # type: ignore[index]
 
 
-def grad_to_local(grad: torch.Tensor, unsharded: DTensor | object, dp_indices: frozenset[int]) -> torch.Tensor:
+def grad_to_local(grad: torch.Tensor, unsharded: DTensorSpecLite | None, dp_indices: frozenset[int]) -> torch.Tensor:
     """The unsharded gradient as a local tensor the group reduces: pending reductions over the
     non-data-parallel dims (TP's Partial) are completed, those over the data-parallel dims are
     left to the group's reduce-scatter / all-reduce (no redundant all-reduce)."""
     if not isinstance(grad, DTensor):
         return grad
-    want = unsharded.placements  # type: ignore[attr-defined]
+    assert unsharded is not None  # a DTensor gradient is a tensor-parallel parameter's, which has its spec
+    want = unsharded.placements
     target = tuple(grad.placements[i] if i in dp_indices else want[i] for i in range(len(want)))
     if target != tuple(grad.placements):
-        grad = grad.redistribute(unsharded.mesh, target)  # type: ignore[attr-defined]
+        grad = grad.redistribute(unsharded.mesh, target)
     return grad.to_local()
 
 

@@ -27,7 +27,7 @@ def offset_free_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix
         if key.startswith(prefix) and isinstance(value, DTensor) and value.storage_offset() != 0:
             local = value._local_tensor
             fixed = new_dtensor(offset_free(local), value._spec)
-            fixed._local_tensor = local  # type: ignore[attr-defined]
+            fixed._local_tensor = local
             state_dict[key] = fixed
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import inspect
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 import torch.distributed as dist
@@ -160,7 +160,7 @@ def _alloc(tensor: torch.Tensor) -> None:
     storage = tensor.untyped_storage()
     nbytes = (tensor.storage_offset() + tensor.numel()) * tensor.element_size()
     if storage.size() < nbytes:
-        storage.resize_(nbytes)
+        storage.resize_(cast(int, nbytes))  # a SymInt only while tracing, which resize_ takes too
 
 
 # Per `fsdp_pre_all_gather` function: whether it has FSDP2's older signature (mesh only). Read
@@ -369,7 +369,7 @@ def _finish_batched(params: list[ManagedParam], pending: list[PendingGather], po
                     (data,),
                     gather.metadata,
                     post_dtype(local, policy_dtype),
-                    out=unsharded,  # type: ignore[union-attr]
+                    out=unsharded,
                 )
         outputs.extend(mp.extension_outputs)
         versions.extend(gather.versions)

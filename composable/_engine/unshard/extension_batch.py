@@ -100,10 +100,12 @@ def prepare(
     On the current stream, which wrote the inputs and owns the outputs' memory: `gather_stream`
     (where the batch is copied in and gathered) is ordered after it."""
     world, rank = layout.shard_world, layout.shard_rank
+    assert layout.shard_group is not None  # extension parameters need a sharded layout (build.py)
     mesh = shard_mesh(layout.mesh, layout.shard_group)
-    sources, outputs, inputs, pending = [], [], [], []
+    sources: list[torch.Tensor] = []
+    outputs, inputs, pending = [], [], []
     for mp in params:
-        tensors, metadata = _pre_all_gather(mp.sharded_param._local_tensor, mesh, mp, mp_policy)  # type: ignore[union-attr]
+        tensors, metadata = _pre_all_gather(mp.sharded._local_tensor, mesh, mp, mp_policy)
         tensors = [t.contiguous() for t in tensors]
         fresh = not _outputs_fit(mp, tensors, world)
         if fresh:
@@ -137,6 +139,7 @@ def start_alone(
     buffer on the current stream (asynchronous: `extension.finish_gathers` waits, then splits
     the bytes back into the outputs)."""
     group, world, rank = layout.shard_group, layout.shard_world, layout.shard_rank
+    assert group is not None  # extension parameters need a sharded layout (build.py)
     batched = _start_batched(params, group, world, rank, coalesced, gather_stream)
     if batched is not None:
         return batched
@@ -156,7 +159,10 @@ def _gather_bytes(batch: ExtensionBatch, group: dist.ProcessGroup, rank: int) ->
 
 
 def prepare_riders(
-    params: list[ManagedParam], lay: DataParallelLayout, policy: MixedPrecisionPolicy, stream: object | None
+    params: list[ManagedParam],
+    lay: DataParallelLayout,
+    policy: MixedPrecisionPolicy,
+    stream: "torch.cuda.Stream | None",
 ) -> object | None:
     """A group's extension parameters made ready to ride in its flat parameters' collective:
     torchao float8 weights with precomputed scales through their fused cast (extension.py),

@@ -23,7 +23,7 @@ stream order without `record_stream`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -117,7 +117,7 @@ def start_gather(
                 if streams is not None:
                     streams.reclaim(mp.unsharded_padded)  # a deferred free of this storage is off
                 mp.alloc_unsharded(world, dtype, device, on_gather_stream=streams is not None)
-            outputs = [mp.unsharded_padded for mp in params]
+            outputs = cast("list[torch.Tensor]", [mp.unsharded_padded for mp in params])  # just allocated
             # In place, as the flat way: each input is this rank's slot of its output, filled by
             # one fused copy (+cast, +host-to-device); no input buffer beside the parameters.
             inputs = [
@@ -127,13 +127,15 @@ def start_gather(
             # Refilling freed storage with the values it held is no mutation autograd should see.
             # `all_gather_coalesced` waits before returning: whatever version bumps the
             # collective makes (at issue or, like gloo's, at completion) happen in here.
-            with comm.refilling(*outputs):  # type: ignore[arg-type]
+            with comm.refilling(*outputs):
                 if outputs:
                     torch._foreach_copy_(inputs, shards, non_blocking=True)
                 if riders is not None:
                     riders.cast()
                     outputs, inputs = outputs + riders.outputs, inputs + riders.inputs
-                work = comm.all_gather_coalesced(outputs, inputs, group) if travels else None
+                if travels:
+                    comm.all_gather_coalesced(outputs, inputs, group)
+                work = None  # it waits before returning
             gather_in, gather_out = source, None
         else:
             # The riders' bytes, padded to whole elements, follow the region in each rank's row.
@@ -169,10 +171,11 @@ def free_storages(params: list["ManagedParam"], streams: CommStreams | None) -> 
     """Free the unsharded storages of `params`: at once where the compute stream's pool holds
     them, deferred (`CommStreams.defer_free`) where a direct gather took them from the
     all-gather stream's pool."""
-    deferred = []
+    deferred: list[torch.Tensor] = []
     for mp in params:
-        if mp.unsharded_on_gather_stream and mp.is_unsharded_allocated():
-            deferred.append(mp.unsharded_padded)
+        padded = mp.unsharded_padded
+        if mp.unsharded_on_gather_stream and padded is not None and mp.is_unsharded_allocated():
+            deferred.append(padded)
         else:
             mp.free_unsharded()
     if deferred:

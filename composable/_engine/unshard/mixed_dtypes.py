@@ -11,7 +11,7 @@ dtype and are reduced together in the group's reduce dtype.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 
 def resolve_param_dtypes(
-    claimed: list[tuple[str, object, nn.Parameter]],
+    claimed: Sequence[tuple[str, object, nn.Parameter]],
     param_dtype: torch.dtype | None,
     dtype_for: Callable[[str, nn.Parameter], torch.dtype | None] | None,
 ) -> tuple[torch.dtype | None, tuple[torch.dtype, ...] | None]:
