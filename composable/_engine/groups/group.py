@@ -65,7 +65,7 @@ class ParamGroup:
         # their own and gather through it (extension.py); the rest share the flat buffer.
         self.flat_params = [mp for mp in params if not mp.extension]
         self.extension_params = [mp for mp in params if mp.extension]
-        self._extension_gathers: list[extension.PendingGather] = []
+        self._extension_gathers: list[extension.ExtensionGather] = []
         self.config = config
         self.layout = config.layout
         self.dtypes = GroupDtypes(config.param_dtype, config.reduce_dtype)

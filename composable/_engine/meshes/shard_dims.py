@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 
 
-class ParamLayout(Protocol):
+class RegionLayout(Protocol):
     """What these functions read of `param.ParamLayout` (sizes in elements)."""
 
     shape: torch.Size
@@ -29,14 +29,14 @@ class ParamLayout(Protocol):
     def region_numel(self) -> int: ...
 
 
-def _split(lay: ParamLayout, full: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+def _split(lay: RegionLayout, full: torch.Tensor) -> tuple[int, int, torch.Tensor]:
     """(ranks holding `chunk_rows` rows, rows of the one partial rank, `full` as (before, rows, after))."""
     before = math.prod(lay.shape[: lay.dim])
     whole = lay.rows // lay.chunk_rows if lay.chunk_rows else 0
     return whole, lay.rows - whole * lay.chunk_rows, full.reshape(before, lay.rows, -1)
 
 
-def regions_to_full(lay: ParamLayout, regions: torch.Tensor, full: torch.Tensor) -> None:
+def regions_to_full(lay: RegionLayout, regions: torch.Tensor, full: torch.Tensor) -> None:
     """Copy the rank-major `regions` (1D, `region_numel` elements per rank) into `full`, the
     contiguous parameter (written through: `full` must be contiguous)."""
     whole, part, out = _split(lay, full)
@@ -49,7 +49,7 @@ def regions_to_full(lay: ParamLayout, regions: torch.Tensor, full: torch.Tensor)
         out[:, whole * lay.chunk_rows :].copy_(per_rank[whole, : part * lay.row_numel].view(before, part, after))
 
 
-def full_to_regions(lay: ParamLayout, full: torch.Tensor, world: int) -> torch.Tensor:
+def full_to_regions(lay: RegionLayout, full: torch.Tensor, world: int) -> torch.Tensor:
     """The inverse of `regions_to_full`: `world` zero-padded rank-major regions of `full` (any
     layout, any dtype), as a (world, region_numel) tensor."""
     out = full.new_zeros((world, lay.region_numel))

@@ -66,7 +66,7 @@ def _local_of(unsharded: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class PendingGather:
+class ExtensionGather:
     """One extension parameter's all-gathers in flight."""
 
     works: list[Any]
@@ -205,7 +205,7 @@ class BatchedFloat8:
     slots: list[torch.Tensor]
     outputs: list[torch.Tensor]
     inputs: list[torch.Tensor]
-    pending: list[PendingGather]
+    pending: list[ExtensionGather]
 
     def cast(self) -> None:
         float8_cast.cast_into(self.locals_, self.scales, self.slots)
@@ -253,7 +253,7 @@ def prepare_batched(
     if gather_stream is not None:
         gather_stream.wait_stream(current_stream(outputs[0].device))
     pending = [
-        PendingGather([], [local.shape], float8_cast.metadata(scale), False, v, batched=True)
+        ExtensionGather([], [local.shape], float8_cast.metadata(scale), False, v, batched=True)
         for local, scale, v in zip(locals_, scales, versions)
     ]
     return BatchedFloat8(locals_, scales, [v[1] for v in views], [v[2] for v in views], [v[3] for v in views], pending)
@@ -266,7 +266,7 @@ def _start_batched(
     rank: int,
     coalesced: bool,
     gather_stream: "torch.cuda.Stream | None",
-) -> list[PendingGather] | None:
+) -> list[ExtensionGather] | None:
     """The batched float8 path on its own collective(s) (see `prepare_batched`), or None where
     it does not apply."""
     batch = prepare_batched(params, world, rank, gather_stream)
@@ -302,7 +302,7 @@ def post_dtype(local: torch.Tensor, policy_dtype: torch.dtype | None) -> torch.d
 
 
 def finish_gathers(
-    params: list[ManagedParam], pending: list[PendingGather], world: int, policy_dtype: torch.dtype | None
+    params: list[ManagedParam], pending: list[ExtensionGather], world: int, policy_dtype: torch.dtype | None
 ) -> None:
     """Wait, then make (first time) or refill each unsharded parameter through
     `fsdp_post_all_gather` (in `post_dtype`), keeping autograd's version counters: refilling
@@ -348,7 +348,9 @@ def _shaped_outputs(mp: ManagedParam, input_shapes: list[torch.Size]) -> tuple[t
     return outputs
 
 
-def _finish_batched(params: list[ManagedParam], pending: list[PendingGather], policy_dtype: torch.dtype | None) -> None:
+def _finish_batched(
+    params: list[ManagedParam], pending: list[ExtensionGather], policy_dtype: torch.dtype | None
+) -> None:
     """The batched path's finish, with one host step per group rather than per weight: each
     unsharded float8 weight already holds the gathered bytes (its data is its all-gather
     output), so torchao's `fsdp_post_all_gather(out=)`, which only sets the scale, is called

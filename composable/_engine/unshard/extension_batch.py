@@ -31,7 +31,15 @@ from ..comm.streams import current_stream
 from ..dtypes.policies import MixedPrecisionPolicy
 from ..meshes.layout import DataParallelLayout
 from ..params.param import ManagedParam
-from .extension import PendingGather, _alloc, _outputs_fit, _pre_all_gather, _start_batched, prepare_batched, shard_mesh
+from .extension import (
+    ExtensionGather,
+    _alloc,
+    _outputs_fit,
+    _pre_all_gather,
+    _start_batched,
+    prepare_batched,
+    shard_mesh,
+)
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -65,7 +73,7 @@ class ExtensionBatch:
     sources: list[torch.Tensor]
     outputs: list[torch.Tensor]
     inputs: list[torch.Tensor]
-    pending: list[PendingGather]
+    pending: list[ExtensionGather]
     world: int
 
     @property
@@ -115,7 +123,7 @@ def prepare(
             for out in mp.extension_outputs:
                 _alloc(out)
         versions = tuple(o._version for o in mp.extension_outputs)
-        pending.append(PendingGather([], [t.shape for t in tensors], metadata, fresh, versions))
+        pending.append(ExtensionGather([], [t.shape for t in tensors], metadata, fresh, versions))
         sources.extend(_bytes(t) for t in tensors)
         outs, slots = _byte_views(mp, tensors, rank)
         outputs.extend(outs)
@@ -133,7 +141,7 @@ def start_alone(
     mp_policy: MixedPrecisionPolicy,
     coalesced: bool,
     gather_stream: "torch.cuda.Stream | None" = None,
-) -> list[PendingGather]:
+) -> list[ExtensionGather]:
     """Gather `params` on a collective of their own: torchao float8 weights with precomputed
     scales through their fused cast (extension.py), anything else as one all-gather of a byte
     buffer on the current stream (asynchronous: `extension.finish_gathers` waits, then splits
@@ -147,7 +155,7 @@ def start_alone(
     return _gather_bytes(batch, group, rank)
 
 
-def _gather_bytes(batch: ExtensionBatch, group: dist.ProcessGroup, rank: int) -> list[PendingGather]:
+def _gather_bytes(batch: ExtensionBatch, group: dist.ProcessGroup, rank: int) -> list[ExtensionGather]:
     n, world = batch.nbytes, batch.world
     buffer = torch.empty(world * n, dtype=torch.uint8, device=batch.sources[0].device)
     slot = buffer.narrow(0, rank * n, n)  # in place: this rank's slot is the input
