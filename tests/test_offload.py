@@ -1,11 +1,12 @@
 """CPU offload (`CPUOffloadPolicy`): sharded parameters and gradients live on the CPU, the
-optimizer steps there, training is identical to training without offload.
+optimizer steps there, training is identical to training without offload and, bit for bit, to
+PyTorch FSDP2's `CPUOffloadPolicy`; a DCP checkpoint resumes bit for bit.
 
 On this CPU-only machine the compute device is the CPU as well, so the copies are no-ops, but
 the offload code paths (storage placement, pinning decisions, gradient copy-back) still run;
 in particular the default `pin_memory=True` must not fail without an accelerator (PyTorch
-FSDP2 does). The GPU variant (2 GPUs, NCCL) checks parameters and gradients on the CPU with
-compute on CUDA.
+FSDP2 does). The GPU variants (1 and 2 GPUs, NCCL) check parameters and gradients on the CPU
+(pinned: copied there as they are reduced) with compute on CUDA.
 """
 
 from __future__ import annotations
@@ -201,6 +202,44 @@ def _checkpoint_resume(rank: int, world_size: int, path: str) -> None:
 
 def test_checkpoint_resumes_bit_for_bit(tmp_path: Path) -> None:
     run_on_ranks(_checkpoint_resume, 2, str(tmp_path))
+
+
+def _against_fsdp2(rank: int, world_size: int) -> None:
+    """composable's and PyTorch FSDP2's CPUOffloadPolicy on the same model, AdamW and clipping:
+    the same losses, parameters and optimizer state, bit for bit, every step."""
+    from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffloadPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    ours = _wrap(TinyTransformer(), mesh=mesh, offload_policy=CPUOffloadPolicy())
+    torch.manual_seed(0)
+    theirs = TinyTransformer()
+    for layer in theirs.layers:  # FSDP2 pins the host shards, which needs an accelerator
+        torch_fully_shard(layer, mesh=mesh, offload_policy=TorchCPUOffloadPolicy(pin_memory=False))
+    torch_fully_shard(theirs, mesh=mesh, offload_policy=TorchCPUOffloadPolicy(pin_memory=False))
+    models = [ours, theirs]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in models]
+    for step in range(STEPS):
+        losses = []
+        for model, opt in zip(models, opts):
+            loss = lm_loss(model, batch_for(step, world_size, rank))
+            loss.backward()
+            clip_grad_norm_(model.parameters(), max_norm=0.05)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        assert torch.equal(losses[0], losses[1]), f"step {step} loss"
+        for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+            assert torch.equal(p.to_local(), q.to_local()), f"step {step} parameter {name}"
+            for key, value in opts[0].state[p].items():
+                other = opts[1].state[q][key]
+                local = value.to_local() if isinstance(value, DTensor) else value
+                assert torch.equal(local, other.to_local() if isinstance(other, DTensor) else other), (name, key)
+
+
+def test_offload_equals_fsdp2_offload_bit_for_bit() -> None:
+    run_on_ranks(_against_fsdp2, 2)
 
 
 def _bad_offload(rank: int, world_size: int) -> None:
