@@ -244,25 +244,16 @@ def _wait_for(path: Path, pred: Any, timeout: float, what: str) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-# ----------------------------------------------------------------------------- plain HSDP, one world
+# ----------------------------------------------------------------------------- one world, no torchft
 
 
-def _plain_hsdp(rank: int, world_size: int, steps: int) -> dict[int, dict[str, torch.Tensor]]:
-    mesh = init_device_mesh("cpu", (2, GROUP), mesh_dim_names=("replicate", "shard"))
-    model = _shard(_model(), mesh)
-    opt = _optimizer(model)
-    replica, shard_rank = divmod(rank, GROUP)
-    out = {}
-    for step in range(steps):
-        opt.zero_grad()
-        _loss(model, step, replica, shard_rank).backward()
-        opt.step()
-        out[step + 1] = _snapshot(model, opt)
-    return out
-
-
-def _plain_replicate(rank: int, world_size: int, steps: int) -> dict[int, dict[str, torch.Tensor]]:
-    model = replicate(_model())
+def _one_world(rank: int, world_size: int, steps: int, layout: str) -> dict[int, dict[str, torch.Tensor]]:
+    """The groups' training in one world of all their ranks: HSDP on a (groups, group size) mesh,
+    or `replicate` over every rank; each rank fed its group's batch."""
+    if layout == "replicate":
+        model = replicate(_model())
+    else:
+        model = _shard(_model(), init_device_mesh("cpu", (2, GROUP), mesh_dim_names=("replicate", "shard")))
     opt = _optimizer(model)
     replica, group_rank = divmod(rank, GROUP)
     out = {}
@@ -299,7 +290,7 @@ def test_group_dies_others_step_restarted_group_heals(tmp_path: Path, lighthouse
         assert groups.wait(0, 0) == [0] * GROUP, groups.logs(0, 0)
     finally:
         groups.kill_all()
-    reference = run_on_ranks(_plain_hsdp, 2 * GROUP, KILL_STEP - 1)
+    reference = run_on_ranks(_one_world, 2 * GROUP, KILL_STEP - 1, "hsdp")
     for rank in range(GROUP):
         g0, g1 = torch.load(live[rank], weights_only=False), torch.load(healed[rank], weights_only=False)
         steps = sorted(g0["steps"])
@@ -332,7 +323,7 @@ def test_replicate_groups_train_as_one_replicate(tmp_path: Path, lighthouse: str
             assert groups.wait(g, 0) == [0] * GROUP, groups.logs(g, 0)
     finally:
         groups.kill_all()
-    reference = run_on_ranks(_plain_replicate, 2 * GROUP, steps)
+    reference = run_on_ranks(_one_world, 2 * GROUP, steps, "replicate")
     for g in (0, 1):
         for rank in range(GROUP):
             record = torch.load(outs[g][rank], weights_only=False)

@@ -270,11 +270,16 @@ def fault_tolerant(model: nn.Module, optimizer: torch.optim.Optimizer, manager: 
     return wrapped
 
 
+def _with_scheme(address: str) -> str:
+    """`address` as a URL: torchft's client needs the scheme, users often write host:port."""
+    return address if "://" in address else f"http://{address}"
+
+
 def _reachable(address: str, timeout: timedelta) -> str | None:
     """None once a TCP connection to `address` (http://host:port) opens within `timeout`, else
     why not. A refused connection is tried again until then: a lighthouse that another replica
     group is starting alongside this one comes up a little later."""
-    url = urllib.parse.urlparse(address if "://" in address else f"http://{address}")
+    url = urllib.parse.urlparse(_with_scheme(address))
     try:
         port = url.port
     except ValueError as e:
@@ -356,8 +361,6 @@ def create_manager(
             f"{connect_timeout.total_seconds():g} s ({verdict[0]}); start one (torchft_lighthouse "
             "--min_replicas 1 --bind [::]:29510) or pass its address"
         )
-    if "://" not in lighthouse:  # torchft's client needs the scheme
-        lighthouse = f"http://{lighthouse}"
     if "store_addr" not in manager_kwargs and (address := _group_store()) is not None:
         manager_kwargs["store_addr"], manager_kwargs["store_port"] = address
     pgs = importlib.import_module("torchft.process_group")
@@ -371,7 +374,7 @@ def create_manager(
         rank=rank,
         world_size=world,
         replica_id=replica_id,
-        lighthouse_addr=lighthouse,
+        lighthouse_addr=_with_scheme(lighthouse),
         timeout=timeout,
         quorum_timeout=quorum_timeout,
         connect_timeout=connect_timeout,
