@@ -37,7 +37,9 @@ RUNS = ("floor", "fully_shard", "fsdp2", "replicate", "ddp")
 GRAPHED_RUNS = ("floor_graphed", "fully_shard_graphed", "replicate_graphed")
 # fully_shard and FSDP2 with CPU offload (`CPUOffloadPolicy`: sharded parameters, gradients and the
 # optimizer step on the host); opt-in, measured beside the same contenders without it.
-OFFLOAD_RUNS = ("fully_shard_offload", "fsdp2_offload")
+# fully_shard_offload_on_device also keeps each group's bf16 shard on the GPU between steps
+# (`CPUOffloadPolicy(compute_shard_on_device=True)`).
+OFFLOAD_RUNS = ("fully_shard_offload", "fully_shard_offload_on_device", "fsdp2_offload")
 ALL_RUNS = RUNS + GRAPHED_RUNS + OFFLOAD_RUNS
 MODELS = ("own", "hf-llama")
 AC_MODES = ("none", "full", "selective")  # activation checkpointing of every block
@@ -147,7 +149,8 @@ def build(
     if allowed is not None and run not in allowed:
         raise ValueError(f"build: run {run!r} does not run on --mesh {mesh.kind}; runs there: {allowed}")
     offload = run in OFFLOAD_RUNS
-    run = run.removesuffix("_graphed").removesuffix("_offload")
+    on_device = run.endswith("_on_device")
+    run = run.removesuffix("_graphed").removesuffix("_on_device").removesuffix("_offload")
     if model not in MODELS:
         raise ValueError(f"build: model must be one of {MODELS}, got {model!r}")
     if ac not in AC_MODES:
@@ -166,7 +169,11 @@ def build(
     if run in ("fully_shard", "fsdp2"):
         if run == "fully_shard":
             shard, mpp = composable.fully_shard, composable.MixedPrecisionPolicy(**bf16)
-            policy = composable.CPUOffloadPolicy() if offload else composable.OffloadPolicy()
+            policy = (
+                composable.CPUOffloadPolicy(compute_shard_on_device=on_device)
+                if offload
+                else composable.OffloadPolicy()
+            )
         else:
             from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 

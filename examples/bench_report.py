@@ -30,6 +30,9 @@ RATIOS = (
     # CPU offload: against FSDP2's, and what it costs against the same contender without it.
     ("fully_shard_offload", "fsdp2_offload"),
     ("fully_shard_offload", "fully_shard"),
+    ("fully_shard_offload_on_device", "fsdp2_offload"),
+    ("fully_shard_offload_on_device", "fully_shard"),
+    ("fully_shard_offload_on_device", "fully_shard_offload"),
     ("fsdp2_offload", "fsdp2"),
 )
 
@@ -60,7 +63,7 @@ def report(rounds: list[dict[str, dict]], args: argparse.Namespace, world: int, 
     # The host's memory matters where a run keeps its state there: the process's resident set at
     # the end of each run (a high-water mark over the contenders run before it too).
     host = {run: max(rd[run].get("host_rss_gib", 0.0) for rd in rounds) for run in runs}
-    host_column = any(run.endswith("_offload") for run in runs)
+    host_column = any("_offload" in run for run in runs)
     print(
         f"{'run':<{w}} {'s/step':>8} {'tok/s/GPU':>10} {'MFU':>6} {'alloc GiB':>10} {'reserved GiB':>13}"
         + (f" {'host GiB':>9}" if host_column else "")

@@ -30,11 +30,11 @@ def _shard(model: TinyTransformer, **options: object) -> TinyTransformer:
     return model
 
 
-def _steps(models: list[nn.Module], rank: int, world: int, steps: int = 3) -> None:
+def _steps(models: list[nn.Module], rank: int, world: int, steps: int = 3, fused: bool = False) -> None:
     """Train both models on the same data; losses, gradients and parameters agree each step,
     bit for bit."""
     first, second = models
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=fused) for m in models]
     for step in range(steps):
         tokens = batch_for(step, world, rank)
         losses = [lm_loss(m, tokens) for m in models]
@@ -153,14 +153,15 @@ def _setters(rank: int, world: int) -> None:
     tuned.zero_grad()
     root.set_reshard_after_forward(True, recurse=True)
     # Kept unsharded after backward: the next forward gathers nothing; after an optimizer step
-    # it notices the changed shards and gathers them again.
+    # it notices the changed shards and gathers them again, also after a fused AdamW's step,
+    # which writes the parameters without bumping their version counters.
     root.set_reshard_after_backward(False)
     lm_loss(tuned, tokens).backward()
     with count_collectives() as c:
         lm_loss(tuned, tokens)
     assert c.counts["all_gather"] == 0, c.render()
     tuned.zero_grad()
-    _steps([plain, tuned], rank, world, steps=3)
+    _steps([plain, tuned], rank, world, steps=3, fused=True)
     with pytest.raises(
         TypeError, match="set_reshard_after_backward: 'reshard_after_backward' must be a bool, got 'no'"
     ):

@@ -46,16 +46,18 @@ def _train_pair(
     mp: MixedPrecisionPolicy,
     strategy: ShardingStrategy,
     pin_memory: bool = True,
+    compute_shard_on_device: bool = False,
 ) -> None:
     """The same model with and without offload: identical losses, gradients and parameters
     over several SGD steps; with offload everything the optimizer touches is on the CPU."""
     mesh = init_device_mesh(device, (world_size,))
     models = []
-    for offload in (OffloadPolicy(), CPUOffloadPolicy(pin_memory=pin_memory)):
+    policy = CPUOffloadPolicy(pin_memory=pin_memory, compute_shard_on_device=compute_shard_on_device)
+    for offload in (OffloadPolicy(), policy):
         torch.manual_seed(0)
         models.append(_wrap(TinyTransformer(), mesh=mesh, mp_policy=mp, strategy=strategy, offload_policy=offload))
     plain, offloaded = models
-    assert fully_shard.state(offloaded).offload_policy == CPUOffloadPolicy(pin_memory=pin_memory)
+    assert fully_shard.state(offloaded).offload_policy == policy
     for name, p in offloaded.named_parameters():
         assert isinstance(p, DTensor) and p.device.type == "cpu" and p.to_local().device.type == "cpu", name
         if not torch.cuda.is_available():  # pinning needs an accelerator: skipped, no failure
@@ -204,22 +206,33 @@ def test_checkpoint_resumes_bit_for_bit(tmp_path: Path) -> None:
     run_on_ranks(_checkpoint_resume, 2, str(tmp_path))
 
 
-def _against_fsdp2(rank: int, world_size: int) -> None:
+def _against_fsdp2(rank: int, world_size: int, compute_shard_on_device: bool) -> None:
     """composable's and PyTorch FSDP2's CPUOffloadPolicy on the same model, AdamW and clipping:
-    the same losses, parameters and optimizer state, bit for bit, every step."""
+    the same losses, parameters and optimizer state, bit for bit, every step (also with
+    composable's compute-dtype shard kept on the device, bf16 compute)."""
     from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffloadPolicy
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     mesh = init_device_mesh("cpu", (world_size,))
+    dtypes = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if compute_shard_on_device else {}
     torch.manual_seed(0)
-    ours = _wrap(TinyTransformer(), mesh=mesh, offload_policy=CPUOffloadPolicy())
+    ours = _wrap(
+        TinyTransformer(),
+        mesh=mesh,
+        mp_policy=MixedPrecisionPolicy(**dtypes),
+        offload_policy=CPUOffloadPolicy(compute_shard_on_device=compute_shard_on_device),
+    )
     torch.manual_seed(0)
     theirs = TinyTransformer()
+    their_mp = TorchMixedPrecisionPolicy(**dtypes)
     for layer in theirs.layers:  # FSDP2 pins the host shards, which needs an accelerator
-        torch_fully_shard(layer, mesh=mesh, offload_policy=TorchCPUOffloadPolicy(pin_memory=False))
-    torch_fully_shard(theirs, mesh=mesh, offload_policy=TorchCPUOffloadPolicy(pin_memory=False))
+        torch_fully_shard(layer, mesh=mesh, mp_policy=their_mp, offload_policy=TorchCPUOffloadPolicy(pin_memory=False))
+    torch_fully_shard(theirs, mesh=mesh, mp_policy=their_mp, offload_policy=TorchCPUOffloadPolicy(pin_memory=False))
     models = [ours, theirs]
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in models]
+    # Fused in the on-device variant: its writes bump no version counter, and the device copy
+    # must follow them all the same.
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, fused=compute_shard_on_device) for m in models]
     for step in range(STEPS):
         losses = []
         for model, opt in zip(models, opts):
@@ -238,8 +251,72 @@ def _against_fsdp2(rank: int, world_size: int) -> None:
                 assert torch.equal(local, other.to_local() if isinstance(other, DTensor) else other), (name, key)
 
 
-def test_offload_equals_fsdp2_offload_bit_for_bit() -> None:
-    run_on_ranks(_against_fsdp2, 2)
+@pytest.mark.parametrize("compute_shard_on_device", [False, True], ids=["host", "on_device"])
+def test_offload_equals_fsdp2_offload_bit_for_bit(compute_shard_on_device: bool) -> None:
+    run_on_ranks(_against_fsdp2, 2, compute_shard_on_device)
+
+
+def _host_copies(rank: int, world_size: int, strategy: ShardingStrategy) -> None:
+    """`compute_shard_on_device=True`: each group's shard is copied from the host once per
+    step (not again for backward's all-gather), and not at all in a forward after no change; any
+    in-place write to a parameter (here outside the optimizer) reaches the next forward."""
+    from composable._engine.groups.group import ParamGroup
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    models = []
+    for policy in (OffloadPolicy(), CPUOffloadPolicy(compute_shard_on_device=True)):
+        torch.manual_seed(0)
+        models.append(_wrap(TinyTransformer(), mesh=mesh, mp_policy=bf16, strategy=strategy, offload_policy=policy))
+    plain, offloaded = models
+    copies: list[int] = []
+    plain_refill, plain_device_shard = ParamGroup._refill_replica, ParamGroup._device_compute_shard
+
+    def counted(method):  # type: ignore[no-untyped-def]
+        def wrapper(group, *args):  # type: ignore[no-untyped-def]
+            before = group._compute_shard_versions
+            out = method(group, *args)
+            if group.config.compute_shard_on_device:  # the offloaded model's groups
+                copies.append(int(group._compute_shard_versions != before or before is None))
+            return out
+
+        return wrapper
+
+    ParamGroup._refill_replica = counted(plain_refill)  # type: ignore[method-assign]
+    ParamGroup._device_compute_shard = counted(plain_device_shard)  # type: ignore[method-assign]
+    try:
+        opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in models]
+        groups = len(offloaded.layers) + 1
+        for step in range(STEPS):
+            tokens = batch_for(step, world_size, rank)
+            copies.clear()
+            losses = []
+            for model, opt in zip(models, opts):
+                loss = lm_loss(model, tokens)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.detach())
+            assert torch.equal(losses[0], losses[1]), f"step {step} loss"
+            assert sum(copies) == groups, f"step {step}: {sum(copies)} copies from the host, {len(copies)} gathers"
+        with torch.no_grad():  # no step between two forwards: the second copies nothing
+            lm_loss(offloaded, batch_for(0, world_size, rank))
+            copies.clear()
+            lm_loss(offloaded, batch_for(0, world_size, rank))
+            assert sum(copies) == 0, copies
+            for model in models:  # an in-place write outside the optimizer
+                model.layers[0].qkv.weight.mul_(0.5)
+            copies.clear()
+            out = [lm_loss(model, batch_for(1, world_size, rank)) for model in models]
+            assert sum(copies) == 1 and torch.equal(out[0], out[1]), copies
+    finally:
+        ParamGroup._refill_replica = plain_refill  # type: ignore[method-assign]
+        ParamGroup._device_compute_shard = plain_device_shard  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("strategy", [ShardingStrategy.FULL_SHARD, ShardingStrategy.NO_SHARD], ids=lambda s: s.name)
+def test_compute_shard_on_device_copies_only_changed_shards(strategy: ShardingStrategy) -> None:
+    run_on_ranks(_host_copies, 2, strategy)
 
 
 def _bad_offload(rank: int, world_size: int) -> None:
@@ -276,13 +353,17 @@ def test_offload_parity_gpu(mp: MixedPrecisionPolicy) -> None:
 
 
 @requires_gpus(1)
-@pytest.mark.parametrize("pin_memory", [True, False], ids=["pinned", "pageable"])
-def test_offload_parity_one_gpu(pin_memory: bool) -> None:
+@pytest.mark.parametrize(
+    ("pin_memory", "on_device"), [(True, False), (False, False), (True, True)], ids=["pinned", "pageable", "on_device"]
+)
+def test_offload_parity_one_gpu(pin_memory: bool, on_device: bool) -> None:
     """One GPU (where offload lets a model fit at all): bf16 compute, the gradients copied to
-    pinned host memory as they are reduced (or, unpinned, at the end of backward); identical to
-    no offload."""
+    pinned host memory as they are reduced (or, unpinned, at the end of backward), or the bf16
+    shard kept on the GPU between steps; identical to no offload."""
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    run_on_ranks(_train_pair, 1, "cuda", bf16, ShardingStrategy.FULL_SHARD, pin_memory, backend="cpu:gloo,cuda:nccl")
+    run_on_ranks(
+        _train_pair, 1, "cuda", bf16, ShardingStrategy.FULL_SHARD, pin_memory, on_device, backend="cpu:gloo,cuda:nccl"
+    )
 
 
 def _default_mesh_gpu(rank: int, world_size: int) -> None:

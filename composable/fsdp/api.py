@@ -137,6 +137,7 @@ def fully_shard(
         reduce_dtype=mp_policy.reduce_dtype,
         offload=isinstance(offload_policy, CPUOffloadPolicy),
         pin_memory=getattr(offload_policy, "pin_memory", False),
+        compute_shard_on_device=getattr(offload_policy, "compute_shard_on_device", False),
         shard_placement_fn=shard_placement_fn,
         spmd=spmd,
         param_dtype_for=param_dtype_resolver(api, mp_policy),

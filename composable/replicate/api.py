@@ -98,6 +98,7 @@ def replicate(
         spmd=spmd,
         offload=isinstance(offload_policy, CPUOffloadPolicy),
         pin_memory=getattr(offload_policy, "pin_memory", False),
+        compute_shard_on_device=getattr(offload_policy, "compute_shard_on_device", False),
         param_dtype_for=param_dtype_resolver(api, mp_policy),
     )
     group = build_group(api, module, mesh, ignored, options)

@@ -40,6 +40,7 @@ class GroupOptions:
     reduce_dtype: torch.dtype | None = None
     offload: bool = False
     pin_memory: bool = False
+    compute_shard_on_device: bool = False  # offload: a compute-dtype copy of the shard stays on the device
     bucket_cap_bytes: int | None = None  # bucketed all-reduce during backward (replicate)
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None  # fully_shard: Shard(d) per parameter
     sync_replicas: bool = False  # broadcast rank 0's values at the call (replicate); every API checks shapes
@@ -147,6 +148,7 @@ def _make_group(
         reduce_dtype=options.reduce_dtype,
         offload=options.offload,
         pin_memory=options.pin_memory,
+        compute_shard_on_device=options.offload and options.compute_shard_on_device,
         bucket_cap_bytes=options.bucket_cap_bytes,
         api=api,
     )
