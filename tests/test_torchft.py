@@ -8,6 +8,8 @@ through a torchft Manager, on CPU (gloo, torchft's ProcessGroupGloo, a lighthous
   world, bit for bit, at every step.
 - The user's mistakes: no lighthouse reachable, a model without a replicate dimension, a group of
   another size.
+- The two private APIs the integration reads (torchft's `Manager._quorum_id`, torch's
+  `_get_default_store`) are there, and their loss would be one line naming the version.
 - The main job (`train.py --fault-tolerant`): two launches train as one plain HSDP launch, with a
   lighthouse started apart or one that group 0 starts (`--lighthouse start:PORT`); its flags that
   do not fit and a lighthouse port in use are one line.
