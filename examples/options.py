@@ -39,13 +39,36 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" to a flag's help unless the help states its default itself: a
+    default of None stands for one settled later (by the device, the preset, another flag),
+    which only the help's own words can say."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _per_preset(field: str) -> str:
+    """A model field's value in each preset, e.g. "tiny 128, small 256, 1b 2048"."""
+    return ", ".join(f"{name} {getattr(cfg, field)}" for name, cfg in PRESETS.items())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """train.py's flags (parse_args parses with it and checks the values)."""
     p = _Parser(
         prog="train.py",
         description="Train a Llama-style byte-level language model with composable.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
-    p.add_argument("--parallel", choices=["fsdp", "hsdp", "replicate", "tp"], default="fsdp")
+    p.add_argument(
+        "--parallel",
+        choices=["fsdp", "hsdp", "replicate", "tp"],
+        default="fsdp",
+        help="fsdp: fully_shard on every block and the root; hsdp: the same on a 2D mesh (--hsdp-shard-size); "
+        "replicate: the whole model on every rank; tp: tensor parallel (--tp-size) x FSDP",
+    )
     p.add_argument(
         "--mp",
         choices=["fp32", "bf16", "fp16"],
@@ -93,7 +116,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-norm", type=float, default=1.0, help="gradient clipping norm (composable.clip_grad_norm_); 0 disables"
     )
     p.add_argument("--steps", type=int, default=250, help="optimizer steps in total")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="tiny",
+        help="the model: tiny trains in minutes on 2 CPU cores, 1b is the 953M-parameter benchmark model; "
+        "the model size overrides below change it",
+    )
     p.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch per data-parallel rank")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's max_seq_len)")
     p.add_argument(
@@ -110,7 +139,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="default: 10%% of --steps, at least 10 (half of a shorter run), at most 100",
     )
-    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's decoupled weight decay")
     p.add_argument(
         "--optimizer",
         choices=["adamw", "muon"],
@@ -149,7 +178,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "that stalled; must exceed the longest single step or checkpoint write",
     )
     p.add_argument("--nproc", type=int, default=2, help="local ranks to spawn when not started by a launcher")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds the model's initialisation and the batches drawn")
     p.add_argument(
         "--tp-size",
         type=int,
@@ -198,10 +227,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="--fault-tolerant: this group's index (default: $REPLICA_GROUP_ID, else 0)",
     )
     m = p.add_argument_group("model size overrides (default: the preset's)")
-    m.add_argument("--dim", type=int)
-    m.add_argument("--n-layers", type=int)
-    m.add_argument("--n-heads", type=int)
-    m.add_argument("--ffn-dim", type=int)
+    m.add_argument("--dim", type=int, help=f"model width (default: the preset's: {_per_preset('dim')})")
+    m.add_argument(
+        "--n-layers", type=int, help=f"transformer blocks (default: the preset's: {_per_preset('n_layers')})"
+    )
+    m.add_argument(
+        "--n-heads", type=int, help=f"attention heads, dividing --dim (default: the preset's: {_per_preset('n_heads')})"
+    )
+    m.add_argument(
+        "--ffn-dim", type=int, help=f"feed-forward hidden width (default: the preset's: {_per_preset('ffn_dim')})"
+    )
     m.add_argument(
         "--moe",
         action="store_true",
@@ -223,8 +258,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "each backward reduce-scatter then follows a single matmul, which --async-tp needs to fuse it "
         "(default: on with --async-tp, else off)",
     )
-    m.add_argument("--vocab-size", type=int, help=f"at least {VOCAB_SIZE} (bytes)")
-    m.add_argument("--tie-embeddings", action="store_true", default=None)
+    m.add_argument(
+        "--vocab-size",
+        type=int,
+        help=f"at least {VOCAB_SIZE} (bytes) (default: the preset's: {_per_preset('vocab_size')})",
+    )
+    m.add_argument(
+        "--tie-embeddings",
+        action="store_true",
+        default=None,
+        help=f"the output head shares the token embedding's weight (default: the preset's: {_per_preset('tie_embeddings')})",
+    )
     p.add_argument(
         "--quiet", action="store_true", help="no progress bar or messages (warnings and errors still go to stderr)"
     )
@@ -234,6 +278,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--fault", default=None, help=argparse.SUPPRESS
     )  # tests: RANK:KILL|STOP|TERM|SEGV:STEP, a rank signals itself; RANK:EXITHANG:0, its teardown blocks
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.tp_size is None and args.parallel == "tp":
         args.tp_size = 2

@@ -9,8 +9,9 @@ import csv
 import math
 import os
 import sys
+import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 from checkpointing import CKPT_DIR, write_json
@@ -34,6 +35,54 @@ def _rss_bytes() -> int:
 
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return rss if sys.platform == "darwin" else rss * 1024
+
+
+class ProgressBar:
+    """The progress bar of the steps (rank 0; nothing when not `enabled`), on `file` (stderr).
+
+    On a terminal it is tqdm's bar, redrawn in place below the messages tqdm.write prints.
+    In a file (a log) a redraw cannot erase the bar it replaces: every message after a step
+    would leave another copy of the bar behind it, and closing one more, each with another
+    rate (tqdm's smoothed one, then the one over all steps). So in a file the bar is written
+    once, as a line of its own, when it closes, with the rate over all steps."""
+
+    def __init__(self, total: int, initial: int, enabled: bool, file: TextIO | None = None) -> None:
+        from tqdm.auto import tqdm
+
+        self.file = sys.stderr if file is None else file
+        self.total, self.initial, self.n, self.postfix = total, initial, initial, ""
+        self._start = time.perf_counter()
+        self._open = enabled
+        live = enabled and getattr(self.file, "isatty", lambda: False)()
+        self._bar = (
+            tqdm(total=total, initial=initial, file=self.file, unit="step", dynamic_ncols=True, leave=True)
+            if live
+            else None
+        )
+
+    def update(self, postfix: str) -> None:
+        """One more step done; `postfix` (its loss, throughput, memory) is shown after the rate."""
+        self.n += 1
+        self.postfix = postfix
+        if self._bar is not None:
+            self._bar.set_postfix_str(postfix, refresh=False)
+            self._bar.update(1)
+
+    def close(self) -> None:
+        if not self._open:
+            return
+        self._open = False
+        if self._bar is not None:
+            self._bar.close()
+            return
+        from tqdm import tqdm
+
+        elapsed = time.perf_counter() - self._start
+        # ascii: a log's encoding may not have tqdm's block characters
+        line = tqdm.format_meter(
+            self.n, self.total, elapsed, ascii=True, unit="step", postfix=self.postfix or None, initial=self.initial
+        )
+        print(line, file=self.file, flush=True)
 
 
 FIELDS = ["step", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "mem_gib", "time_s"]

@@ -72,7 +72,7 @@ from model import ModelConfig, Transformer, count_parameters  # noqa: E402
 from options import FAULT, cuda_graph_mode, model_config, parse_args  # noqa: E402
 from parallel import UsageError, build_mesh  # noqa: E402
 from pipeline import build_parallel_model, build_pp_mesh  # noqa: E402
-from reporting import MetricsLog, memory_string, print_summary, steady_throughput, write_plot  # noqa: E402
+from reporting import MetricsLog, ProgressBar, memory_string, print_summary, steady_throughput, write_plot  # noqa: E402
 from runs import Run, identity, identity_differences, mismatch_message, open_run  # noqa: E402
 from schedule import build_optimizer, evaluate, lr_at, world_mean  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
@@ -190,8 +190,6 @@ class Job:
 
 
 def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> dict[str, Any]:
-    from tqdm.auto import tqdm
-
     run, cfg, seq_len, device, mesh, dp_rank, dp_size = (
         job.run,
         job.cfg,
@@ -285,7 +283,7 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
     )
     # Two eager steps (lazy init, compilation, NCCL set-up), then captured once and replayed.
     run_step: TrainStep = graphed_step(train_step, warmup=2) if graphs else train_step
-    bar = tqdm(total=args.steps, initial=start_step, disable=not verbose, unit="step", dynamic_ncols=True, leave=True)
+    bar = ProgressBar(args.steps, start_step, verbose)
     train_time, train_tokens = 0.0, 0
     first_step_done: float | None = None  # seconds from the start to the end of this process's first step
     busy_steps: set[int] = set()  # steps that ran an evaluation or saved a checkpoint
@@ -353,13 +351,11 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
             metrics.append(record)
             if evaluating or saving:
                 metrics.write_json(history)
-        bar.set_postfix_str(
+        bar.update(
             f"loss {train_loss:.3f}"
             + (f" val {last_val:.3f}" if last_val is not None else "")
-            + f" | {tokens_per_step / dt:,.0f} tok/s | {mem}",
-            refresh=False,
+            + f" | {tokens_per_step / dt:,.0f} tok/s | {mem}"
         )
-        bar.update(1)
         if saving:
             watchdog.progress(step, "checkpoint save")
             trainer_state = {

@@ -8,6 +8,8 @@ through a torchft Manager, on CPU (gloo, torchft's ProcessGroupGloo, a lighthous
   world, bit for bit, at every step.
 - The user's mistakes: no lighthouse reachable, a model without a replicate dimension, a group of
   another size.
+- The two private APIs the integration reads (torchft's `Manager._quorum_id`, torch's
+  `_get_default_store`) are there, and their loss would be one line naming the version.
 - The main job (`train.py --fault-tolerant`): two launches train as one plain HSDP launch, with a
   lighthouse started apart or one that group 0 starts (`--lighthouse start:PORT`); its flags that
   do not fit and a lighthouse port in use are one line.
@@ -404,6 +406,71 @@ def test_wrong_arguments_are_one_line() -> None:
         fault_tolerant(model, _optimizer(model), manager)
         with pytest.raises(ValueError, match=r"^fault_tolerant: 'manager' already serves a model's state \(fault"):
             fault_tolerant(model, _optimizer(model), manager)
+
+
+# ----------------------------------------------------------------------------- the private APIs read
+
+
+def _private_apis(rank: int, world_size: int, lighthouse: str) -> tuple[int, int, tuple[str, int] | None, bool]:
+    """A real Manager built by `create_manager` on a world whose store the harness made and
+    passed to `init_process_group`: its quorum id before and after one quorum, the group store
+    found, and whether it is the default group's."""
+    from composable.integrations.torchft import _group_store, _quorum_id, create_manager
+
+    address = _group_store()
+    manager = create_manager(replica_id="group_0", lighthouse=lighthouse, connect_timeout=timedelta(seconds=10))
+    try:
+        before = _quorum_id(manager)
+        manager.start_quorum()
+        manager.wait_quorum()
+        after = _quorum_id(manager)
+    finally:
+        manager.shutdown(wait=False)
+    store = dist.distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return before, after, address, isinstance(store, dist.TCPStore) and address == (store.host, store.port)
+
+
+def test_private_apis_read_are_there(lighthouse: str) -> None:
+    """torchft's `Manager._quorum_id` and torch's `_get_default_store`, the two private APIs the
+    integration reads (each in one helper), still exist and mean what it takes them to: the id
+    is torchft's "no quorum yet" before the first quorum and another after it (the same on every
+    rank of the group), and the store is the default group's TCPStore. A torchft without
+    `_quorum_id` fails here with the helper's one-line error naming its version."""
+    results = run_on_ranks(_private_apis, 2, lighthouse, fresh=True)
+    for before, after, address, is_default in results:
+        assert before == -1
+        assert isinstance(after, int) and after != before
+        assert address is not None and is_default
+    assert results[0][1] == results[1][1]
+
+
+def test_private_apis_gone_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Were torchft's Manager to lose `_quorum_id`, or torch its `_get_default_store`, the helper
+    raises one line naming the installed version, the private name, and what to do."""
+    import importlib.metadata
+
+    from torchft.manager import Manager
+
+    from composable.integrations.torchft import _default_store, _quorum_id
+
+    manager = Manager.__new__(Manager)  # not initialized: no `_quorum_id`, as if torchft dropped it
+    version = importlib.metadata.version("torchft")
+    with pytest.raises(RuntimeError) as e:
+        _quorum_id(manager)
+    assert str(e.value) == (
+        f"fault_tolerant: torchft {version}'s Manager has no '_quorum_id', the private attribute composable "
+        "reads to tell a new quorum (torchft 0.2.0 has it); install torchft 0.2.0"
+    )
+    monkeypatch.delattr(dist.distributed_c10d, "_get_default_store")
+    with pytest.raises(RuntimeError) as e:
+        _default_store()
+    assert str(e.value) == (
+        f"create_manager: torch {torch.__version__} has no torch.distributed.distributed_c10d._get_default_store, "
+        "the private function composable reads the group's store with; pass store_addr= and store_port= "
+        "(the group's TCPStore)"
+    )
 
 
 # ----------------------------------------------------------------------------- the main job's --fault-tolerant

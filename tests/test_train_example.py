@@ -9,9 +9,11 @@ very small model (a fraction of a second per run); one test runs the real comman
 from __future__ import annotations
 
 import atexit
+import io
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -186,6 +188,42 @@ def test_steady_throughput_skips_warm_up_busy_steps_and_checkpointed_history() -
     # Nothing after the warm-up: no figure, rather than the warm-up's.
     got = reporting.steady_throughput([{"step": s, "time_s": 1.0} for s in (1, 2)], 1, 10, set())
     assert got["tokens_per_s"] is None and got["steps"]["counted"] == 0
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_in_a_log_is_written_once_when_it_closes() -> None:
+    from tqdm import tqdm
+
+    # A resumed run (steps 3-5 of 5) whose last step evaluates and saves a checkpoint: its
+    # messages and its bar share one file, as `train.py > log.txt 2>&1` does.
+    log = io.StringIO()
+    bar = reporting.ProgressBar(5, 2, enabled=True, file=log)
+    for step in (3, 4, 5):
+        bar.update(f"loss {step}")
+    tqdm.write("step     5: train loss 5  val loss 5", file=log)
+    tqdm.write("step     5: checkpoint ckpt/step_0000005", file=log)
+    bar.close()
+    bar.close()
+    lines = log.getvalue().split("\n")
+    assert lines[:2] == ["step     5: train loss 5  val loss 5", "step     5: checkpoint ckpt/step_0000005"], lines
+    assert re.fullmatch(r"100%\|#{10}\| 5/5 \[[^]]+(step/s|s/step), loss 5\]", lines[2]), lines
+    assert lines[3:] == [""] and "\r" not in log.getvalue(), lines
+
+    # On a terminal the bar is tqdm's, redrawn in place; with --quiet (not enabled) nothing.
+    terminal = _Terminal()
+    bar = reporting.ProgressBar(5, 2, enabled=True, file=terminal)
+    bar.update("loss 3")
+    bar.close()
+    assert "\r" in terminal.getvalue() and "3/5" in terminal.getvalue(), terminal.getvalue()
+    quiet = io.StringIO()
+    bar = reporting.ProgressBar(5, 2, enabled=False, file=quiet)
+    bar.update("loss 3")
+    bar.close()
+    assert quiet.getvalue() == ""
 
 
 @pytest.mark.parametrize(

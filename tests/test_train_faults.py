@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import io
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -265,6 +267,21 @@ def test_nonsense_flag_values_are_refused_with_one_line(
         options.parse_args(["--out", str(tmp_path), flag, value])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and flag in err and value.lstrip("./") in err, err
+
+
+def test_every_flag_has_help_that_states_its_default_once() -> None:
+    parser = options.build_parser()
+    # One line per flag: wide enough that no help wraps or starts on a line of its own.
+    parser.formatter_class = functools.partial(parser.formatter_class, width=100_000, max_help_position=100_000)
+    lines = [line.strip() for line in parser.format_help().splitlines() if line.startswith("  -")]
+    assert len(lines) > 40, lines
+    for line in lines:
+        invocation, _, text = line.partition("  ")  # an invocation has single spaces only
+        text = text.strip()
+        assert text, f"{invocation} has no help"
+        assert len(re.findall(r"\(default:", text)) <= 1 and "(default: None)" not in text, line
+        # An alias (--activation-checkpointing is --ac full) has no default of its own.
+        assert "default" in text or invocation in ("-h, --help", "--activation-checkpointing"), line
 
 
 def test_a_batch_that_cannot_fit_in_memory_is_refused_before_training(tmp_path: Path) -> None:

@@ -36,6 +36,7 @@ The core package never imports torchft; this module imports it when `fault_toler
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import os
 import socket
 import time
@@ -56,6 +57,34 @@ __all__ = ["create_manager", "fault_tolerant", "FaultTolerantOptimizer"]
 
 _API = "fault_tolerant"
 _KEY = "composable"  # the name of this state in the Manager's state dict
+_TESTED_TORCHFT = "0.2.0"  # the torchft whose private Manager._quorum_id `_quorum_id` reads
+
+
+def _torchft_version() -> str:
+    try:
+        return importlib.metadata.version("torchft")
+    except importlib.metadata.PackageNotFoundError:  # imported from a source tree
+        return "(version unknown)"
+
+
+def _quorum_id(manager: Any) -> Any:
+    """The id of `manager`'s current quorum (torchft gives a new one whenever the membership
+    changes). Raises `RuntimeError` in one line naming the installed torchft when its Manager no
+    longer has it.
+
+    The one private torchft attribute composable reads: torchft 0.2.0's Manager keeps the id in
+    `_quorum_id` and offers no public accessor nor a callback on a new quorum. Its public
+    `num_participants()` and `participating_rank()` stay the same when a group is replaced by one
+    of another size, and checking the sizes every step instead would add two collectives to
+    each. A public quorum id (or reconfiguration callback) on the Manager would replace this."""
+    try:
+        return manager._quorum_id
+    except AttributeError:
+        raise RuntimeError(
+            f"{_API}: torchft {_torchft_version()}'s Manager has no '_quorum_id', the private attribute "
+            f"composable reads to tell a new quorum (torchft {_TESTED_TORCHFT} has it); install torchft "
+            f"{_TESTED_TORCHFT}"
+        ) from None
 
 
 def _import_torchft() -> Any:
@@ -144,9 +173,9 @@ class FaultTolerantOptimizer:
     def _all_reduce(self, grads: torch.Tensor) -> None:
         manager = self.manager
         manager.wait_quorum()
-        # torchft names no public attribute for the quorum; its id changes with the membership,
-        # the only time a group of another size can appear.
-        quorum = manager._quorum_id
+        # The quorum's id changes with its membership, the only time a group of another size
+        # can appear: the sizes are checked once per quorum, not every step.
+        quorum = _quorum_id(manager)
         if quorum != self._checked_quorum and self._check_group_sizes(grads.device):
             self._checked_quorum = quorum
         # The Manager averages over the groups in the quorum (a recovering group contributes
@@ -303,12 +332,30 @@ def _reachable(address: str, timeout: timedelta) -> str | None:
         pause = min(2 * pause, 1.0)
 
 
+def _default_store() -> dist.Store:
+    """The store the default process group was initialized with. Raises `RuntimeError` in one
+    line naming the installed torch when torch no longer has the accessor.
+
+    The one private torch function composable's torchft integration calls: torch.distributed's
+    public store API makes stores (`TCPStore`, `rendezvous`) but does not return the one
+    `init_process_group` took, which a caller may have made itself at an address that no
+    environment variable names. A public accessor of the default group's store would replace
+    this; until then `create_manager(store_addr=..., store_port=...)` does without it."""
+    get = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if get is None:
+        raise RuntimeError(
+            f"create_manager: torch {torch.__version__} has no torch.distributed.distributed_c10d._get_default_store, "
+            "the private function composable reads the group's store with; pass store_addr= and store_port= "
+            "(the group's TCPStore)"
+        )
+    return cast(dist.Store, get())
+
+
 def _group_store() -> tuple[str, int] | None:
     """The host and port of the group's own TCPStore (the default process group's: torchrun's
     at MASTER_ADDR:MASTER_PORT, or one the caller made), or None (the Manager then reads
     MASTER_ADDR and MASTER_PORT)."""
-    # torch names no public accessor for the default group's store.
-    store = dist.distributed_c10d._get_default_store()
+    store = _default_store()
     while isinstance(store, dist.PrefixStore):
         store = store.underlying_store
     return (store.host, store.port) if isinstance(store, dist.TCPStore) else None

@@ -2,7 +2,8 @@
 (`composable.integrations.torchtitan`); every flag is torchtitan's.
 
 torchtitan 0.3: every model's own parallelize code shards with `composable.fully_shard`
-(`use_composable()`); pick the SPMD backend "partial_dtensor" or "full_dtensor":
+(`use_composable()`), under each of torchtitan's SPMD backends (`--parallelism.spmd_backend`):
+"spmd_types" (torchtitan's default), "partial_dtensor" or "full_dtensor":
 
     torchrun --nproc-per-node 2 examples/integrations/torchtitan_train.py \\
         --module llama3 --config llama3_debugmodel --parallelism.spmd_backend full_dtensor
