@@ -25,7 +25,7 @@ from ..grads.buckets import BucketedReducer
 from ..grads.reduce import GradReducer, GroupDtypes, ReduceSpec
 from ..meshes.layout import DataParallelLayout
 from ..params.claim import mark_replaced
-from ..params.optim_state import steps_begun, track_for_optimizers
+from ..params.optim_state import track_for_optimizers
 from ..params.param import ManagedParam, is_freed, raise_still_on_meta
 from ..unshard import extension, extension_batch
 from ..unshard.gather import PendingGather, free_storages, gathers_directly, start_gather
@@ -254,10 +254,9 @@ class ParamGroup:
         self._kept_versions = self._shard_versions()
 
     def _shard_versions(self) -> tuple[int, ...]:
-        """What changes whenever the sharded parameters may have: the optimizer steps begun and
-        the version counters (see `optim_state.steps_begun`)."""
-        versions = (mp.sharded_param._version for mp in self.params)  # type: ignore[union-attr]
-        return (steps_begun(), self.flat_shard._version, *versions)
+        """Version counters that change whenever the sharded parameters do (an optimizer's step
+        bumps them even where its kernels do not: optim_state.py)."""
+        return (self.flat_shard._version, *(mp.sharded_param._version for mp in self.params))  # type: ignore[union-attr]
 
     def reshard_to(self, size: int) -> None:
         """End of forward with `reshard_after_forward=size`: keep only this rank's 1/`size` of

@@ -24,6 +24,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch.autograd.graph import increment_version
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -44,8 +45,6 @@ _hooked: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # state-d
 # The counters' specs, held by the counters alone: a cache that held them would hold their meshes,
 # and through them the meshes' process groups (threads, sockets) for the life of the process.
 _specs: "weakref.WeakValueDictionary[tuple[int, torch.dtype], DTensorSpec]" = weakref.WeakValueDictionary()
-# Optimizer steps begun in this process, by any torch.optim optimizer (see `steps_begun`).
-_steps_begun = 0
 # Per optimizer: its parameter groups' shape when last checked for replaced parameters.
 _checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, ...]]" = weakref.WeakKeyDictionary()
 
@@ -75,20 +74,14 @@ def track_for_optimizers(param: torch.Tensor) -> None:
     install_step_hook()
 
 
-def steps_begun() -> int:
-    """How many optimizer steps (any `torch.optim.Optimizer`'s, eager) have begun in this process
-    since the engine first managed a parameter. Copies of the sharded parameters kept across
-    passes (unsharded ones kept after backward, an offloaded group's device copy) compare it
-    besides the parameters' version counters, which fused optimizers (`AdamW(fused=True)`:
-    `torch._fused_adamw_`) do not bump when they write the parameters in place."""
-    return _steps_begun
-
-
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if torch.compiler.is_compiling():
         return  # a compiled step traces its own graph (its writes bump the versions); the checks are eager-mode ones
-    global _steps_begun
-    _steps_begun += 1
+    # Fused optimizers (`AdamW(fused=True)`: `torch._fused_adamw_`) write the parameters in place
+    # without bumping their version counters, and copies of the sharded parameters kept across
+    # passes (unsharded ones kept after backward, an offloaded group's device copy) are
+    # refreshed when those versions change: bump them for every optimizer (a second bump is harmless).
+    increment_version([p for group in optimizer.param_groups for p in group["params"]])
     check_no_replaced_params(optimizer)
     _check_whole_matrix_optimizer(optimizer)
     _counters_on_mesh(optimizer, args, kwargs)
