@@ -87,6 +87,13 @@ def mp_policy_for(name: str) -> MixedPrecisionPolicy:
     )
 
 
+def offload_policy_for(args: argparse.Namespace) -> OffloadPolicy:
+    """The offload policy of `--cpu-offload [host|compute-shard-on-device]` (none without it)."""
+    if not args.cpu_offload:
+        return OffloadPolicy()
+    return CPUOffloadPolicy(compute_shard_on_device=args.cpu_offload == "compute-shard-on-device")
+
+
 def sharding_units(model: Transformer) -> list[nn.Module]:
     """The modules `fully_shard` is applied to, bottom-up, the root last: the embeddings and
     the head each on their own (as torchtitan does, and benchmark.py's `--wrap separate-ends`:
@@ -260,7 +267,7 @@ def parallelize(model: Transformer, args: argparse.Namespace, mesh: DeviceMesh, 
     if args.parallel == "replicate":
         replicate(model, mesh=dp_mesh, mp_policy=mp_policy)
         return
-    offload = CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()
+    offload = offload_policy_for(args)
     if model.cfg.n_experts:
         if args.parallel != "fsdp":
             raise UsageError(f"--moe runs with --parallel fsdp, got --parallel {args.parallel}")

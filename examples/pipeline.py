@@ -21,12 +21,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from model import Transformer, lm_loss
-from parallel import UsageError, checkpoint_blocks, mp_policy_for, parallelize, tp_plan
+from parallel import UsageError, checkpoint_blocks, mp_policy_for, offload_policy_for, parallelize, tp_plan
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.tensor.parallel import parallelize_module
 
-from composable import CPUOffloadPolicy, OffloadPolicy, fully_shard, replicate
+from composable import fully_shard, replicate
 from composable.integrations.pipelining import clip_grad_norm_, pipeline_stage
 
 # torch's schedules (those this torch ships) and how many stages each puts on a pipeline rank.
@@ -150,7 +150,7 @@ def parallelize_stage(stage: TransformerStage, args: argparse.Namespace, mesh: D
     if args.parallel == "replicate":
         replicate(stage, mesh=dp_mesh, mp_policy=mp_policy)
         return
-    offload = CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()
+    offload = offload_policy_for(args)
     ends = [m for m in (stage.tok_embeddings, stage.output) if m is not None]
     for module in [*ends, *blocks, stage]:
         fully_shard(module, mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=False)

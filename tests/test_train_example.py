@@ -234,6 +234,7 @@ def test_progress_bar_in_a_log_is_written_once_when_it_closes() -> None:
         ["--parallel", "hsdp", "--hsdp-shard-size", "2"],  # 1 replica x shard group of 2
         ["--activation-checkpointing"],
         ["--cpu-offload"],
+        ["--cpu-offload", "compute-shard-on-device"],
         ["--max-norm", "0.05"],  # clipping active on every step
     ],
     ids=lambda f: " ".join(f),
