@@ -15,6 +15,7 @@ from bench_build import (
     MODELS,
     OFFLOAD_RUNS,
     RUNS,
+    STATE_OFFLOAD_RUNS,
     WRAPS,
     hf_available,
 )
@@ -52,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help=f"comma list of {', '.join(ALL_RUNS)} (the *_graphed ones: the whole step in a CUDA graph; the *_offload "
         "ones: CPUOffloadPolicy, the shards, gradients and optimizer step on the host; *_offload_on_device: the bf16 "
-        "shards kept on the GPU too); "
+        "shards kept on the GPU too; *_state_offload: only the optimizer state on the host, stepped on the GPU); "
         f"default {','.join(RUNS)}, on a 2D --mesh {','.join(MESH_DEFAULT_RUNS)}",
     )
     p.add_argument(
@@ -148,7 +149,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"--warmup must be >= 2 with --runs {graphed[0]} (graphed_step's eager warm-up, then the capture, "
             f"so that every timed step is a replay), got {args.warmup}"
         )
-    offloaded = [run for run in args.runs.split(",") if run in OFFLOAD_RUNS]
+    offloaded = [run for run in args.runs.split(",") if run in OFFLOAD_RUNS + STATE_OFFLOAD_RUNS]
     if offloaded and (args.float8 or args.moe or args.model != "own" or args.optimizer != "adamw" or args.mesh != "dp"):
         p.error(
             f"--runs {offloaded[0]} runs with --model own, --mesh dp and --optimizer adamw, without --float8 or --moe "

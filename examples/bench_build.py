@@ -40,7 +40,10 @@ GRAPHED_RUNS = ("floor_graphed", "fully_shard_graphed", "replicate_graphed")
 # fully_shard_offload_on_device also keeps each group's bf16 shard on the GPU between steps
 # (`CPUOffloadPolicy(compute_shard_on_device=True)`).
 OFFLOAD_RUNS = ("fully_shard_offload", "fully_shard_offload_on_device", "fsdp2_offload")
-ALL_RUNS = RUNS + GRAPHED_RUNS + OFFLOAD_RUNS
+# fully_shard with only the optimizer state on the host, stepped on the GPU in buckets
+# (`composable.optim.offload_optimizer_state`, applied by benchmark.py).
+STATE_OFFLOAD_RUNS = ("fully_shard_state_offload",)
+ALL_RUNS = RUNS + GRAPHED_RUNS + OFFLOAD_RUNS + STATE_OFFLOAD_RUNS
 MODELS = ("own", "hf-llama")
 AC_MODES = ("none", "full", "selective")  # activation checkpointing of every block
 WRAPS = ("separate-ends", "blocks")  # how fully_shard/FSDP2 group the model: see `sharding_units`
@@ -150,7 +153,9 @@ def build(
         raise ValueError(f"build: run {run!r} does not run on --mesh {mesh.kind}; runs there: {allowed}")
     offload = run in OFFLOAD_RUNS
     on_device = run.endswith("_on_device")
-    run = run.removesuffix("_graphed").removesuffix("_on_device").removesuffix("_offload")
+    run = (
+        run.removesuffix("_graphed").removesuffix("_on_device").removesuffix("_state_offload").removesuffix("_offload")
+    )
     if model not in MODELS:
         raise ValueError(f"build: model must be one of {MODELS}, got {model!r}")
     if ac not in AC_MODES:

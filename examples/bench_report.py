@@ -33,6 +33,9 @@ RATIOS = (
     ("fully_shard_offload_on_device", "fsdp2_offload"),
     ("fully_shard_offload_on_device", "fully_shard"),
     ("fully_shard_offload_on_device", "fully_shard_offload"),
+    ("fully_shard_state_offload", "fsdp2_offload"),
+    ("fully_shard_state_offload", "fully_shard"),
+    ("fully_shard_state_offload", "fully_shard_offload"),
     ("fsdp2_offload", "fsdp2"),
 )
 

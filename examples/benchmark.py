@@ -56,6 +56,7 @@ from bench_args import model_config, parse_args, width_overrides  # noqa: F401 (
 from bench_build import (
     GRAPHED_RUNS,
     OFFLOAD_RUNS,
+    STATE_OFFLOAD_RUNS,
     Contender,
     build,
 )
@@ -70,6 +71,8 @@ from bench_report import report, write_trace
 from launch import host_threads_for_offload, init_torchrun_rank
 from model import get_config, lm_loss, model_flops_per_token  # noqa: F401 (get_config: the tests')
 from torch import nn
+
+from composable.optim import offload_optimizer_state
 
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0}
 
@@ -192,6 +195,7 @@ def time_run(
     )
     graphed = run in GRAPHED_RUNS
     opt = build_optimizer(c.model, args.optimizer, 1e-4, graphed)
+    state_offload = offload_optimizer_state(opt) if run in STATE_OFFLOAD_RUNS else None
     step_fn = make_step(c, opt, graphed, args.warmup)
     g = tokens_generator(mesh, device)  # the tp ranks of a group train on the same tokens
     tokens = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), device=device, generator=g)
@@ -229,8 +233,10 @@ def time_run(
         "host_rss_gib": _host_rss_bytes() / 2**30,
         "loss": float(loss),
     }
+    if state_offload is not None:
+        state_offload.close()
     teardown(c.model, opt)
-    del c, opt, loss, step_fn
+    del c, opt, loss, step_fn, state_offload
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

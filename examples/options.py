@@ -23,7 +23,7 @@ import torch
 from data import VOCAB_SIZE, ByteCorpus
 from model import PRESET_LR, PRESETS, ModelConfig, get_config
 from moe import NOT_CAPTURABLE as MOE_NOT_CAPTURABLE
-from parallel import MOE_EXPERTS, UsageError, async_tp_problem, tensor_parallel_in, tp_problem
+from parallel import MOE_EXPERTS, PARAMS_ON_HOST, UsageError, async_tp_problem, tensor_parallel_in, tp_problem
 from pipeline import SCHEDULES, validate_pp
 
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
@@ -90,12 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="?",
         const="host",
         default=None,
-        choices=["host", "compute-shard-on-device"],
-        help="CPUOffloadPolicy: the sharded fp32 params, their grads and the optimizer state on the CPU, the optimizer "
-        "step there. host (the value without one): between steps the GPU holds none of them, as FSDP2's; "
-        "compute-shard-on-device: the GPU also keeps each group's shard in the compute dtype, copied from the host "
-        "once a step instead of for each all-gather (faster where the GPU's work is short; 2 bytes a parameter "
-        "over the shard group) (default: no offload)",
+        choices=["host", "compute-shard-on-device", "optimizer-state"],
+        help="host (the value without one): CPUOffloadPolicy, the sharded fp32 params, their grads and the optimizer "
+        "state on the CPU and the optimizer step there, the GPU holding none of them between steps, as FSDP2's; "
+        "compute-shard-on-device: the same, and the GPU keeps each group's shard in the compute dtype, copied from "
+        "the host once a step instead of for each all-gather (2 bytes a parameter over the shard group); "
+        "optimizer-state: only the optimizer state on the host, streamed through the GPU to step there "
+        "(composable.optim.offload_optimizer_state) (default: no offload)",
     )
     p.add_argument(
         "--compile",
@@ -360,7 +361,9 @@ def validate(args: argparse.Namespace) -> str | None:
         return f"--tp-size {args.tp_size} needs --parallel tp or hsdp, got --parallel {args.parallel}"
     if args.parallel == "hsdp" and args.tp_size is not None and args.pp > 1:
         return f"--parallel hsdp --tp-size {args.tp_size} with --pp {args.pp}: pipeline stages take --parallel tp"
-    if args.cpu_offload and args.parallel == "replicate":
+    if args.cpu_offload == "optimizer-state" and args.optimizer == "muon":
+        return "--cpu-offload optimizer-state steps in buckets, and Muon's step communicates: pass --cpu-offload host"
+    if args.cpu_offload in PARAMS_ON_HOST and args.parallel == "replicate":
         return "--cpu-offload needs --parallel fsdp, hsdp or tp (replicate has no offload policy)"
     if args.cuda_graph == "on":
         if not torch.cuda.is_available():
@@ -412,6 +415,8 @@ def cuda_graph_unsupported(args: argparse.Namespace, device_type: str) -> str | 
         return f"CUDA graphs need a CUDA device, and this rank trains on the {device_type}"
     if args.parallel not in CUDA_GRAPH_PARALLEL:
         return f"--parallel {args.parallel} is not supported (only {', '.join(CUDA_GRAPH_PARALLEL)})"
+    if args.cpu_offload == "optimizer-state":
+        return "--cpu-offload optimizer-state streams the optimizer state through host memory, which a CUDA graph cannot hold"
     if args.cpu_offload:
         return "--cpu-offload steps the optimizer on the CPU, which a CUDA graph cannot hold"
     if args.parallel == "hsdp" and getattr(args, "tp_size", None) is not None:

@@ -87,9 +87,14 @@ def mp_policy_for(name: str) -> MixedPrecisionPolicy:
     )
 
 
+# The --cpu-offload values that keep the sharded parameters on the host (CPUOffloadPolicy); the
+# other one, optimizer-state, keeps them on the GPU and offloads only the optimizer's state.
+PARAMS_ON_HOST = ("host", "compute-shard-on-device")
+
+
 def offload_policy_for(args: argparse.Namespace) -> OffloadPolicy:
-    """The offload policy of `--cpu-offload [host|compute-shard-on-device]` (none without it)."""
-    if not args.cpu_offload:
+    """The offload policy of `--cpu-offload` (none without it, or for `optimizer-state`)."""
+    if args.cpu_offload not in PARAMS_ON_HOST:
         return OffloadPolicy()
     return CPUOffloadPolicy(compute_shard_on_device=args.cpu_offload == "compute-shard-on-device")
 

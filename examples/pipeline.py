@@ -21,7 +21,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from model import Transformer, lm_loss
-from parallel import UsageError, checkpoint_blocks, mp_policy_for, offload_policy_for, parallelize, tp_plan
+from parallel import (
+    PARAMS_ON_HOST,
+    UsageError,
+    checkpoint_blocks,
+    mp_policy_for,
+    offload_policy_for,
+    parallelize,
+    tp_plan,
+)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.tensor.parallel import parallelize_module
@@ -259,7 +267,7 @@ def build_parallel_model(
         parallelize(model, args, mesh, dp_mesh)
     if meta_init:
         for part in pipeline.stages if pipeline else [model]:
-            part.to_empty(device="cpu" if args.cpu_offload else device)
+            part.to_empty(device="cpu" if args.cpu_offload in PARAMS_ON_HOST else device)
         model.init_weights(buffer_device=device)
     if pipeline is None:
         return model, None

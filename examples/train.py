@@ -70,7 +70,7 @@ from launch import exit_process, host_threads_for_offload, run_rank, spawn_local
 from memory_check import check_memory, host_memory_bytes  # noqa: E402
 from model import ModelConfig, Transformer, count_parameters  # noqa: E402
 from options import FAULT, cuda_graph_mode, model_config, parse_args  # noqa: E402
-from parallel import UsageError, build_mesh  # noqa: E402
+from parallel import PARAMS_ON_HOST, UsageError, build_mesh  # noqa: E402
 from pipeline import build_parallel_model, build_pp_mesh  # noqa: E402
 from reporting import MetricsLog, ProgressBar, memory_string, print_summary, steady_throughput, write_plot  # noqa: E402
 from runs import Run, identity, identity_differences, mismatch_message, open_run  # noqa: E402
@@ -80,6 +80,7 @@ from train_step import TrainStep, build_graph_optimizer, checkpoint_ready, make_
 from watchdog import Watchdog  # noqa: E402
 
 from composable import ShardedGradScaler, graphed_step  # noqa: E402
+from composable.optim import offload_optimizer_state  # noqa: E402
 
 __all__ = ["checkpoint_dirs", "main", "parse_args", "train"]
 
@@ -205,8 +206,8 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
     # started alongside, build their models, and a port in use fails before any work.
     lighthouse = serve_lighthouse(args, stack) if args.fault_tolerant else None
     graphs, graphs_why = cuda_graph_mode(args, device.type)  # before the model: `on` may be refused
-    if args.cpu_offload and device.type == "cuda":
-        host_threads_for_offload()
+    if args.cpu_offload in PARAMS_ON_HOST and device.type == "cuda":
+        host_threads_for_offload()  # the optimizer steps on the host
     # Same seed on every rank: identical initial weights before sharding. On a GPU the model
     # is built on the meta device and materialised shard by shard after parallelize (a 1B
     # model never exists unsharded); on the CPU it is built whole, so the initial weights do
@@ -220,6 +221,8 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
     # Fused AdamW: the TP recipe's optimizer, and an offloaded run's host step (6x the unfused one's speed).
     fused = (args.parallel == "tp" or bool(args.cpu_offload)) and device.type == "cuda"
     optimizer = build_graph_optimizer(model, args, device) if graphs else build_optimizer(model, args, fused)
+    if args.cpu_offload == "optimizer-state":  # its state on the host between steps, stepped on the GPU
+        offload_optimizer_state(optimizer)
     scaler = ShardedGradScaler(enabled=args.mp == "fp16")
 
     corpus = ByteCorpus.load()

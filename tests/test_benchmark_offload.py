@@ -22,7 +22,7 @@ import bench_args  # noqa: E402
 import bench_build  # noqa: E402
 import benchmark  # noqa: E402
 
-RUNS = "fully_shard,fully_shard_offload,fully_shard_offload_on_device,fsdp2_offload"
+RUNS = "fully_shard,fully_shard_offload,fully_shard_offload_on_device,fully_shard_state_offload,fsdp2_offload"
 
 
 def _smoke(rank: int, world_size: int, out: str) -> dict:
@@ -41,15 +41,16 @@ def test_offload_contenders_train_as_without_offload_and_are_reported(
     results = run_on_ranks(_smoke, 2, str(out), timeout=300)
     for res in results:
         (plain, _), (ours, host), (theirs, _) = res["fully_shard"], res["fully_shard_offload"], res["fsdp2_offload"]
-        on_device, _ = res["fully_shard_offload_on_device"]
+        on_device, state_offload = res["fully_shard_offload_on_device"][0], res["fully_shard_state_offload"][0]
         assert math.isfinite(plain) and 4.0 < plain < 7.0, res
-        assert ours == on_device == plain == theirs, res  # offload moves the state, not the math
+        assert ours == on_device == state_offload == plain == theirs, res  # offload moves the state, not the math
         assert host > 0
     ratios = json.loads(out.read_text())["ratios"]
     assert {
         "fully_shard_offload/fsdp2_offload",
         "fully_shard_offload/fully_shard",
         "fully_shard_offload_on_device/fully_shard_offload",
+        "fully_shard_state_offload/fully_shard",
     } <= set(ratios)
 
 
@@ -58,7 +59,7 @@ def _shard_devices(rank: int, world_size: int) -> dict:
     GPU here): where its shards live."""
     cfg = bench_args.model_config(benchmark.parse_args(smoke_argv()))
     devices = {}
-    for run in ("fully_shard", *bench_build.OFFLOAD_RUNS):
+    for run in ("fully_shard", *bench_build.OFFLOAD_RUNS, *bench_build.STATE_OFFLOAD_RUNS):
         contender = bench_build.build(run, cfg, torch.device("meta"), "separate-ends", "own")
         devices[run] = sorted({p.to_local().device.type for p in contender.model.parameters()})
     return devices
@@ -66,10 +67,10 @@ def _shard_devices(rank: int, world_size: int) -> dict:
 
 def test_offload_shards_live_on_the_host() -> None:
     """Materialised on the host (to_empty on the CPU), as the offload policies keep them; the
-    contender without offload on its compute device."""
+    contenders without them (only the optimizer state on the host) on their compute device."""
     got = run_on_ranks(_shard_devices, 2)[0]
     offloaded = {run: ["cpu"] for run in bench_build.OFFLOAD_RUNS}
-    assert got == {"fully_shard": ["meta"], **offloaded}, got
+    assert got == {"fully_shard": ["meta"], "fully_shard_state_offload": ["meta"], **offloaded}, got
 
 
 @pytest.mark.parametrize(

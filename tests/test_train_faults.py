@@ -269,6 +269,28 @@ def test_nonsense_flag_values_are_refused_with_one_line(
     assert e.value.code == 2 and err.count("\n") == 1 and flag in err and value.lstrip("./") in err, err
 
 
+@pytest.mark.parametrize(
+    ("flags", "line"),
+    [
+        (
+            ["--cpu-offload", "--parallel", "replicate"],
+            "--cpu-offload needs --parallel fsdp, hsdp or tp (replicate has no offload policy)",
+        ),
+        (
+            ["--cpu-offload", "optimizer-state", "--optimizer", "muon"],
+            "--cpu-offload optimizer-state steps in buckets, and Muon's step communicates: pass --cpu-offload host",
+        ),
+    ],
+)
+def test_offload_combinations_refused_with_one_line(
+    flags: list[str], line: str, capsys: pytest.CaptureFixture, tmp_path: Path
+) -> None:
+    with pytest.raises(SystemExit):
+        options.parse_args(["--out", str(tmp_path), *flags])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.rstrip().endswith(line), err
+
+
 def test_every_flag_has_help_that_states_its_default_once() -> None:
     parser = options.build_parser()
     # One line per flag: wide enough that no help wraps or starts on a line of its own.

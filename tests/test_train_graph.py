@@ -82,6 +82,10 @@ def test_main_on_without_cuda_fails_before_spawning(
             "--pp: a pipeline schedule's step (its sends and receives) is not captured",
         ),
         (["--cpu-offload"], "--cpu-offload steps the optimizer on the CPU, which a CUDA graph cannot hold"),
+        (
+            ["--cpu-offload", "optimizer-state"],
+            "--cpu-offload optimizer-state streams the optimizer state through host memory, which a CUDA graph cannot hold",
+        ),
     ],
 )
 def test_on_with_an_unsupported_option_is_refused_with_cuda(

@@ -1,0 +1,287 @@
+"""`offload_optimizer_state`: an optimizer's state in host memory, streamed through the GPU to step.
+
+Adam's two moments are 8 of the 16 bytes a parameter costs a GPU under mixed precision with fp32
+master weights. `CPUOffloadPolicy` moves them to the host with the parameters and their
+gradients, and then the host's cores run the step: a few hundred milliseconds for a billion
+parameters, which the GPUs wait for. Here only the optimizer state leaves the GPU: the parameters
+and gradients stay, and the step runs on the GPU, in buckets of parameters whose state is copied
+in from the host, stepped by the optimizer itself, and copied back out. The next bucket's copy in
+runs beside this bucket's step and the last bucket's copy out, on two side streams, so the step
+costs about the time the state takes to cross the link once each way, not the host's arithmetic.
+
+The math is the optimizer's own on the GPU: each bucket is stepped by a shallow copy of the user's
+optimizer that shares its state and holds only that bucket's parameters, with the hyperparameters
+of their groups. Optimizers that step each parameter on its own (SGD, Adam, AdamW, fused, foreach
+or neither) give bit for bit what one `optimizer.step()` over every parameter gives.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .._engine.params.wrappers import new_dtensor
+from .muon import Muon
+
+_API = "composable.optim.offload_optimizer_state"
+_OFFLOAD_ATTR = "_composable_state_offload"  # on the optimizer: its OptimizerStateOffload
+
+
+def offload_optimizer_state(
+    optimizer: torch.optim.Optimizer, bucket_bytes: int = 256 * 2**20
+) -> "OptimizerStateOffload":
+    """Keep `optimizer`'s state in host memory between steps and step on the parameters' device.
+
+    Every state tensor shaped like its parameter (AdamW's `exp_avg` and `exp_avg_sq`, SGD's
+    `momentum_buffer`) lives in host memory, pinned where CUDA is, once `optimizer.step()` has
+    made it; scalars (step counters) stay where the optimizer keeps them. The parameters and
+    their gradients stay where they are: on the GPU, sharded or not (`fully_shard`,
+    `replicate` or none). `optimizer.step()` then steps the parameters in buckets of about
+    `bucket_bytes` of state, in the order of `optimizer.param_groups`: each bucket's state is
+    copied to the device (the next bucket's copy beside this bucket's step), stepped there by
+    `optimizer`'s own kernels, and copied back to the same host memory. The training loop is
+    unchanged, and so is every number it computes, for optimizers that step each parameter on
+    its own (SGD, Adam, AdamW, fused, foreach or neither).
+
+    `optimizer.state_dict()` holds the host tensors (DTensors sharded as their parameters for
+    sharded parameters: DCP saves and loads them as any optimizer state), after the last step's
+    copies are done; state that `load_state_dict` puts on the device goes to the host after the
+    next step. Parameters on the CPU are stepped as they are. A closure is refused. Call this
+    before making an LR scheduler: both replace `optimizer.step`.
+
+    Returns the `OptimizerStateOffload` (`wait()`: the copies to the host done; `close()`:
+    the state back on the parameters' devices and the plain step).
+
+    Raises:
+        TypeError: `optimizer` is not a `torch.optim.Optimizer`, or `bucket_bytes` not an int.
+        ValueError: `bucket_bytes` < 1, `optimizer` is a `composable.optim.Muon` (its step
+            communicates), or `optimizer`'s state is already offloaded.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"{_API}: 'optimizer' must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int):
+        raise TypeError(
+            f"{_API}: 'bucket_bytes' must be an int, got {type(bucket_bytes).__name__}: {bucket_bytes!r:.60}"
+        )
+    if bucket_bytes < 1:
+        raise ValueError(f"{_API}: 'bucket_bytes' must be >= 1, got {bucket_bytes}")
+    if isinstance(optimizer, Muon):
+        raise ValueError(
+            f"{_API}: composable.optim.Muon's step sends whole matrices between ranks, which per-bucket steps would "
+            "split differently on each rank; offload the parameters instead (CPUOffloadPolicy)"
+        )
+    if _OFFLOAD_ATTR in optimizer.__dict__:
+        raise ValueError(f"{_API}: 'optimizer' already has its state offloaded; call close() on the first one")
+    return OptimizerStateOffload(optimizer, bucket_bytes)
+
+
+class OptimizerStateOffload:
+    """An optimizer whose state lives on the host between steps (`offload_optimizer_state`)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, bucket_bytes: int) -> None:
+        self.optimizer = optimizer
+        self.bucket_bytes = bucket_bytes
+        # Shares `state` and `defaults`; its param_groups are set per bucket. Its own (empty)
+        # hook dicts: the user's hooks on `optimizer` run once per step, not once per bucket.
+        self._shadow = copy.copy(optimizer)
+        self._shadow.__dict__.pop("step", None)  # an LR scheduler's wrapper of the user's step: the class's
+        self._shadow._optimizer_step_pre_hooks = collections.OrderedDict()
+        self._shadow._optimizer_step_post_hooks = collections.OrderedDict()
+        # id(param) -> {state key: host tensor}: the host memory each state tensor lives in.
+        self._host: dict[int, dict[str, torch.Tensor]] = {}
+        self._out_done: torch.cuda.Event | None = None  # the last step's copies to the host
+        self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None  # (in, out)
+        self._own_step = optimizer.__dict__.get("step")  # an instance's own step (a scheduler's wrapper), if any
+        setattr(optimizer, _OFFLOAD_ATTR, self)
+        # Bound to the optimizer, as `step` is: an LR scheduler re-binds `optimizer.step.__func__`.
+        optimizer.step = types.MethodType(_offloaded_step, optimizer)  # type: ignore[method-assign]
+        self._hooks = [
+            optimizer.register_state_dict_pre_hook(lambda *_: self.wait()),
+            optimizer.register_load_state_dict_pre_hook(lambda *_: self._forget_host()),
+        ]
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self, closure: Callable[[], Any] | None = None) -> None:
+        """`optimizer.step`: the user's pre-hooks, the buckets, the user's post-hooks."""
+        if closure is not None:
+            raise ValueError(f"{_API}: optimizer.step(closure) is not supported: the state streams through in buckets")
+        opt = self.optimizer
+        for pre_hook in opt._optimizer_step_pre_hooks.values():
+            result = pre_hook(opt, (), {})
+            if result is not None:
+                raise RuntimeError(
+                    f"{_API}: an optimizer step pre-hook that changes the step's arguments is not supported"
+                )
+        buckets = self._buckets()
+        streams = self._streams_for(buckets)
+        incoming = self._copy_in(buckets[0], streams) if buckets else None
+        for i, bucket in enumerate(buckets):
+            if incoming is not None:
+                torch.cuda.current_stream().wait_event(incoming)
+            # The next bucket's state crosses the link while this one steps.
+            following = self._copy_in(buckets[i + 1], streams) if i + 1 < len(buckets) else None
+            self._shadow.param_groups = bucket
+            self._shadow.step()
+            self._copy_out(bucket, streams)
+            incoming = following
+        for post_hook in opt._optimizer_step_post_hooks.values():
+            post_hook(opt, (), {})
+
+    def _buckets(self) -> list[list[dict[str, Any]]]:
+        """The parameters with gradients, in param-group order, as lists of param groups (each
+        with its group's hyperparameters) of about `bucket_bytes` of state each."""
+        buckets: list[list[dict[str, Any]]] = []
+        current: dict[int, list[torch.Tensor]] = {}
+        size = 0
+        groups = self.optimizer.param_groups
+        for index, group in enumerate(groups):
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                current.setdefault(index, []).append(p)
+                size += _state_bytes(self.optimizer.state.get(p), p)
+                if size >= self.bucket_bytes:
+                    buckets.append([dict(groups[g], params=ps) for g, ps in current.items()])
+                    current, size = {}, 0
+        if current:
+            buckets.append([dict(groups[g], params=ps) for g, ps in current.items()])
+        return buckets
+
+    def _streams_for(self, buckets: list[list[dict[str, Any]]]) -> tuple[torch.cuda.Stream, torch.cuda.Stream] | None:
+        """The side streams (copies in, copies out) when the parameters are on CUDA."""
+        first = next((p for bucket in buckets for group in bucket for p in group["params"]), None)
+        if first is None or _local(first).device.type != "cuda":
+            return None
+        if self._streams is None:
+            self._streams = (torch.cuda.Stream(), torch.cuda.Stream())
+        return self._streams
+
+    def _copy_in(
+        self, bucket: list[dict[str, Any]], streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None
+    ) -> torch.cuda.Event | None:
+        """Put the bucket's host state on the device (copied on the in-stream, after the last
+        copies out of that host memory); the event the step waits for (None off CUDA)."""
+        current = torch.cuda.current_stream() if streams is not None else None
+        if streams is not None:
+            assert current is not None
+            streams[0].wait_stream(current)  # the device buffers are allocated on the current stream
+            if self._out_done is not None:
+                streams[0].wait_event(self._out_done)  # the host memory holds the last step's values
+        for group in bucket:
+            for p in group["params"]:
+                hosts = self._host.get(id(p))
+                state = self.optimizer.state.get(p)
+                if not hosts or not state:
+                    continue
+                for key, host in hosts.items():
+                    if state.get(key) is not host:
+                        continue  # replaced (a load_state_dict): stepped where it is
+                    device_local = torch.empty_like(_local(host), device=_local(p).device)
+                    if streams is not None:
+                        with torch.cuda.stream(streams[0]):
+                            device_local.copy_(_local(host), non_blocking=True)
+                    else:
+                        device_local.copy_(_local(host))
+                    state[key] = _like(host, device_local)
+        if streams is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(streams[0])
+        return event
+
+    def _copy_out(
+        self, bucket: list[dict[str, Any]], streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None
+    ) -> None:
+        """Copy the bucket's stepped state to its host memory (made on first use) on the
+        out-stream, and point the optimizer's state at the host tensors."""
+        if streams is not None:
+            streams[1].wait_stream(torch.cuda.current_stream())
+        for group in bucket:
+            for p in group["params"]:
+                state = self.optimizer.state.get(p)
+                if not state:
+                    continue
+                hosts = self._host.setdefault(id(p), {})
+                for key, value in list(state.items()):
+                    if not _offloadable(value, p):
+                        continue
+                    device_local = _local(value)
+                    host = hosts.get(key)
+                    if (
+                        host is None
+                        or _local(host).shape != device_local.shape
+                        or _local(host).dtype != device_local.dtype
+                    ):
+                        fresh = torch.empty(
+                            device_local.shape, dtype=device_local.dtype, pin_memory=streams is not None
+                        )
+                        host = hosts[key] = _like(value, fresh)
+                    if streams is not None:
+                        with torch.cuda.stream(streams[1]):
+                            _local(host).copy_(device_local, non_blocking=True)
+                        device_local.record_stream(streams[1])  # freed once copied out, not before
+                    else:
+                        _local(host).copy_(device_local)
+                    state[key] = host
+        if streams is not None:
+            self._out_done = torch.cuda.Event()
+            self._out_done.record(streams[1])
+
+    # -- outside the step ----------------------------------------------------------------------
+    def wait(self) -> None:
+        """Wait for the last step's copies to the host (before reading the state on the host)."""
+        if self._out_done is not None:
+            self._out_done.synchronize()
+
+    def _forget_host(self) -> None:
+        """`load_state_dict` replaces the state: the host memory is made anew at the next step."""
+        self.wait()
+        self._host.clear()
+
+    def close(self) -> None:
+        """Put the state back on the parameters' devices and give `optimizer` its plain step."""
+        self.wait()
+        for p, state in self.optimizer.state.items():
+            hosts = self._host.get(id(p), {})
+            for key, host in hosts.items():
+                if state.get(key) is host:
+                    state[key] = _like(host, _local(host).to(_local(p).device))
+        self._host.clear()
+        for hook in self._hooks:
+            hook.remove()
+        if self._own_step is None:
+            del self.optimizer.__dict__["step"]  # the class's step again
+        else:
+            self.optimizer.step = self._own_step  # type: ignore[method-assign]
+        del self.optimizer.__dict__[_OFFLOAD_ATTR]
+
+
+def _offloaded_step(optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> None:
+    optimizer.__dict__[_OFFLOAD_ATTR].step(closure)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _like(template: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` as `template` is: wrapped in the same DTensor spec, or plain."""
+    return new_dtensor(local, template._spec) if isinstance(template, DTensor) else local
+
+
+def _offloadable(value: object, param: torch.Tensor) -> bool:
+    """State shaped like its parameter (moments, momentum buffers); not scalars (step counters)."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.shape
+
+
+def _state_bytes(state: dict[str, Any] | None, param: torch.Tensor) -> int:
+    """The bytes of `param`'s offloadable state; before the first step, two of it (Adam's)."""
+    if not state:
+        return 2 * _local(param).numel() * _local(param).element_size()
+    return sum(_local(v).numel() * _local(v).element_size() for v in state.values() if _offloadable(v, param))
