@@ -87,6 +87,29 @@ def test_single_process_equals_plain_step(kind: str) -> None:
     _train_side_by_side(models, opts, lambda step: batch_for(step, 1, 0), STEPS)
 
 
+def test_grad_scaler_scales_every_bucket() -> None:
+    """A GradScaler hands a fused optimizer its scale and inf flag for the step: every bucket
+    steps with them, as the plain step does (and skips the step after an overflow)."""
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in models]
+    offload_optimizer_state(opts[1], bucket_bytes=1)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**8) for _ in models]
+    for step in range(STEPS):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        if step == 2:
+            x[0, 0] = float("inf")  # an overflow: the step is skipped, the scale halved
+        for model, opt, scaler in zip(models, opts, scalers):
+            scaler.scale(model(x).square().sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        for p, q in zip(models[1].parameters(), models[0].parameters()):
+            _assert_same(p, q, f"step {step}")
+    assert scalers[1].get_scale() == scalers[0].get_scale() == 2.0**7
+
+
 def _sharded(rank: int, world_size: int, tmp: str) -> None:
     """fully_shard: the state is DTensors sharded as their parameters, on the host; a DCP
     checkpoint of it resumes bit for bit, into an offloaded optimizer or a plain one."""

@@ -31,6 +31,7 @@ from .muon import Muon
 
 _API = "composable.optim.offload_optimizer_state"
 _OFFLOAD_ATTR = "_composable_state_offload"  # on the optimizer: its OptimizerStateOffload
+_AMP_ATTRS = ("grad_scale", "found_inf")  # what torch.amp.GradScaler sets on a fused optimizer to step
 
 
 def offload_optimizer_state(
@@ -118,6 +119,12 @@ class OptimizerStateOffload:
                 raise RuntimeError(
                     f"{_API}: an optimizer step pre-hook that changes the step's arguments is not supported"
                 )
+        # A GradScaler hands a fused optimizer its scale and inf flag as attributes for one step.
+        for name in _AMP_ATTRS:
+            if hasattr(opt, name):
+                setattr(self._shadow, name, getattr(opt, name))
+            else:
+                self._shadow.__dict__.pop(name, None)
         buckets = self._buckets()
         streams = self._streams_for(buckets)
         incoming = self._copy_in(buckets[0], streams) if buckets else None
