@@ -260,7 +260,8 @@ def _host_copies(rank: int, world_size: int, strategy: ShardingStrategy) -> None
     """`compute_shard_on_device=True`: each group's shard is copied from the host once per
     step (not again for backward's all-gather), and not at all in a forward after no change; any
     in-place write to a parameter (here outside the optimizer) reaches the next forward."""
-    from composable._engine.groups.group import ParamGroup
+    from composable._engine.groups.group_set import members
+    from composable._engine.hooks.contract import param_states
 
     mesh = init_device_mesh("cpu", (world_size,))
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -269,49 +270,34 @@ def _host_copies(rank: int, world_size: int, strategy: ShardingStrategy) -> None
         torch.manual_seed(0)
         models.append(_wrap(TinyTransformer(), mesh=mesh, mp_policy=bf16, strategy=strategy, offload_policy=policy))
     plain, offloaded = models
-    copies: list[int] = []
-    plain_refill, plain_device_shard = ParamGroup._refill_replica, ParamGroup._device_compute_shard
+    groups = [g for state in param_states(offloaded) for g in members(state.group)]
+    assert len(groups) == len(offloaded.layers) + 1
 
-    def counted(method):  # type: ignore[no-untyped-def]
-        def wrapper(group, *args):  # type: ignore[no-untyped-def]
-            before = group._compute_shard_versions
-            out = method(group, *args)
-            if group.config.compute_shard_on_device:  # the offloaded model's groups
-                copies.append(int(group._compute_shard_versions != before or before is None))
-            return out
+    def copies() -> int:
+        return sum(g._device_copy.copies for g in groups)
 
-        return wrapper
-
-    ParamGroup._refill_replica = counted(plain_refill)  # type: ignore[method-assign]
-    ParamGroup._device_compute_shard = counted(plain_device_shard)  # type: ignore[method-assign]
-    try:
-        opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in models]
-        groups = len(offloaded.layers) + 1
-        for step in range(STEPS):
-            tokens = batch_for(step, world_size, rank)
-            copies.clear()
-            losses = []
-            for model, opt in zip(models, opts):
-                loss = lm_loss(model, tokens)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.detach())
-            assert torch.equal(losses[0], losses[1]), f"step {step} loss"
-            assert sum(copies) == groups, f"step {step}: {sum(copies)} copies from the host, {len(copies)} gathers"
-        with torch.no_grad():  # no step between two forwards: the second copies nothing
-            lm_loss(offloaded, batch_for(0, world_size, rank))
-            copies.clear()
-            lm_loss(offloaded, batch_for(0, world_size, rank))
-            assert sum(copies) == 0, copies
-            for model in models:  # an in-place write outside the optimizer
-                model.layers[0].qkv.weight.mul_(0.5)
-            copies.clear()
-            out = [lm_loss(model, batch_for(1, world_size, rank)) for model in models]
-            assert sum(copies) == 1 and torch.equal(out[0], out[1]), copies
-    finally:
-        ParamGroup._refill_replica = plain_refill  # type: ignore[method-assign]
-        ParamGroup._device_compute_shard = plain_device_shard  # type: ignore[method-assign]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in models]
+    for step in range(STEPS):
+        tokens = batch_for(step, world_size, rank)
+        before = copies()
+        losses = []
+        for model, opt in zip(models, opts):
+            loss = lm_loss(model, tokens)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        assert torch.equal(losses[0], losses[1]), f"step {step} loss"
+        assert copies() - before == len(groups), f"step {step}: {copies() - before} copies from the host"
+    with torch.no_grad():  # no step between two forwards: the second copies nothing
+        lm_loss(offloaded, batch_for(0, world_size, rank))
+        before = copies()
+        lm_loss(offloaded, batch_for(0, world_size, rank))
+        assert copies() == before
+        for model in models:  # an in-place write outside the optimizer
+            model.layers[0].qkv.weight.mul_(0.5)
+        out = [lm_loss(model, batch_for(1, world_size, rank)) for model in models]
+        assert copies() == before + 1 and torch.equal(out[0], out[1]), copies() - before
 
 
 @pytest.mark.parametrize("strategy", [ShardingStrategy.FULL_SHARD, ShardingStrategy.NO_SHARD], ids=lambda s: s.name)

@@ -415,7 +415,8 @@ def _private_apis(rank: int, world_size: int, lighthouse: str) -> tuple[int, int
     """A real Manager built by `create_manager` on a world whose store the harness made and
     passed to `init_process_group`: its quorum id before and after one quorum, the group store
     found, and whether it is the default group's."""
-    from composable.integrations.torchft import _group_store, _quorum_id, create_manager
+    from composable.integrations.torchft import _quorum_id, create_manager
+    from composable.integrations.torchft_manager import _group_store
 
     address = _group_store()
     manager = create_manager(replica_id="group_0", lighthouse=lighthouse, connect_timeout=timedelta(seconds=10))
@@ -453,7 +454,8 @@ def test_private_apis_gone_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
 
     from torchft.manager import Manager
 
-    from composable.integrations.torchft import _default_store, _quorum_id
+    from composable.integrations.torchft import _quorum_id
+    from composable.integrations.torchft_manager import _default_store
 
     manager = Manager.__new__(Manager)  # not initialized: no `_quorum_id`, as if torchft dropped it
     version = importlib.metadata.version("torchft")
@@ -579,7 +581,7 @@ def test_lighthouse_that_comes_up_late_is_waited_for() -> None:
     group is still starting is found; one that never comes is reported when the time is up."""
     import threading
 
-    from composable.integrations.torchft import _reachable
+    from composable.integrations.torchft_manager import _reachable
 
     port = _free_port()
     listener = socket.socket()

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from ..comm import collectives as comm
 from ..comm.profiling import labelled
-from ..comm.streams import stream_context, streams_for
+from ..comm.streams import streams_for
 from ..dtypes.policies import MixedPrecisionPolicy
 from ..grads.buckets import BucketedReducer
 from ..grads.reduce import GradReducer, GroupDtypes, ReduceSpec
@@ -28,6 +28,7 @@ from ..params.claim import mark_replaced
 from ..params.optim_state import track_for_optimizers
 from ..params.param import ManagedParam, is_freed, raise_still_on_meta
 from ..unshard import extension, extension_batch
+from ..unshard.device_copy import DeviceShardCopy
 from ..unshard.gather import PendingGather, free_storages, gathers_directly, start_gather
 from ..unshard.mixed_dtypes import finish_gather_mixed
 
@@ -48,7 +49,7 @@ class GroupConfig:
     reduce_dtype: torch.dtype | None
     offload: bool
     pin_memory: bool
-    compute_shard_on_device: bool = False  # offload: see `ParamGroup._device_compute_shard`
+    compute_shard_on_device: bool = False  # offload: a copy of the shard stays on the device (device_copy.py)
     bucket_cap_bytes: int | None = None  # replicate: bucketed all-reduce as gradients become ready
     api: str = "fully_shard"  # the front end that made the group, for error messages
     param_dtypes: tuple[torch.dtype, ...] | None = None  # per parameter where they differ (mixed_dtypes.py)
@@ -82,10 +83,7 @@ class ParamGroup:
         # Replicated groups that cast (or copy back from the CPU): one persistent flat buffer
         # in the unsharded dtype, refilled in place, the unsharded parameters views of it.
         self._replica_flat: torch.Tensor | None = None
-        # CPUOffloadPolicy(compute_shard_on_device=True): the flat shard in the gather dtype on
-        # the device, and the host shard's versions it was copied at (`_device_compute_shard`).
-        self._compute_shard: torch.Tensor | None = None
-        self._compute_shard_versions: tuple[int, ...] | None = None
+        self._device_copy = DeviceShardCopy()  # CPUOffloadPolicy(compute_shard_on_device=True)
         self.streams = streams_for(config.device)
         pin_host = config.offload and config.pin_memory and config.device.type == "cuda"
         spec = ReduceSpec(self.layout, config.device, config.offload, self.dtypes, pin_host)
@@ -154,7 +152,7 @@ class ParamGroup:
         if self.config.offload and self.config.pin_memory and device.type == "cpu" and torch.cuda.is_available():
             flat = flat.pin_memory()
         self.flat_shard = flat  # 1D, this rank's region
-        self._compute_shard = self._compute_shard_versions = None  # a copy of the old buffer
+        self._device_copy.forget()  # a copy of the old buffer
         self.dtypes.orig = dtype
         with torch.no_grad():
             for mp, src in zip(self.flat_params, sources):
@@ -315,7 +313,8 @@ class ParamGroup:
                 riders = extension_batch.prepare_riders(self.extension_params, lay, policy, gather_stream)
         dtype = self.unsharded_dtype if self.config.param_dtypes is None else self.orig_dtype
         if self.config.compute_shard_on_device and source is self.flat_shard:
-            source = self._device_compute_shard(dtype)
+            gather_stream = streams.all_gather if streams is not None else None
+            source = self._device_copy.refresh(source, dtype, self.config.device, gather_stream, self._shard_versions())
         pending = start_gather(
             self.flat_params, source, group, rank, lay.shard_world, self.flat_shard.numel(), dtype, self.config.device,
             streams, direct, custom, riders,
@@ -329,36 +328,19 @@ class ParamGroup:
                 self.extension_params, lay, policy, coalesced, gather_stream
             )
 
-    def _device_compute_shard(self, dtype: torch.dtype) -> torch.Tensor:
-        """The offloaded flat shard in `dtype` on the compute device, copied from the host
-        (on the all-gather stream, which reads it next) only when the host's shard changed
-        since the last copy. Every in-place write to a sharded parameter (the optimizer's step,
-        `load_state_dict`, a user's `mul_`) bumps the version of the flat buffer it is a view
-        of, or of its DTensor, so a stale copy is never gathered."""
-        versions = self._shard_versions()
-        shard = self._compute_shard
-        if shard is not None and shard.dtype == dtype and versions == self._compute_shard_versions:
-            return shard
-        with stream_context(self.streams.all_gather if self.streams is not None else None):
-            if shard is None or shard.dtype != dtype:
-                shard = self._compute_shard = torch.empty(
-                    self.flat_shard.numel(), dtype=dtype, device=self.config.device
-                )
-            shard.copy_(self.flat_shard, non_blocking=True)
-        self._compute_shard_versions = versions
-        return shard
-
     def _refill_replica(self) -> None:
         """Replicated group, no gather: cast (or copy back from the CPU) the shard into the
         persistent replica buffer that the unsharded parameters are views of. On the current
         stream: the buffer is allocated and freed there too, so no cross-stream lifetime
         arises, and nothing could overlap this copy anyway (the forward needs it next)."""
-        kept = self.config.compute_shard_on_device and self._replica_flat is not None
-        if kept and not is_freed(self._replica_flat) and self._shard_versions() == self._compute_shard_versions:
+        versions = self._shard_versions() if self.config.compute_shard_on_device else None
+        alive = self._replica_flat is not None and not is_freed(self._replica_flat)
+        if versions is not None and alive and self._device_copy.holds(versions):
             self._pending_gather = None  # the replica kept on the device still holds these values
             return
         replica = self._grow_replica_flat()
-        self._compute_shard_versions = self._shard_versions() if self.config.compute_shard_on_device else None
+        if versions is not None:
+            self._device_copy.mark(versions)
         # Refilling with the same values is not a mutation autograd should see (a second
         # forward before backward would otherwise invalidate the first one's graph).
         with comm.refilling(replica):
