@@ -13,6 +13,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ._engine.hooks.contract import PARAM_OWNING_APIS, get_state
+from ._engine.params.optim_state import STATE_ON_HOST_ATTR
 
 _API = "graphed_step"
 FLOAT8_SCALE = "_precomputed_scale"  # torchao's float8 weights keep the scale of their next cast here
@@ -92,6 +93,11 @@ class Recorder:
                         f"{_API}: parameter {name} of {type(module).__name__} is on {local.device} {_OFF_GPU}"
                     )
         for opt in self.live_optimizers():
+            if getattr(opt, STATE_ON_HOST_ATTR, False):
+                raise ValueError(
+                    f"{_API}: {type(opt).__name__}'s state is kept on the host (composable.optim.offload_optimizer_state): "
+                    "its copies in and out would run once at capture, never on replay; close() it to step in a CUDA graph"
+                )
             for i, group in enumerate(opt.param_groups):
                 if group.get("capturable") is False:
                     raise ValueError(

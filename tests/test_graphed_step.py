@@ -204,6 +204,30 @@ def test_parameters_off_the_gpu_are_refused_from_the_optimizer_too() -> None:
         recorder.check_capturable()
 
 
+def test_optimizer_state_on_the_host_is_refused_before_capture() -> None:
+    """`offload_optimizer_state`: its copies through host memory would run once, at capture."""
+    from composable.optim import offload_optimizer_state
+
+    weight = nn.Parameter(torch.ones(2))
+    opt = torch.optim.AdamW([weight], lr=0.1)
+    handle = offload_optimizer_state(opt)
+    weight.grad = torch.ones(2)
+    recorder = _Recorder()
+    with recorder:
+        opt.step()
+    with pytest.raises(
+        ValueError,
+        match=r"graphed_step: AdamW's state is kept on the host \(composable.optim.offload_optimizer_state\): ",
+    ):
+        recorder.check_capturable()
+    handle.close()  # the plain step again: its own refusals, not this one
+    recorder = _Recorder()
+    with recorder:
+        opt.step()
+    with pytest.raises(ValueError, match=r"graphed_step: AdamW's param_groups\[0\] has capturable=False"):
+        recorder.check_capturable()
+
+
 # ------------------------------------------------------------------------------- GPUs (NCCL)
 
 STEPS = 6

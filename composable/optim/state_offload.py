@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from .._engine.params.optim_state import STATE_ON_HOST_ATTR
 from .._engine.params.wrappers import new_dtensor
 from .muon import Muon
 
@@ -94,6 +95,8 @@ class OptimizerStateOffload:
         self._shadow.__dict__.pop("step", None)  # an LR scheduler's wrapper of the user's step: the class's
         self._shadow._optimizer_step_pre_hooks = collections.OrderedDict()
         self._shadow._optimizer_step_post_hooks = collections.OrderedDict()
+        for holder in (optimizer, self._shadow):
+            setattr(holder, STATE_ON_HOST_ATTR, True)
         # id(param) -> {state key: host tensor}: the host memory each state tensor lives in.
         self._host: dict[int, dict[str, torch.Tensor]] = {}
         self._out_done: torch.cuda.Event | None = None  # the last step's copies to the host
@@ -267,6 +270,7 @@ class OptimizerStateOffload:
         else:
             self.optimizer.step = self._own_step  # type: ignore[method-assign]
         del self.optimizer.__dict__[_OFFLOAD_ATTR]
+        del self.optimizer.__dict__[STATE_ON_HOST_ATTR]
 
 
 def _offloaded_step(optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> None:

@@ -34,6 +34,9 @@ from .claim import REPLACED_BY_ATTR, replacement_count
 from .wrappers import new_dtensor
 
 STEP_KEY = "step"
+# Set on an optimizer whose state `composable.optim.offload_optimizer_state` keeps on the host
+# (and on the copy of it that steps each bucket): graphed_step refuses to capture its step.
+STATE_ON_HOST_ATTR = "_composable_state_on_host"
 
 # Set on the sharded parameters this package makes. An attribute, not a registry: weak
 # references to parameters would forbid `torch.utils.swap_tensors` (`module.to_empty`).
