@@ -28,7 +28,7 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # 
 
 from estimate_comm import CommEstimate, estimate_comm
 from estimate_memory import MemoryEstimate, estimate_memory, n_params
-from estimate_setup import OPTIMIZER_STATES, PARALLEL, Setup, UsageError, config_from_hf
+from estimate_setup import OFFLOADS, OPTIMIZER_STATES, PARALLEL, Setup, UsageError, config_from_hf
 from estimate_time import DEFAULT_TFLOPS, Links, TimeEstimate, estimate_time, parse_bandwidth
 from model import PRESETS, get_config
 
@@ -62,7 +62,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--mp", default="bf16", help="fp32 | bf16 | fp16 (low precision: fp32 gradient reduction)")
     t.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZER_STATES)}")
     t.add_argument("--activation-checkpointing", action="store_true")
-    t.add_argument("--cpu-offload", action="store_true")
+    t.add_argument(
+        "--cpu-offload",
+        nargs="?",
+        const="host",
+        default=None,
+        choices=OFFLOADS,
+        help="train.py's --cpu-offload: host (the value without one) | compute-shard-on-device | optimizer-state",
+    )
     t.add_argument("--pp", type=int, default=1, help="pipeline stages (train.py --pp): per-stage estimate")
     t.add_argument("--pp-schedule", default="1F1B", help="--pp: torch's Schedule<NAME>")
     t.add_argument("--microbatches", type=int, default=None, help="--pp: microbatches per step (default --batch-size)")
@@ -198,7 +205,8 @@ def print_report(
     fits = "fits" if mem.peak <= gpu_gib * GiB else "does NOT fit"
     print(f"  {'peak':<25}{mem.peak / GiB:>8.2f}   ({mem.peak_at}; {fits} in {gpu_gib:g} GiB)")
     if mem.host:
-        print(f"  host memory (offloaded parameters, gradients, optimizer state): {mem.host / GiB:.2f} GiB")
+        what = "optimizer state" if s.offload == "optimizer-state" else "parameters, gradients, optimizer state"
+        print(f"  host memory (offloaded {what}): {mem.host / GiB:.2f} GiB")
     print("\ncommunication per rank per step (sent = received: ring volumes)")
     print(f"  {'kind':<16}{'count':>7}{'payload GiB':>13}{'sent GiB':>10}{'time ms':>9}")
     for kind, row in comm.by_kind().items():

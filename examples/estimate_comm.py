@@ -185,7 +185,12 @@ def build_layout(setup: Setup, device: str = "cpu") -> Transformer:
     if setup.parallel == "replicate":
         replicate(model, mesh=dp_mesh, mp_policy=mp_policy)
         return model
-    offload = CPUOffloadPolicy() if setup.offload else OffloadPolicy()
+    on_host = setup.offload in ("host", "compute-shard-on-device")  # optimizer-state: the parameters stay
+    offload = (
+        CPUOffloadPolicy(compute_shard_on_device=setup.offload == "compute-shard-on-device")
+        if on_host
+        else OffloadPolicy()
+    )
     kw = {"mesh": dp_mesh, "mp_policy": mp_policy, "offload_policy": offload}
     if setup.wrap == "separate-ends":  # as benchmark.py --wrap separate-ends
         for end in (model.tok_embeddings, model.output):

@@ -3,8 +3,10 @@
 Sizes per rank, for `Setup` (estimate_setup.py); c = bytes of the compute (param) dtype:
 - parameters, gradients: the local shards in the parameter's own dtype (fp32), rank 0's
   (the largest: dim 0 rounded up to a multiple of the shard count, the engine's padding);
-  optimizer state: fp32 tensors of the same size (AdamW: 2). With CPU offload all three
-  live on the host and count 0 on the GPU.
+  optimizer state: fp32 tensors of the same size (AdamW: 2). With CPU offload (`host`) all
+  three live on the host and count 0 on the GPU; `compute-shard-on-device` also keeps the
+  shards in the compute dtype on the GPU (c bytes); `optimizer-state` moves only the state
+  to the host, and the optimizer step holds two buckets of it on the GPU.
 - buffers: unsharded parameters (c bytes) of the groups gathered at that moment, their
   unsharded gradients (c), gradient-reduction inputs (fp32), `replicate`'s persistent
   replica (c, only when c differs from the parameter dtype) and its buckets.
@@ -40,6 +42,7 @@ from model import ModelConfig
 
 FP32 = 4
 REPLICATE_BUCKET_BYTES = 25 * 2**20  # replicate's default bucket_cap_mb
+STATE_BUCKET_BYTES = 256 * 2**20  # offload_optimizer_state's default bucket_bytes (two on the GPU at a step)
 BUCKETS_IN_FLIGHT = 2
 
 
@@ -148,7 +151,12 @@ def estimate_memory(s: Setup) -> MemoryEstimate:
     params = z.local * FP32
     grads_full = z.local * FP32
     opt = OPTIMIZER_STATES[s.optimizer] * z.local * FP32
-    gpu = 0.0 if s.offload else 1.0
+    on_host = s.offload in ("host", "compute-shard-on-device")
+    gpu = 0.0 if on_host else 1.0  # the sharded parameters and gradients on the GPU
+    opt_gpu = 0.0 if s.offload else 1.0
+    # What the GPU holds of the state while it steps (optimizer-state: two buckets streamed through).
+    stepping = min(opt, 2 * STATE_BUCKET_BYTES) if s.offload == "optimizer-state" else 0.0
+    compute_copy = z.local * c if s.offload == "compute-shard-on-device" else 0.0
     per_block_grad = z.block_local * FP32 / L  # one block's sharded gradient
     saved = act["block_ckpt"] if s.activation_checkpointing else act["block"]
     ub, ur = z.block_unsharded * c, z.root_unsharded * c  # one gathered block / root
@@ -162,7 +170,7 @@ def estimate_memory(s: Setup) -> MemoryEstimate:
             g = z.root_unsharded * FP32 + (L - 1 - i) * per_block_grad
             a = i * saved + act["block"] + act["block_transient"]
             candidates.append((f"backward of block {i}", g, replica + buckets + ub, a))
-        candidates.append(("optimizer step", grads_full, replica, 0.0))
+        candidates.append(("optimizer step", grads_full, replica + stepping, 0.0))
     else:
         keep = s.reshard_after_forward is False  # blocks stay gathered from forward to backward
         head = math.ceil(cfg.vocab_size / s.tp) * cfg.dim if not cfg.tie_embeddings else 0
@@ -186,17 +194,17 @@ def estimate_memory(s: Setup) -> MemoryEstimate:
             a = i * saved + act["block"] + act["block_transient"]
             g = ((L - 1 - i) * per_block_grad + head_sharded_grad) * gpu
             candidates.append((f"backward of block {i}", g, buffers, a))
-        candidates.append(("optimizer step", grads_full * gpu, 0.0, 0.0))
+        candidates.append(("optimizer step", grads_full * gpu, stepping, 0.0))
     where, g, b, a = max(candidates, key=lambda t: t[1] + t[2] + t[3])
     return MemoryEstimate(
-        parameters=params * gpu,
+        parameters=params * gpu + compute_copy,
         gradients=g,
-        optimizer=opt * gpu,
+        optimizer=opt * opt_gpu,
         buffers=float(b),
         activations=a,
         peak_at=where,
         held_parameters=params,
         held_gradients=grads_full,
         held_optimizer=opt,
-        host=(params + grads_full + opt) * (1 - gpu),
+        host=(params + grads_full + opt) if on_host else opt * (1 - opt_gpu),
     )

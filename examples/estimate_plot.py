@@ -9,6 +9,7 @@ from estimate_comm import estimate_comm
 from estimate_memory import estimate_memory
 from estimate_setup import PARALLEL, Setup, UsageError
 from estimate_time import Links, estimate_time
+from parallel import PARAMS_ON_HOST
 
 GiB = 2**30
 
@@ -24,7 +25,7 @@ def _variant(base: Setup, parallel: str, world: int) -> Setup | None:
             hsdp_shard_size=shard if parallel == "hsdp" else None,
             tp_size=(base.tp_size if base.tp_size > 1 else 8) if parallel == "tp" else 1,
             reshard_after_forward=None if parallel == "replicate" else base.reshard_after_forward,
-            offload=base.offload and parallel != "replicate",
+            offload=base.offload if parallel != "replicate" or base.offload not in PARAMS_ON_HOST else None,
             wrap=base.wrap if parallel != "replicate" else "blocks",
         )
     except UsageError:

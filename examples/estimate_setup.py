@@ -11,8 +11,11 @@ from dataclasses import dataclass
 
 import torch
 from model import ModelConfig
+from parallel import PARAMS_ON_HOST
 
 from composable import MixedPrecisionPolicy
+
+OFFLOADS = (*PARAMS_ON_HOST, "optimizer-state")  # --cpu-offload's values, as train.py's
 
 PARALLEL = ("fsdp", "hsdp", "tp", "replicate")
 MP = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -36,7 +39,7 @@ class Setup:
     seq_len: int = 2048
     mp: str = "bf16"  # fp32 | bf16 (fp32 gradient reduction) | fp16 (fp32 reduction)
     activation_checkpointing: bool = False
-    offload: bool = False
+    offload: str | None = None  # train.py's --cpu-offload value: host | compute-shard-on-device | optimizer-state
     optimizer: str = "adamw"
     wrap: str = "blocks"  # fully_shard groups: blocks + root, or also embeddings and head on their own
 
@@ -85,7 +88,8 @@ class Setup:
             extras.append(f"--wrap {self.wrap}")
         if self.reshard_after_forward is not None:
             extras.append(f"reshard_after_forward={self.reshard_after_forward}")
-        extras += ["activation checkpointing"] * self.activation_checkpointing + ["CPU offload"] * self.offload
+        extras += ["activation checkpointing"] * self.activation_checkpointing
+        extras += [f"CPU offload ({self.offload})"] if self.offload else []
         return f"{lay}, " + ", ".join(extras)
 
 
@@ -123,8 +127,10 @@ def check(s: Setup) -> None:
             raise UsageError(f"--tp-size {s.tp_size} must divide --seq-len {s.seq_len}")
     elif s.tp_size != 1:
         raise UsageError(f"--tp-size {s.tp_size} needs --parallel tp, got --parallel {s.parallel}")
-    if s.parallel == "replicate" and (s.offload or s.reshard_after_forward is not None):
-        flag = "--cpu-offload" if s.offload else "--reshard-after-forward"
+    if s.offload is not None and s.offload not in OFFLOADS:
+        raise UsageError(f"--cpu-offload must be one of {', '.join(OFFLOADS)}, got {s.offload!r}")
+    if s.parallel == "replicate" and (s.offload in PARAMS_ON_HOST or s.reshard_after_forward is not None):
+        flag = "--cpu-offload" if s.offload in PARAMS_ON_HOST else "--reshard-after-forward"
         raise UsageError(f"{flag} applies to fully_shard layouts, not --parallel replicate")
 
 

@@ -19,7 +19,7 @@ import estimate
 from _harness import fake_process_group, run_on_ranks, trace_collectives
 from estimate_comm import build_layout, estimate_comm
 from estimate_memory import activation_bytes_per_token, estimate_memory, n_params, sizes
-from estimate_setup import Setup
+from estimate_setup import Setup, UsageError
 from model import ModelConfig, Transformer, get_config, lm_loss
 
 pytestmark = pytest.mark.once  # the same on every torch: CI runs it once (pyproject.toml)
@@ -40,8 +40,30 @@ def test_1b_bytes_per_layout() -> None:
     assert rep.held_parameters == 953_223_168 * 4
     hsdp = estimate_memory(Setup(cfg, 64, "hsdp", hsdp_shard_size=8))
     assert hsdp.held_parameters == estimate_memory(Setup(cfg, 8, "fsdp")).held_parameters
-    sgd = estimate_memory(Setup(cfg, 2, "fsdp", optimizer="sgd", offload=True))
+    sgd = estimate_memory(Setup(cfg, 2, "fsdp", optimizer="sgd", offload="host"))
     assert sgd.held_optimizer == 0 and sgd.parameters == sgd.optimizer == 0 and sgd.host == 2 * sgd.held_parameters
+
+
+def test_offload_choices_move_what_they_say() -> None:
+    """train.py's --cpu-offload values: host holds parameters, gradients and state; the device
+    copy adds the compute-dtype shards (2 bytes a parameter with bf16) to the GPU; optimizer-state
+    moves only the state, two buckets of which the GPU holds while it steps."""
+    cfg = get_config("1b")
+    plain, host, copy, state = (
+        estimate_memory(Setup(cfg, 2, "fsdp", offload=o))
+        for o in (None, "host", "compute-shard-on-device", "optimizer-state")
+    )
+    assert host.parameters == host.optimizer == 0 and host.host == 4 * plain.held_parameters
+    assert copy.parameters == plain.held_parameters / 2 and copy.host == host.host and copy.peak > host.peak
+    assert state.parameters == plain.parameters and state.optimizer == 0 and state.host == plain.held_optimizer
+    assert host.peak < state.peak < plain.peak
+    with pytest.raises(
+        UsageError, match="--cpu-offload must be one of host, compute-shard-on-device, optimizer-state, got 'all'"
+    ):
+        Setup(cfg, 2, "fsdp", offload="all")
+    with pytest.raises(UsageError, match="--cpu-offload applies to fully_shard layouts, not --parallel replicate"):
+        Setup(cfg, 2, "replicate", offload="host")
+    assert estimate_memory(Setup(cfg, 2, "replicate", offload="optimizer-state")).optimizer == 0
 
 
 @pytest.mark.parametrize(
