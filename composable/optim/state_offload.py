@@ -54,7 +54,8 @@ def offload_optimizer_state(
     `optimizer.state_dict()` holds the host tensors (DTensors sharded as their parameters for
     sharded parameters: DCP saves and loads them as any optimizer state), after the last step's
     copies are done; state that `load_state_dict` puts on the device goes to the host after the
-    next step. Parameters on the CPU are stepped as they are. A closure is refused. Call this
+    next step. Parameters on the CPU gain nothing (their state is copied between two host
+    tensors, without streams: the same code path). A closure is refused. Call this
     before making an LR scheduler: both replace `optimizer.step`.
 
     Returns the `OptimizerStateOffload` (`wait()`: the copies to the host done; `close()`:
