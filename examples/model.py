@@ -16,6 +16,7 @@ Written for data parallelism and tensor parallelism to be applied from outside:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -236,7 +237,8 @@ class Transformer(nn.Module):
             self.rope = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=device)
         # Untied: unit-variance embeddings (the first RMSNorm rescales anyway). Tied: the same
         # matrix is the head, so keep logits O(1) at init with std dim**-0.5.
-        nn.init.normal_(self.tok_embeddings.weight, std=cfg.dim**-0.5 if cfg.tie_embeddings else 1.0)
+        std = cfg.dim**-0.5 if cfg.tie_embeddings else 1.0
+        init_random(self.tok_embeddings.weight, lambda w: nn.init.normal_(w, std=std))
         # Residual projections scaled down by depth (GPT-2 / Llama practice) so the residual
         # stream's variance does not grow with the number of layers.
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
@@ -245,15 +247,14 @@ class Transformer(nn.Module):
             # Fused weights get the same elementwise distribution as the separate ones they stack.
             ins = (ff.experts.w1, ff.experts.w3, ff.router.weight) if cfg.n_experts else ff.in_weights()
             for weight in (*block.attention.in_weights(), *ins):
-                nn.init.trunc_normal_(weight, std=cfg.init_std, a=-3 * cfg.init_std, b=3 * cfg.init_std)
+                init_random(weight, _trunc_normal(cfg.init_std))
             for weight in (block.attention.wo.weight, ff.experts.w2 if cfg.n_experts else ff.w2.weight):
-                nn.init.trunc_normal_(weight, std=out_std, a=-3 * out_std, b=3 * out_std)
+                init_random(weight, _trunc_normal(out_std))
             block.attention_norm.reset_parameters()
             block.ffn_norm.reset_parameters()
         self.norm.reset_parameters()
         if not cfg.tie_embeddings:
-            std = cfg.dim**-0.5
-            nn.init.trunc_normal_(self.output.weight, std=std, a=-3 * std, b=3 * std)
+            init_random(self.output.weight, _trunc_normal(cfg.dim**-0.5))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         T = tokens.shape[1]
@@ -263,6 +264,31 @@ class Transformer(nn.Module):
         for block in self.layers:
             h = block(h, self.rope)
         return self.output(self.norm(h))
+
+
+def _trunc_normal(std: float) -> Callable[[torch.Tensor], object]:
+    """`nn.init.trunc_normal_` at `std`, cut at 3 standard deviations."""
+    return lambda weight: nn.init.trunc_normal_(weight, std=std, a=-3 * std, b=3 * std)
+
+
+def init_random(weight: torch.Tensor, init: Callable[[torch.Tensor], object]) -> None:
+    """`init(weight)` (an in-place `nn.init` function), for a sharded weight whose shard lives on
+    the host (CPU offload) through a twin on its mesh's accelerator. DTensor draws a random op's
+    values inside an RNG region that forks the accelerator's generator and, on leaving, restores
+    the host's as well (pytorch/pytorch#196562): host draws on such a weight would start from the
+    same host state every time, so every layer would get the same values (and a rejection
+    sampler such as trunc_normal_ could loop forever). On the twin the values are the ones the
+    same weight gets without offload, whatever the world size."""
+    mesh_device = weight.device_mesh.device_type if isinstance(weight, DTensor) else "cpu"
+    if not isinstance(weight, DTensor) or weight.to_local().device.type != "cpu" or mesh_device == "cpu":
+        init(weight)
+        return
+    local = torch.empty_like(weight.to_local(), device=mesh_device)
+    twin = DTensor.from_local(
+        local, weight.device_mesh, weight.placements, run_check=False, shape=weight.shape, stride=weight.stride()
+    )
+    init(twin)
+    weight.copy_(twin)
 
 
 def fuse_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:

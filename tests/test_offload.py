@@ -367,3 +367,39 @@ def _default_mesh_gpu(rank: int, world_size: int) -> None:
 @requires_gpus(2)
 def test_offload_default_mesh_gpu() -> None:
     run_on_ranks(_default_mesh_gpu, 2, backend="cpu:gloo,cuda:nccl")
+
+
+def _init_on_host(rank: int, world_size: int) -> None:
+    """The main job's model built on meta, sharded with and without offload, materialised (the
+    offloaded one on the host) and initialised from the same seed: the same weights, and no two
+    layers alike (DTensor's RNG region would otherwise repeat host draws: model.init_random)."""
+    import sys
+
+    examples = str(Path(__file__).resolve().parents[1] / "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)
+    from model import Transformer, get_config
+
+    cfg = get_config("tiny")
+    models = []
+    for policy in (OffloadPolicy(), CPUOffloadPolicy()):
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        for block in model.layers:
+            fully_shard(block, offload_policy=policy)
+        fully_shard(model, offload_policy=policy)
+        model.to_empty(device="cpu" if isinstance(policy, CPUOffloadPolicy) else "cuda")
+        torch.manual_seed(0)
+        model.init_weights(buffer_device="cuda")
+        models.append(model)
+    plain, offloaded = models
+    for (name, p), q in zip(offloaded.named_parameters(), plain.parameters()):
+        assert p.to_local().device.type == "cpu", name
+        assert torch.equal(p.full_tensor().cpu(), q.full_tensor().cpu()), name
+    first, second = (block.attention.wo.weight.full_tensor() for block in offloaded.layers[:2])
+    assert not torch.equal(first, second), "two layers initialised alike"
+
+
+@requires_gpus(1)
+def test_offloaded_weights_initialise_as_without_offload() -> None:
+    run_on_ranks(_init_on_host, 1, backend="cpu:gloo,cuda:nccl")

@@ -411,40 +411,24 @@ def test_wrong_arguments_are_one_line() -> None:
 # ----------------------------------------------------------------------------- the private APIs read
 
 
-def _private_apis(rank: int, world_size: int, lighthouse: str) -> tuple[int, int, tuple[str, int] | None, bool]:
-    """A real Manager built by `create_manager` on a world whose store the harness made and
-    passed to `init_process_group`: its quorum id before and after one quorum, the group store
-    found, and whether it is the default group's."""
-    from composable.integrations.torchft import _quorum_id, create_manager
+def _group_store(rank: int, world_size: int) -> tuple[tuple[str, int] | None, bool]:
+    """The group store `create_manager` gives the Manager, on a world whose store the harness
+    made and passed to `init_process_group`, and whether it is the default group's."""
     from composable.integrations.torchft_manager import _group_store
 
     address = _group_store()
-    manager = create_manager(replica_id="group_0", lighthouse=lighthouse, connect_timeout=timedelta(seconds=10))
-    try:
-        before = _quorum_id(manager)
-        manager.start_quorum()
-        manager.wait_quorum()
-        after = _quorum_id(manager)
-    finally:
-        manager.shutdown(wait=False)
     store = dist.distributed_c10d._get_default_store()
     while isinstance(store, dist.PrefixStore):
         store = store.underlying_store
-    return before, after, address, isinstance(store, dist.TCPStore) and address == (store.host, store.port)
+    return address, isinstance(store, dist.TCPStore) and address == (store.host, store.port)
 
 
-def test_private_apis_read_are_there(lighthouse: str) -> None:
-    """torchft's `Manager._quorum_id` and torch's `_get_default_store`, the two private APIs the
-    integration reads (each in one helper), still exist and mean what it takes them to: the id
-    is torchft's "no quorum yet" before the first quorum and another after it (the same on every
-    rank of the group), and the store is the default group's TCPStore. A torchft without
-    `_quorum_id` fails here with the helper's one-line error naming its version."""
-    results = run_on_ranks(_private_apis, 2, lighthouse, fresh=True)
-    for before, after, address, is_default in results:
-        assert before == -1
-        assert isinstance(after, int) and after != before
+def test_group_store_is_the_default_groups() -> None:
+    """torch's `_get_default_store`, one of the two private APIs the integration reads (each in
+    one helper), still exists and gives the default group's TCPStore. The other, torchft's
+    `Manager._quorum_id`, is read at every step of every replica-group test above."""
+    for address, is_default in run_on_ranks(_group_store, 2, fresh=True):
         assert address is not None and is_default
-    assert results[0][1] == results[1][1]
 
 
 def test_private_apis_gone_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
