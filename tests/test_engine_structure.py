@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import functools
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -218,3 +219,15 @@ def test_steps_show_by_name_in_profiles() -> None:
         "flush_buckets",
     }
     assert {f"composable::{n}" for n in expected} <= names, sorted(names)
+
+
+def test_architecture_page_names_every_file() -> None:
+    """docs/architecture.md is where a newcomer looks a file up: each of the package's files is
+    named there (by its name, or its stem in a folder's list)."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
+    unnamed = sorted(
+        str(p.relative_to(ROOT))
+        for p in ROOT.rglob("*.py")
+        if p.name != "__init__.py" and p.name not in page and not re.search(rf"\b{re.escape(p.stem)}\b", page)
+    )
+    assert not unnamed, f"files docs/architecture.md does not name: {unnamed}"
