@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ._engine.hooks.contract import PARAM_OWNING_APIS, get_state
 from ._engine.params.optim_state import STATE_ON_HOST_ATTR
+from ._engine.params.wrappers import local_tensor
 
 _API = "graphed_step"
 FLOAT8_SCALE = "_precomputed_scale"  # torchao's float8 weights keep the scale of their next cast here
@@ -87,7 +87,7 @@ class Recorder:
             )
         for module in self.live_modules():
             for name, p in module._parameters.items():
-                local = _local(p) if p is not None else None
+                local = local_tensor(p) if p is not None else None
                 if local is not None and local.device.type != "cuda":
                     raise ValueError(
                         f"{_API}: parameter {name} of {type(module).__name__} is on {local.device} {_OFF_GPU}"
@@ -106,7 +106,9 @@ class Recorder:
                     )
                 # Also where no module was recorded (a model compiled as a whole, in place, runs
                 # every module inside its graph, where the recorder's hooks see none of them).
-                off = next((_local(p).device for p in group["params"] if _local(p).device.type != "cuda"), None)
+                off = next(
+                    (local_tensor(p).device for p in group["params"] if local_tensor(p).device.type != "cuda"), None
+                )
                 if off is not None:
                     raise ValueError(
                         f"{_API}: {type(opt).__name__}'s param_groups[{i}] steps a parameter on {off} {_OFF_GPU}"
@@ -150,7 +152,7 @@ def _module_settings(module: nn.Module) -> tuple[tuple[str, Any], ...]:
     for name, p in module._parameters.items():  # checked before every replay: kept cheap
         if p is not None:
             items += ((f"{name}.requires_grad", p.requires_grad), (f"parameter {name}", _storage_id(p)))
-            scale = getattr(_local(p), FLOAT8_SCALE, None)  # torchao float8 weights: the next cast's scale
+            scale = getattr(local_tensor(p), FLOAT8_SCALE, None)  # torchao float8 weights: the next cast's scale
             if scale is not None:
                 items.append((f"float8 scale of {name}", _storage_id(scale)))
     for api in PARAM_OWNING_APIS:
@@ -179,15 +181,10 @@ def _optimizer_settings(opt: torch.optim.Optimizer) -> tuple[tuple[str, Any], ..
     return tuple(items)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's tensor of `t` (a DTensor's local shard, without a dispatch)."""
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
 def _storage_id(t: torch.Tensor) -> int:
     """Which memory a parameter or state tensor is: a graph reads and writes addresses (the
     Python object may be rewrapped, as a DTensor optimizer step counter is every step)."""
-    return _local(t).data_ptr()
+    return local_tensor(t).data_ptr()
 
 
 def _differences(old: tuple[Any, ...], new: tuple[Any, ...]) -> list[tuple[str, Any, Any]]:

@@ -158,9 +158,10 @@ def fake_world(world: int):  # type: ignore[no-untyped-def]
 def build_layout(setup: Setup, device: str = "cpu") -> Transformer:
     """The meta-device model with `setup`'s layout applied through the public APIs, mirroring
     examples/parallel.py (checkpoint, then TP, then fully_shard per block + root, or replicate)."""
+    from parallel import offload_policy_for
     from torch.distributed.device_mesh import init_device_mesh
 
-    from composable import CPUOffloadPolicy, OffloadPolicy, checkpoint, fully_shard, replicate
+    from composable import checkpoint, fully_shard, replicate
 
     with torch.device("meta"):
         model = Transformer(replace(setup.cfg, max_seq_len=max(setup.cfg.max_seq_len, setup.seq_len)))
@@ -185,13 +186,7 @@ def build_layout(setup: Setup, device: str = "cpu") -> Transformer:
     if setup.parallel == "replicate":
         replicate(model, mesh=dp_mesh, mp_policy=mp_policy)
         return model
-    on_host = setup.offload in ("host", "compute-shard-on-device")  # optimizer-state: the parameters stay
-    offload = (
-        CPUOffloadPolicy(compute_shard_on_device=setup.offload == "compute-shard-on-device")
-        if on_host
-        else OffloadPolicy()
-    )
-    kw = {"mesh": dp_mesh, "mp_policy": mp_policy, "offload_policy": offload}
+    kw = {"mesh": dp_mesh, "mp_policy": mp_policy, "offload_policy": offload_policy_for(setup.offload)}
     if setup.wrap == "separate-ends":  # as benchmark.py --wrap separate-ends
         for end in (model.tok_embeddings, model.output):
             fully_shard(end, **kw)

@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass
 
 from estimate_setup import OPTIMIZER_STATES, Setup
 from model import ModelConfig
+from parallel import PARAMS_ON_HOST
 
 FP32 = 4
 REPLICATE_BUCKET_BYTES = 25 * 2**20  # replicate's default bucket_cap_mb
@@ -151,7 +152,7 @@ def estimate_memory(s: Setup) -> MemoryEstimate:
     params = z.local * FP32
     grads_full = z.local * FP32
     opt = OPTIMIZER_STATES[s.optimizer] * z.local * FP32
-    on_host = s.offload in ("host", "compute-shard-on-device")
+    on_host = s.offload in PARAMS_ON_HOST
     gpu = 0.0 if on_host else 1.0  # the sharded parameters and gradients on the GPU
     opt_gpu = 0.0 if s.offload else 1.0
     # What the GPU holds of the state while it steps (optimizer-state: two buckets streamed through).

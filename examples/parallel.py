@@ -92,11 +92,11 @@ def mp_policy_for(name: str) -> MixedPrecisionPolicy:
 PARAMS_ON_HOST = ("host", "compute-shard-on-device")
 
 
-def offload_policy_for(args: argparse.Namespace) -> OffloadPolicy:
-    """The offload policy of `--cpu-offload` (none without it, or for `optimizer-state`)."""
-    if args.cpu_offload not in PARAMS_ON_HOST:
+def offload_policy_for(cpu_offload: str | None) -> OffloadPolicy:
+    """The offload policy of a `--cpu-offload` value (none without one, or for `optimizer-state`)."""
+    if cpu_offload not in PARAMS_ON_HOST:
         return OffloadPolicy()
-    return CPUOffloadPolicy(compute_shard_on_device=args.cpu_offload == "compute-shard-on-device")
+    return CPUOffloadPolicy(compute_shard_on_device=cpu_offload == "compute-shard-on-device")
 
 
 def sharding_units(model: Transformer) -> list[nn.Module]:
@@ -272,7 +272,7 @@ def parallelize(model: Transformer, args: argparse.Namespace, mesh: DeviceMesh, 
     if args.parallel == "replicate":
         replicate(model, mesh=dp_mesh, mp_policy=mp_policy)
         return
-    offload = offload_policy_for(args)
+    offload = offload_policy_for(args.cpu_offload)
     if model.cfg.n_experts:
         if args.parallel != "fsdp":
             raise UsageError(f"--moe runs with --parallel fsdp, got --parallel {args.parallel}")

@@ -158,7 +158,7 @@ def parallelize_stage(stage: TransformerStage, args: argparse.Namespace, mesh: D
     if args.parallel == "replicate":
         replicate(stage, mesh=dp_mesh, mp_policy=mp_policy)
         return
-    offload = offload_policy_for(args)
+    offload = offload_policy_for(args.cpu_offload)
     ends = [m for m in (stage.tok_embeddings, stage.output) if m is not None]
     for module in [*ends, *blocks, stage]:
         fully_shard(module, mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=False)

@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor
 from composable import fully_shard, replicate
 from composable.fsdp import ShardingStrategy
 
-from .torchft_manager import create_manager
+from .torchft_manager import create_manager, import_torchft_manager
 
 __all__ = ["create_manager", "fault_tolerant", "FaultTolerantOptimizer"]
 
@@ -82,14 +82,6 @@ def _quorum_id(manager: Any) -> Any:
             f"composable reads to tell a new quorum (torchft {_TESTED_TORCHFT} has it); install torchft "
             f"{_TESTED_TORCHFT}"
         ) from None
-
-
-def _import_torchft() -> Any:
-    try:
-        import torchft.manager
-    except ImportError as e:
-        raise ImportError(f"{_API}: needs torchft (pip install 'composable[ft]'): {e}") from None
-    return torchft.manager
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -277,7 +269,7 @@ def fault_tolerant(model: nn.Module, optimizer: torch.optim.Optimizer, manager: 
     `model` has neither; a group that heals from one of another size raises `ValueError` in
     `step()`.
     """
-    ft = _import_torchft()
+    ft = import_torchft_manager(_API)
     states = _replica_dim_states(model)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"{_API}: 'optimizer' must be a torch.optim.Optimizer, got {type(optimizer).__name__}")

@@ -22,11 +22,12 @@ import torch.distributed as dist
 __all__ = ["create_manager"]
 
 
-def _import_torchft_manager() -> Any:
+def import_torchft_manager(api: str) -> Any:
+    """`torchft.manager`, imported when `api` runs; without torchft, one line naming `api`."""
     try:
         import torchft.manager
     except ImportError as e:
-        raise ImportError(f"create_manager: needs torchft (pip install 'composable[ft]'): {e}") from None
+        raise ImportError(f"{api}: needs torchft (pip install 'composable[ft]'): {e}") from None
     return torchft.manager
 
 
@@ -116,7 +117,7 @@ def create_manager(
     `connect_timeout` for the lighthouse to accept a connection (one being started alongside
     this group is waited for); raises `ConnectionError` on every rank of the group, in one line
     naming the address, when it does not."""
-    ft = _import_torchft_manager()
+    ft = import_torchft_manager("create_manager")
     api = "create_manager"
     if not dist.is_initialized():
         raise RuntimeError(

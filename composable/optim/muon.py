@@ -19,7 +19,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.optim import Muon as TorchMuon
 from torch.optim import Optimizer
 from torch.optim._muon import (
@@ -32,6 +31,7 @@ from torch.optim._muon import (
     _zeropower_via_newtonschulz,
 )
 
+from .._engine.params.wrappers import local_tensor
 from ._whole_matrices import map_whole_matrices
 
 __all__ = ["Muon"]
@@ -105,7 +105,7 @@ class Muon(TorchMuon):
             momentum, lr = group["momentum"], float(group["lr"])
             updates = []
             for grad, buf in zip(grads, bufs):
-                grad, buf = _local(grad), _local(buf)
+                grad, buf = local_tensor(grad), local_tensor(buf)
                 buf.lerp_(grad, 1 - momentum)
                 updates.append(_Update(grad, buf, momentum if group["nesterov"] else None))
             coefficients, steps, eps = group["ns_coefficients"], group["ns_steps"], group["eps"]
@@ -116,7 +116,7 @@ class Muon(TorchMuon):
             ortho = map_whole_matrices(newton_schulz, updates, params, wire_dtype=torch.bfloat16)
             for param, update in zip(params, ortho):
                 adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], param.shape[-2:])
-                local = _local(param)
+                local = local_tensor(param)
                 local.mul_(1 - lr * group["weight_decay"])
                 local.add_(update, alpha=-adjusted_lr)
         return loss
@@ -142,7 +142,3 @@ class _Update:
             out.copy_(self.buf)
         else:
             torch.lerp(self.grad, self.buf, self.nesterov_momentum, out=out)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t

@@ -27,7 +27,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .._engine.params.optim_state import STATE_ON_HOST_ATTR
-from .._engine.params.wrappers import new_dtensor
+from .._engine.params.wrappers import local_tensor, new_dtensor
 from .muon import Muon
 
 _API = "composable.optim.offload_optimizer_state"
@@ -167,7 +167,7 @@ class OptimizerStateOffload:
     def _streams_for(self, buckets: list[list[dict[str, Any]]]) -> tuple[torch.cuda.Stream, torch.cuda.Stream] | None:
         """The side streams (copies in, copies out) when the parameters are on CUDA."""
         first = next((p for bucket in buckets for group in bucket for p in group["params"]), None)
-        if first is None or _local(first).device.type != "cuda":
+        if first is None or local_tensor(first).device.type != "cuda":
             return None
         if self._streams is None:
             self._streams = (torch.cuda.Stream(), torch.cuda.Stream())
@@ -193,12 +193,12 @@ class OptimizerStateOffload:
                 for key, host in hosts.items():
                     if state.get(key) is not host:
                         continue  # replaced (a load_state_dict): stepped where it is
-                    device_local = torch.empty_like(_local(host), device=_local(p).device)
+                    device_local = torch.empty_like(local_tensor(host), device=local_tensor(p).device)
                     if streams is not None:
                         with torch.cuda.stream(streams[0]):
-                            device_local.copy_(_local(host), non_blocking=True)
+                            device_local.copy_(local_tensor(host), non_blocking=True)
                     else:
-                        device_local.copy_(_local(host))
+                        device_local.copy_(local_tensor(host))
                     state[key] = _like(host, device_local)
         if streams is None:
             return None
@@ -222,12 +222,12 @@ class OptimizerStateOffload:
                 for key, value in list(state.items()):
                     if not _offloadable(value, p):
                         continue
-                    device_local = _local(value)
+                    device_local = local_tensor(value)
                     host = hosts.get(key)
                     if (
                         host is None
-                        or _local(host).shape != device_local.shape
-                        or _local(host).dtype != device_local.dtype
+                        or local_tensor(host).shape != device_local.shape
+                        or local_tensor(host).dtype != device_local.dtype
                     ):
                         fresh = torch.empty(
                             device_local.shape, dtype=device_local.dtype, pin_memory=streams is not None
@@ -235,10 +235,10 @@ class OptimizerStateOffload:
                         host = hosts[key] = _like(value, fresh)
                     if streams is not None:
                         with torch.cuda.stream(streams[1]):
-                            _local(host).copy_(device_local, non_blocking=True)
+                            local_tensor(host).copy_(device_local, non_blocking=True)
                         device_local.record_stream(streams[1])  # freed once copied out, not before
                     else:
-                        _local(host).copy_(device_local)
+                        local_tensor(host).copy_(device_local)
                     state[key] = host
         if streams is not None:
             self._out_done = torch.cuda.Event()
@@ -262,7 +262,7 @@ class OptimizerStateOffload:
             hosts = self._host.get(id(p), {})
             for key, host in hosts.items():
                 if state.get(key) is host:
-                    state[key] = _like(host, _local(host).to(_local(p).device))
+                    state[key] = _like(host, local_tensor(host).to(local_tensor(p).device))
         self._host.clear()
         for hook in self._hooks:
             hook.remove()
@@ -278,10 +278,6 @@ def _offloaded_step(optimizer: torch.optim.Optimizer, closure: Callable[[], Any]
     optimizer.__dict__[_OFFLOAD_ATTR].step(closure)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
 def _like(template: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """`local` as `template` is: wrapped in the same DTensor spec, or plain."""
     return new_dtensor(local, template._spec) if isinstance(template, DTensor) else local
@@ -295,5 +291,7 @@ def _offloadable(value: object, param: torch.Tensor) -> bool:
 def _state_bytes(state: dict[str, Any] | None, param: torch.Tensor) -> int:
     """The bytes of `param`'s offloadable state; before the first step, two of it (Adam's)."""
     if not state:
-        return 2 * _local(param).numel() * _local(param).element_size()
-    return sum(_local(v).numel() * _local(v).element_size() for v in state.values() if _offloadable(v, param))
+        return 2 * local_tensor(param).numel() * local_tensor(param).element_size()
+    return sum(
+        local_tensor(v).numel() * local_tensor(v).element_size() for v in state.values() if _offloadable(v, param)
+    )

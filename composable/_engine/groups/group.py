@@ -306,14 +306,13 @@ class ParamGroup:
         # The group's extension parameters ride in the flat parameters' collective, unless it
         # is a custom one, one of several dtypes or a post-forward one (extension_batch.py).
         riders: Any = None
-        if self.extension_params:  # only they need the policy and stream (not every unshard's hot path)
+        gather_stream = streams.all_gather if streams is not None else None
+        if self.extension_params:  # only they need the policy (not every unshard's hot path)
             policy = MixedPrecisionPolicy(self.config.param_dtype, self.config.reduce_dtype)
-            gather_stream = streams.all_gather if streams is not None else None
             if custom is None and not self.config.param_dtypes and source is self.flat_shard:
                 riders = extension_batch.prepare_riders(self.extension_params, lay, policy, gather_stream)
         dtype = self.unsharded_dtype if self.config.param_dtypes is None else self.orig_dtype
         if self.config.compute_shard_on_device and source is self.flat_shard:
-            gather_stream = streams.all_gather if streams is not None else None
             source = self._device_copy.refresh(source, dtype, self.config.device, gather_stream, self._shard_versions())
         pending = start_gather(
             self.flat_params, source, group, rank, lay.shard_world, self.flat_shard.numel(), dtype, self.config.device,

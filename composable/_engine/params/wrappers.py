@@ -18,6 +18,11 @@ def new_dtensor(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
     return DTensor.__new__(DTensor, local, spec, requires_grad=False)
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's tensor of `t`: a DTensor's local shard (without a dispatch), else `t`."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
 def offset_free_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
     """`state_dict()` post-hook: its DTensor values are `param.detach()` of sharded parameters,
     new wrappers that take their local shard's storage offset again, and such a wrapper cannot
