@@ -53,7 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help=f"comma list of {', '.join(ALL_RUNS)} (the *_graphed ones: the whole step in a CUDA graph; the *_offload "
         "ones: CPUOffloadPolicy, the shards, gradients and optimizer step on the host; *_offload_on_device: the bf16 "
-        "shards kept on the GPU too; *_state_offload: only the optimizer state on the host, stepped on the GPU); "
+        "shards kept on the GPU too; *_state_offload: only the optimizer state on the host, stepped on the GPU; *_prefetch: its copies in "
+        "during backward); "
         f"default {','.join(RUNS)}, on a 2D --mesh {','.join(MESH_DEFAULT_RUNS)}",
     )
     p.add_argument(

@@ -41,8 +41,9 @@ GRAPHED_RUNS = ("floor_graphed", "fully_shard_graphed", "replicate_graphed")
 # (`CPUOffloadPolicy(compute_shard_on_device=True)`).
 OFFLOAD_RUNS = ("fully_shard_offload", "fully_shard_offload_on_device", "fsdp2_offload")
 # fully_shard with only the optimizer state on the host, stepped on the GPU in buckets
-# (`composable.optim.offload_optimizer_state`, applied by benchmark.py).
-STATE_OFFLOAD_RUNS = ("fully_shard_state_offload",)
+# (`composable.optim.offload_optimizer_state`, applied by benchmark.py); *_prefetch: the state's
+# copies in during backward (`prefetch_in_backward=model`).
+STATE_OFFLOAD_RUNS = ("fully_shard_state_offload", "fully_shard_state_offload_prefetch")
 ALL_RUNS = RUNS + GRAPHED_RUNS + OFFLOAD_RUNS + STATE_OFFLOAD_RUNS
 MODELS = ("own", "hf-llama")
 AC_MODES = ("none", "full", "selective")  # activation checkpointing of every block
@@ -154,7 +155,11 @@ def build(
     offload = run in OFFLOAD_RUNS
     on_device = run.endswith("_on_device")
     run = (
-        run.removesuffix("_graphed").removesuffix("_on_device").removesuffix("_state_offload").removesuffix("_offload")
+        run.removesuffix("_graphed")
+        .removesuffix("_on_device")
+        .removesuffix("_prefetch")
+        .removesuffix("_state_offload")
+        .removesuffix("_offload")
     )
     if model not in MODELS:
         raise ValueError(f"build: model must be one of {MODELS}, got {model!r}")

@@ -36,6 +36,9 @@ RATIOS = (
     ("fully_shard_state_offload", "fsdp2_offload"),
     ("fully_shard_state_offload", "fully_shard"),
     ("fully_shard_state_offload", "fully_shard_offload"),
+    ("fully_shard_state_offload_prefetch", "fsdp2_offload"),
+    ("fully_shard_state_offload_prefetch", "fully_shard"),
+    ("fully_shard_state_offload_prefetch", "fully_shard_state_offload"),
     ("fsdp2_offload", "fsdp2"),
 )
 

@@ -195,7 +195,8 @@ def time_run(
     )
     graphed = run in GRAPHED_RUNS
     opt = build_optimizer(c.model, args.optimizer, 1e-4, graphed)
-    state_offload = offload_optimizer_state(opt) if run in STATE_OFFLOAD_RUNS else None
+    prefetch = c.model if run.endswith("_prefetch") else None
+    state_offload = offload_optimizer_state(opt, prefetch_in_backward=prefetch) if run in STATE_OFFLOAD_RUNS else None
     step_fn = make_step(c, opt, graphed, args.warmup)
     g = tokens_generator(mesh, device)  # the tp ranks of a group train on the same tokens
     tokens = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), device=device, generator=g)

@@ -22,7 +22,10 @@ import bench_args  # noqa: E402
 import bench_build  # noqa: E402
 import benchmark  # noqa: E402
 
-RUNS = "fully_shard,fully_shard_offload,fully_shard_offload_on_device,fully_shard_state_offload,fsdp2_offload"
+RUNS = (
+    "fully_shard,fully_shard_offload,fully_shard_offload_on_device,fully_shard_state_offload,"
+    "fully_shard_state_offload_prefetch,fsdp2_offload"
+)
 
 
 def _smoke(rank: int, world_size: int, out: str) -> dict:
@@ -42,8 +45,11 @@ def test_offload_contenders_train_as_without_offload_and_are_reported(
     for res in results:
         (plain, _), (ours, host), (theirs, _) = res["fully_shard"], res["fully_shard_offload"], res["fsdp2_offload"]
         on_device, state_offload = res["fully_shard_offload_on_device"][0], res["fully_shard_state_offload"][0]
+        prefetched = res["fully_shard_state_offload_prefetch"][0]
         assert math.isfinite(plain) and 4.0 < plain < 7.0, res
-        assert ours == on_device == state_offload == plain == theirs, res  # offload moves the state, not the math
+        assert ours == on_device == state_offload == prefetched == plain == theirs, (
+            res
+        )  # offload moves the state, not the math
         assert host > 0
     ratios = json.loads(out.read_text())["ratios"]
     assert {
@@ -51,6 +57,7 @@ def test_offload_contenders_train_as_without_offload_and_are_reported(
         "fully_shard_offload/fully_shard",
         "fully_shard_offload_on_device/fully_shard_offload",
         "fully_shard_state_offload/fully_shard",
+        "fully_shard_state_offload_prefetch/fully_shard_state_offload",
     } <= set(ratios)
 
 
@@ -70,7 +77,8 @@ def test_offload_shards_live_on_the_host() -> None:
     contenders without them (only the optimizer state on the host) on their compute device."""
     got = run_on_ranks(_shard_devices, 2)[0]
     offloaded = {run: ["cpu"] for run in bench_build.OFFLOAD_RUNS}
-    assert got == {"fully_shard": ["meta"], "fully_shard_state_offload": ["meta"], **offloaded}, got
+    on_gpu = {run: ["meta"] for run in ("fully_shard", *bench_build.STATE_OFFLOAD_RUNS)}
+    assert got == {**on_gpu, **offloaded}, got
 
 
 @pytest.mark.parametrize(

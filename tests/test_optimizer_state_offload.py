@@ -158,6 +158,37 @@ def test_fully_shard_state_sharded_on_the_host_and_checkpoints(tmp_path: Path) -
     run_on_ranks(_sharded, 2, str(tmp_path))
 
 
+def _prefetched_in_backward(rank: int, world_size: int, device: str) -> None:
+    """`prefetch_in_backward`: after backward, the state of every block whose backward is done
+    is on the device already, set aside (the optimizer's state still the host's), and the steps
+    are bit for bit the plain optimizer's, clipping included; the root's own parameters (its
+    backward ends last) and the first block's are copied in by the step."""
+    mesh = init_device_mesh(device, (world_size,))
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        model = TinyTransformer().to(device)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+
+    models = [build(), build()]
+    opts = [_adamw(m, "fused" if device == "cuda" else "foreach") for m in models]
+    offload = offload_optimizer_state(opts[1], bucket_bytes=SMALL_BUCKETS, prefetch_in_backward=models[1])
+    _train_side_by_side(models, opts, lambda step: batch_for(step, world_size, rank).to(device), STEPS)
+    lm_loss(models[1], batch_for(STEPS, world_size, rank).to(device)).backward()
+    left = {id(p) for layer in models[1].layers[1:] for p in layer.parameters()}
+    assert set(offload._prefetched) == left, "the blocks backward has left, and only those"
+    for p in models[1].parameters():
+        assert opts[1].state[p]["exp_avg"] is offload._host[id(p)]["exp_avg"], "set aside until the step"
+    opts[1].step()
+    assert not offload._prefetched
+
+
+def test_prefetch_in_backward_equals_plain_step() -> None:
+    run_on_ranks(_prefetched_in_backward, 2, "cpu")
+
+
 def test_hooks_once_per_step_and_close_restores_the_plain_step() -> None:
     torch.manual_seed(0)
     model = nn.Linear(8, 8)
@@ -187,6 +218,10 @@ def test_errors() -> None:
         offload_optimizer_state(opt, bucket_bytes=0)
     with pytest.raises(ValueError, match=f"{api}: composable.optim.Muon's step sends whole matrices between ranks"):
         offload_optimizer_state(Muon([nn.Parameter(torch.randn(4, 4))]))
+    with pytest.raises(TypeError, match=f"{api}: 'prefetch_in_backward' must be an nn.Module .* got str"):
+        offload_optimizer_state(opt, prefetch_in_backward="model")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=f"{api}: 'prefetch_in_backward' \\(Linear\\) has no module under fully_shard"):
+        offload_optimizer_state(opt, prefetch_in_backward=nn.Linear(2, 2))
     offload_optimizer_state(opt)
     with pytest.raises(ValueError, match=f"{api}: 'optimizer' already has its state offloaded; call close"):
         offload_optimizer_state(opt)
@@ -212,3 +247,9 @@ def test_gpu_equals_plain_step_with_pinned_host_state(kind: str) -> None:
         for value in opts[1].state[p].values():
             if value.dim() > 0:
                 assert value.device.type == "cpu" and value.is_pinned()
+
+
+@requires_gpus(1)
+def test_gpu_prefetch_in_backward_equals_plain_step() -> None:
+    """The copies in on the side stream during backward, waited for by the step: bit for bit."""
+    run_on_ranks(_prefetched_in_backward, 1, "cuda", backend="cpu:gloo,cuda:nccl")

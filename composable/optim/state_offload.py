@@ -8,6 +8,9 @@ and gradients stay, and the step runs on the GPU, in buckets of parameters whose
 in from the host, stepped by the optimizer itself, and copied back out. The next bucket's copy in
 runs beside this bucket's step and the last bucket's copy out, on two side streams, so the step
 costs about the time the state takes to cross the link once each way, not the host's arithmetic.
+Given the model (`prefetch_in_backward`), the state's copies in start during backward, each
+module's as backward leaves it, where its activations' memory has just been freed; the copies out
+run beside the next forward, so the link's time hides behind the GPU's work.
 
 The math is the optimizer's own on the GPU: each bucket is stepped by a shallow copy of the user's
 optimizer that shares its state and holds only that bucket's parameters, with the hyperparameters
@@ -24,10 +27,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .._engine.params.optim_state import STATE_ON_HOST_ATTR
 from .._engine.params.wrappers import local_tensor, new_dtensor
+from ..fsdp import fully_shard
+from .backward_order import when_backward_leaves
 from .muon import Muon
 
 _API = "composable.optim.offload_optimizer_state"
@@ -36,7 +42,9 @@ _AMP_ATTRS = ("grad_scale", "found_inf")  # what torch.amp.GradScaler sets on a 
 
 
 def offload_optimizer_state(
-    optimizer: torch.optim.Optimizer, bucket_bytes: int = 256 * 2**20
+    optimizer: torch.optim.Optimizer,
+    bucket_bytes: int = 256 * 2**20,
+    prefetch_in_backward: nn.Module | None = None,
 ) -> "OptimizerStateOffload":
     """Keep `optimizer`'s state in host memory between steps and step on the parameters' device.
 
@@ -51,6 +59,13 @@ def offload_optimizer_state(
     unchanged, and so is every number it computes, for optimizers that step each parameter on
     its own (SGD, Adam, AdamW, fused, foreach or neither).
 
+    `prefetch_in_backward`, the model whose parameters `optimizer` steps: the state of the
+    parameters each `fully_shard`-ed module of it manages is copied to the device during
+    backward, as backward leaves that module (when the next module's backward starts), on the
+    copy stream; the step then waits only for what is left. The copies read no gradient, so
+    the step's math (clipping and a GradScaler's checks included) is unchanged; the copied
+    state waits on the device until the step (a backward without a step keeps it there).
+
     `optimizer.state_dict()` holds the host tensors (DTensors sharded as their parameters for
     sharded parameters: DCP saves and loads them as any optimizer state), after the last step's
     copies are done; state that `load_state_dict` puts on the device goes to the host after the
@@ -62,9 +77,11 @@ def offload_optimizer_state(
     the state back on the parameters' devices and the plain step).
 
     Raises:
-        TypeError: `optimizer` is not a `torch.optim.Optimizer`, or `bucket_bytes` not an int.
+        TypeError: `optimizer` is not a `torch.optim.Optimizer`, `bucket_bytes` not an int, or
+            `prefetch_in_backward` neither None nor an `nn.Module`.
         ValueError: `bucket_bytes` < 1, `optimizer` is a `composable.optim.Muon` (its step
-            communicates), or `optimizer`'s state is already offloaded.
+            communicates), `optimizer`'s state is already offloaded, or no module of
+            `prefetch_in_backward` is under `fully_shard`.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"{_API}: 'optimizer' must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -81,7 +98,21 @@ def offload_optimizer_state(
         )
     if _OFFLOAD_ATTR in optimizer.__dict__:
         raise ValueError(f"{_API}: 'optimizer' already has its state offloaded; call close() on the first one")
-    return OptimizerStateOffload(optimizer, bucket_bytes)
+    if prefetch_in_backward is not None and not isinstance(prefetch_in_backward, nn.Module):
+        raise TypeError(
+            f"{_API}: 'prefetch_in_backward' must be an nn.Module (the model) or None, "
+            f"got {type(prefetch_in_backward).__name__}"
+        )
+    sharded = [] if prefetch_in_backward is None else _sharded_modules(prefetch_in_backward)
+    if prefetch_in_backward is not None and not sharded:
+        raise ValueError(
+            f"{_API}: 'prefetch_in_backward' ({type(prefetch_in_backward).__name__}) has no module under fully_shard, "
+            "whose backward the copies would follow"
+        )
+    offload = OptimizerStateOffload(optimizer, bucket_bytes)
+    if sharded:
+        offload.prefetch_in_backward_of(sharded)
+    return offload
 
 
 class OptimizerStateOffload:
@@ -102,6 +133,11 @@ class OptimizerStateOffload:
         self._host: dict[int, dict[str, torch.Tensor]] = {}
         self._out_done: torch.cuda.Event | None = None  # the last step's copies to the host
         self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None  # (in, out)
+        # Copied to the device during backward, not yet stepped: id(param) -> {state key: device
+        # state}; the optimizer's state keeps pointing at the host tensors until the step.
+        self._prefetched: dict[int, dict[str, torch.Tensor]] = {}
+        self._prefetch_done: torch.cuda.Event | None = None  # the last of those copies
+        self._module_hooks: list[Any] = []
         self._own_step = optimizer.__dict__.get("step")  # an instance's own step (a scheduler's wrapper), if any
         setattr(optimizer, _OFFLOAD_ATTR, self)
         # Bound to the optimizer, as `step` is: an LR scheduler re-binds `optimizer.step.__func__`.
@@ -129,6 +165,7 @@ class OptimizerStateOffload:
                 setattr(self._shadow, name, getattr(opt, name))
             else:
                 self._shadow.__dict__.pop(name, None)
+        self._take_prefetched()
         buckets = self._buckets()
         streams = self._streams_for(buckets)
         incoming = self._copy_in(buckets[0], streams) if buckets else None
@@ -178,33 +215,44 @@ class OptimizerStateOffload:
     ) -> torch.cuda.Event | None:
         """Put the bucket's host state on the device (copied on the in-stream, after the last
         copies out of that host memory); the event the step waits for (None off CUDA)."""
-        current = torch.cuda.current_stream() if streams is not None else None
-        if streams is not None:
-            assert current is not None
-            streams[0].wait_stream(current)  # the device buffers are allocated on the current stream
-            if self._out_done is not None:
-                streams[0].wait_event(self._out_done)  # the host memory holds the last step's values
-        for group in bucket:
-            for p in group["params"]:
-                hosts = self._host.get(id(p))
-                state = self.optimizer.state.get(p)
-                if not hosts or not state:
-                    continue
-                for key, host in hosts.items():
-                    if state.get(key) is not host:
-                        continue  # replaced (a load_state_dict): stepped where it is
-                    device_local = torch.empty_like(local_tensor(host), device=local_tensor(p).device)
-                    if streams is not None:
-                        with torch.cuda.stream(streams[0]):
-                            device_local.copy_(local_tensor(host), non_blocking=True)
-                    else:
-                        device_local.copy_(local_tensor(host))
-                    state[key] = _like(host, device_local)
+        params = [p for group in bucket for p in group["params"]]
+        copies = self._device_copies(params, streams)
+        for p in params:
+            if id(p) in copies:
+                self.optimizer.state[p].update(copies[id(p)])
         if streams is None:
             return None
         event = torch.cuda.Event()
         event.record(streams[0])
         return event
+
+    def _device_copies(
+        self, params: list[torch.Tensor], streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None
+    ) -> dict[int, dict[str, torch.Tensor]]:
+        """Device copies of `params`' host state, by id(param) and key, made on the in-stream
+        after the work queued so far (the buffers are allocated on the current stream) and after
+        the last copies out of that host memory; state no longer on the host is left out."""
+        if streams is not None:
+            streams[0].wait_stream(torch.cuda.current_stream())
+            if self._out_done is not None:
+                streams[0].wait_event(self._out_done)  # the host memory holds the last step's values
+        copies: dict[int, dict[str, torch.Tensor]] = {}
+        for p in params:
+            hosts = self._host.get(id(p))
+            state = self.optimizer.state.get(p)
+            if not hosts or not state:
+                continue
+            for key, host in hosts.items():
+                if state.get(key) is not host:
+                    continue  # replaced (a load_state_dict): stepped where it is
+                device_local = torch.empty_like(local_tensor(host), device=local_tensor(p).device)
+                if streams is not None:
+                    with torch.cuda.stream(streams[0]):
+                        device_local.copy_(local_tensor(host), non_blocking=True)
+                else:
+                    device_local.copy_(local_tensor(host))
+                copies.setdefault(id(p), {})[key] = _like(host, device_local)
+        return copies
 
     def _copy_out(
         self, bucket: list[dict[str, Any]], streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None
@@ -244,6 +292,46 @@ class OptimizerStateOffload:
             self._out_done = torch.cuda.Event()
             self._out_done.record(streams[1])
 
+    # -- copies in during backward --------------------------------------------------------------
+    def prefetch_in_backward_of(self, modules: list[nn.Module]) -> None:
+        """Copy the state of each module's parameters in as backward leaves the module.
+        `modules`: those `fully_shard` manages; each owns its parameters outside the nested ones."""
+        stepped = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
+        sharded = {id(m) for m in modules}
+        owned: dict[int, list[torch.Tensor]] = {}
+        for module in modules:
+            nested = {id(p) for c in module.modules() if c is not module and id(c) in sharded for p in c.parameters()}
+            owned[id(module)] = [p for p in module.parameters() if id(p) in stepped and id(p) not in nested]
+        self._module_hooks += when_backward_leaves(modules, lambda module: self._prefetch(owned[id(module)]))
+
+    def _prefetch(self, params: list[torch.Tensor]) -> None:
+        """Copy `params`' host state to the device on the in-stream, kept aside for the step."""
+        params = [p for p in params if id(p) not in self._prefetched]
+        streams = self._streams_for([[{"params": params}]])
+        copies = self._device_copies(params, streams)
+        self._prefetched.update(copies)
+        if streams is not None and copies:
+            self._prefetch_done = torch.cuda.Event()
+            self._prefetch_done.record(streams[0])
+
+    def _take_prefetched(self) -> None:
+        """Point the optimizer's state at the state copied in during backward (after those copies)."""
+        if not self._prefetched:
+            return
+        if self._prefetch_done is not None:
+            torch.cuda.current_stream().wait_event(self._prefetch_done)
+            self._prefetch_done = None
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                copies = self._prefetched.get(id(p))
+                state = self.optimizer.state.get(p)
+                if not copies or not state:
+                    continue
+                for key, device_value in copies.items():
+                    if state.get(key) is self._host[id(p)][key]:
+                        state[key] = device_value
+        self._prefetched.clear()
+
     # -- outside the step ----------------------------------------------------------------------
     def wait(self) -> None:
         """Wait for the last step's copies to the host (before reading the state on the host)."""
@@ -254,6 +342,7 @@ class OptimizerStateOffload:
         """`load_state_dict` replaces the state: the host memory is made anew at the next step."""
         self.wait()
         self._host.clear()
+        self._prefetched.clear()
 
     def close(self) -> None:
         """Put the state back on the parameters' devices and give `optimizer` its plain step."""
@@ -264,7 +353,8 @@ class OptimizerStateOffload:
                 if state.get(key) is host:
                     state[key] = _like(host, local_tensor(host).to(local_tensor(p).device))
         self._host.clear()
-        for hook in self._hooks:
+        self._prefetched.clear()
+        for hook in self._hooks + self._module_hooks:
             hook.remove()
         if self._own_step is None:
             del self.optimizer.__dict__["step"]  # the class's step again
@@ -276,6 +366,11 @@ class OptimizerStateOffload:
 
 def _offloaded_step(optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> None:
     optimizer.__dict__[_OFFLOAD_ATTR].step(closure)
+
+
+def _sharded_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of `model` (itself included) that `fully_shard` manages, in `modules()` order."""
+    return [m for m in model.modules() if fully_shard.state(m) is not None]
 
 
 def _like(template: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
