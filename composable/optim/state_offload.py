@@ -178,6 +178,12 @@ class OptimizerStateOffload:
             self._shadow.step()
             self._copy_out(bucket, streams)
             incoming = following
+        if streams is not None:
+            # One event for the whole step's copies out: the next step's (and backward's) copies
+            # in read that host memory. Within this step a bucket's copy in reads other host
+            # memory than the earlier buckets' copies out write, and does not wait for them.
+            self._out_done = torch.cuda.Event()
+            self._out_done.record(streams[1])
         for post_hook in opt._optimizer_step_post_hooks.values():
             post_hook(opt, (), {})
 
@@ -220,8 +226,8 @@ class OptimizerStateOffload:
         for p in params:
             if id(p) in copies:
                 self.optimizer.state[p].update(copies[id(p)])
-        if streams is None:
-            return None
+        if streams is None or not copies:
+            return None  # nothing to wait for (all of it copied in during backward)
         event = torch.cuda.Event()
         event.record(streams[0])
         return event
@@ -231,7 +237,7 @@ class OptimizerStateOffload:
     ) -> dict[int, dict[str, torch.Tensor]]:
         """Device copies of `params`' host state, by id(param) and key, made on the in-stream
         after the work queued so far (the buffers are allocated on the current stream) and after
-        the last copies out of that host memory; state no longer on the host is left out."""
+        the last step's copies out of that host memory; state no longer on the host is left out."""
         if streams is not None:
             streams[0].wait_stream(torch.cuda.current_stream())
             if self._out_done is not None:
@@ -288,9 +294,6 @@ class OptimizerStateOffload:
                     else:
                         local_tensor(host).copy_(device_local)
                     state[key] = host
-        if streams is not None:
-            self._out_done = torch.cuda.Event()
-            self._out_done.record(streams[1])
 
     # -- copies in during backward --------------------------------------------------------------
     def prefetch_in_backward_of(self, modules: list[nn.Module]) -> None:
