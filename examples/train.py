@@ -79,7 +79,7 @@ from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
 from train_step import TrainStep, build_graph_optimizer, checkpoint_ready, make_train_step, set_lr  # noqa: E402
 from watchdog import Watchdog  # noqa: E402
 
-from composable import ShardedGradScaler, graphed_step  # noqa: E402
+from composable import ShardedGradScaler, fully_shard, graphed_step  # noqa: E402
 from composable.optim import offload_optimizer_state  # noqa: E402
 
 __all__ = ["checkpoint_dirs", "main", "parse_args", "train"]
@@ -222,7 +222,10 @@ def _train(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> d
     fused = (args.parallel == "tp" or bool(args.cpu_offload)) and device.type == "cuda"
     optimizer = build_graph_optimizer(model, args, device) if graphs else build_optimizer(model, args, fused)
     if args.cpu_offload == "optimizer-state":  # its state on the host between steps, stepped on the GPU
-        offload_optimizer_state(optimizer)
+        # Its copies in during backward where fully_shard manages the blocks (0.97x no offload's
+        # speed against 0.79x, BENCHMARKS.md "CPU offload"); replicate's model has no such module.
+        sharded = any(fully_shard.state(m) is not None for m in model.modules())
+        offload_optimizer_state(optimizer, prefetch_in_backward=model if sharded else None)
     scaler = ShardedGradScaler(enabled=args.mp == "fp16")
 
     corpus = ByteCorpus.load()
