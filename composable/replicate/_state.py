@@ -61,11 +61,11 @@ class ReplicateState(ModuleState):
 
         return hook
 
-    def _final_reduction_needed(self) -> bool:
+    def final_reduction_needed(self) -> bool:
         # Buckets this rank did not fill may have been filled on another rank: every rank
         # whose forward ran (DDP semantics: all ranks run it) launches every remaining bucket,
         # whatever its own gradients.
-        return self.group is not None and self._ran_forward_with_grad
+        return self.group is not None and self.ran_forward_with_grad
 
     def _launch_reduction(self) -> None:
         self.group.reducer.flush_buckets()  # type: ignore[union-attr]

@@ -1,5 +1,6 @@
 """The per-module state shared by `fully_shard` and `replicate`: hooks that drive a parameter group
-through forward and backward, root detection, lazy init, and the end-of-backward callback.
+through forward and backward, root detection and lazy init; the end of backward belongs to the
+tree's `BackwardEnd` (finalize.py), which the root's lazy init makes and the first pre-backward starts.
 
 Order of events for one module (root marked *):
   pre_forward   lazy init*, refresh sharded params*, unshard (+ prefetch), cast inputs,
@@ -38,11 +39,12 @@ from ..params.annotated import restore_annotations, resumed, untyped
 from ..params.late_params import check_no_late_params
 from ..params.wrappers import offset_free_state_dict
 from . import finalize
+from .finalize import GradientReductionHandle
 from .root_context import RootContext, TrainingState
 from .unshard_handle import UnshardHandle
 
 
-class ModuleState(finalize.BackwardFinalization):
+class ModuleState:
     """State one parameter-owning API installs on one module."""
 
     api_name = "composable"
@@ -64,16 +66,15 @@ class ModuleState(finalize.BackwardFinalization):
         self.reshard_after_backward = True  # False: keep the unsharded parameters until the next forward
         self.is_last_backward = True  # root: False lets the end of backward leave reductions in flight
         self.manual_finalization = False  # root: set_manual_backward_finalization
-        self.finalize_pending = False  # manual finalization: finalize_backward reduces this group
         self.unshard_in_backward = True  # False: backward computes without gathering (set_unshard_in_backward)
         self.training_state = TrainingState.IDLE
         self.requires_gradient_sync = True
         self.is_root: bool | None = None  # decided at lazy init
-        self.root_context: RootContext | None = None  # shared by the states of one root's tree
+        self.root_context: RootContext[ModuleState] | None = None  # shared by the states of one root's tree
         self.forward_prefetch: list[ModuleState] = []
         self.backward_prefetch: list[ModuleState] = []
         self._forward_index: int | None = None  # position in the root's forward order
-        self._ran_forward_with_grad = False  # since the last end of backward
+        self.ran_forward_with_grad = False  # since the last end of backward
         # Several modules only: positions of those yet to run in this pass; post-backward functions
         # attached and not run yet; whether one ran with grad but no input needing grad (nothing
         # tells when its gradients are done: the end of backward reduces).
@@ -126,6 +127,32 @@ class ModuleState(finalize.BackwardFinalization):
         for state in targets:
             state.requires_gradient_sync = requires_gradient_sync
 
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """True: the end of backward no longer reduces gradients or waits for reductions; call
+        `finalize_backward` after all the backward passes of one logical backward (each with
+        `set_requires_gradient_sync(False)`, then True before finalizing). Call it on the root
+        (the module run first) before backward: RuntimeError on another module, during a
+        backward, or to change the mode between a backward and its finalization. Supersedes
+        `set_is_last_backward`. As torch 2.15's `FSDPModule.set_manual_backward_finalization`."""
+        backward_end = self.root_context.backward_end if self.root_context is not None else None
+        finalize.check_mode_change(self, self.is_root, backward_end, enabled)
+        self.manual_finalization = enabled
+
+    def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
+        """Finish the backward iteration under manual finalization: reduce the gradients of
+        every group that holds some (per its current `requires_gradient_sync`), reshard per
+        `reshard_after_backward`, and wait for the reductions. `async_op=True`: return a
+        `GradientReductionHandle` without waiting; `wait()` it before using the gradients or
+        running this tree again. A no-op before the root's first forward. RuntimeError on a
+        module other than the root, without `set_manual_backward_finalization(True)`, during
+        backward, while an earlier handle is not waited on, and with HSDP's deferred replica
+        all-reduce (`set_requires_all_reduce(False)`) in play. As torch 2.15's
+        `FSDPModule.finalize_backward`."""
+        check_bool("finalize_backward", "async_op", async_op)
+        if self.is_root is None or self.root_context is None:  # never ran: nothing to finalize
+            return GradientReductionHandle(None) if async_op else None
+        return self.root_context.backward_end.finalize(self, async_op)
+
     # -- lazy init ----------------------------------------------------------------------------
     def _lazy_init(self) -> None:
         if self.is_root is not None:
@@ -137,8 +164,7 @@ class ModuleState(finalize.BackwardFinalization):
                 f"containing them too (e.g. {self.api_name}(model)) and run that"
             )
         check_pipeline_stage(self.api_name, self.module)  # a torch stage that reduces per microbatch: fail now
-        context = RootContext(self, param_states(self.module))
-        finalize.check_manual_on_root(self, context.states)
+        context = RootContext[ModuleState](self, param_states(self.module))  # checks manual finalization
         self.is_root = True
         for state in context.states:
             state.root_context = context
@@ -179,7 +205,7 @@ class ModuleState(finalize.BackwardFinalization):
             self.training_state = TrainingState.FORWARD
             if grouped:
                 self._forward_pending = set(range(len(self.modules)))
-        self._ran_forward_with_grad |= torch.is_grad_enabled()
+        self.ran_forward_with_grad |= torch.is_grad_enabled()
         if self.group is not None:
             self.group.unshard()  # a no-op for the later modules of a pass
             if first:
@@ -204,7 +230,7 @@ class ModuleState(finalize.BackwardFinalization):
         check_no_late_params(self.module)
         context = self.root_context
         assert context is not None
-        finalize.check_no_pending_reduction(self, context)
+        context.backward_end.check_no_pending_reduction()
         context.forward_order.clear()
         for state in context.states:
             group = state.group
@@ -268,7 +294,7 @@ class ModuleState(finalize.BackwardFinalization):
             if reshard is True or not backward_follows or not module.training:
                 self.group.reshard()
             elif reshard is False:  # keep the storage for backward, but show the sharded parameters meanwhile
-                if not finalize.shows_unsharded(self):
+                if not self._shows_unsharded():
                     self.group.register_sharded()
             else:  # an int: keep 1/N, so backward gathers within N ranks
                 self.group.reshard_to(reshard)
@@ -283,14 +309,8 @@ class ModuleState(finalize.BackwardFinalization):
         return output
 
     def _tree_streams(self) -> list[CommStreams]:
-        """The distinct communication streams of the groups in the tree (root only; one set
-        per CUDA device, none on CPU)."""
-        found: dict[int, CommStreams] = {}
-        for state in self.root_context.states if self.root_context is not None else []:
-            streams = state.group.streams if state.group is not None else None
-            if streams is not None:
-                found.setdefault(id(streams), streams)
-        return list(found.values())
+        """The distinct communication streams of the groups in the tree (root only)."""
+        return finalize.distinct_streams(self.root_context.states if self.root_context is not None else [])
 
     def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         dtype = self.mp_policy.param_dtype
@@ -305,11 +325,8 @@ class ModuleState(finalize.BackwardFinalization):
         if self.training_state is TrainingState.PRE_BACKWARD:
             return
         context = self.root_context
-        if context is not None and not context.final_callback_queued:
-            context.final_callback_queued = True
-            if context.manual_active is None:  # the mode of this backward (set_manual_backward_finalization)
-                context.manual_active = context.root.manual_finalization
-            torch.autograd.Variable._execution_engine.queue_callback(context.root._final_callback)
+        if context is not None:
+            context.backward_end.start_backward()  # the first pre-backward queues the end of backward
         self.training_state = TrainingState.PRE_BACKWARD
         if self.group is not None:
             self.group.reducer.drop_discarded_sums()  # zero_grad since a no-sync backward
@@ -340,54 +357,46 @@ class ModuleState(finalize.BackwardFinalization):
                 return  # gradients of other listed modules may still come: the last (or the end of backward) reduces
         self.training_state = TrainingState.POST_BACKWARD
         if self.group is not None:
-            self._finish_backward_of_group(reduce=self.requires_gradient_sync)
+            self.finish_backward_of_group(reduce=self.requires_gradient_sync)
 
-    def _finish_backward_of_group(self, reduce: bool, last: bool = False) -> None:
+    def finish_backward_of_group(self, reduce: bool, last: bool = False) -> None:
         """Reshard, then reduce if `reduce` (FSDP2's order: the reduction reads gradients, not the
         parameters, so their storage is not held while it allocates); no gradient sync: stash the
         gradients first. `last`: no all-gather comes before the optimizer step: free what waits one."""
         if not self.requires_gradient_sync:
             self.group.stash_grads()  # type: ignore[union-attr]
-        self._end_backward_of_group()
+        self.end_backward_of_group()
         if reduce:
             if last and self.group.streams is not None:  # type: ignore[union-attr]
                 self.group.streams.release_gather_buffers()  # type: ignore[union-attr]
             self._launch_reduction()
 
-    def _end_backward_of_group(self) -> None:
+    def end_backward_of_group(self) -> None:
         """Reshard, or with `reshard_after_backward=False` keep the unsharded storage (the next
         forward gathers nothing, unless an optimizer step changed the shards meanwhile) while
         the modules show the sharded parameters."""
         if self.reshard_after_backward:
             self.group.reshard()  # type: ignore[union-attr]
-        elif not finalize.shows_unsharded(self):
+        elif not self._shows_unsharded():
             self.group.keep_unsharded()  # type: ignore[union-attr]
 
     def _after_unshard(self) -> None:
         """Hook for subclasses: the unsharded parameters exist now."""
 
-    def _final_reduction_needed(self) -> bool:
+    def final_reduction_needed(self) -> bool:
         """Whether the end of backward must still launch this group's reduction."""
         return self.group is not None and self.group.has_unsharded_grads()
 
     def _launch_reduction(self) -> None:
         self.group.reduce_grads()  # type: ignore[union-attr]
 
-    @labelled("composable::final_callback")
-    @untyped
-    def _final_callback(self) -> None:
-        """End of backward (root only): finish every group in the tree (finalize.py)."""
-        context = self.root_context
-        assert context is not None
-        manual = finalize.finish_groups_at_end_of_backward(context)
-        for state in context.states:
-            state.training_state = TrainingState.IDLE
-            state._forward_index, state._ran_forward_with_grad = None, False
-            state._backward_pending, state._backward_untracked = 0, False
-            state._forward_pending.clear()
-        context.final_callback_queued = False
-        if manual:
-            return  # finalize_backward finishes
-        context.manual_active = None
-        if self.is_last_backward:  # else the next forward finishes (set_is_last_backward(False): micro-batches)
-            finalize.end_backward_iteration(self)
+    def _shows_unsharded(self) -> bool:
+        """Whether a group kept unsharded stays registered unsharded between passes (finalize.py)."""
+        return self.root_context is not None and self.root_context.backward_end.shows_unsharded()
+
+    def clear_pass_bookkeeping(self) -> None:
+        """Forget this iteration's pass: the end of backward, or `reset_iter_state` after an abort."""
+        self.training_state = TrainingState.IDLE
+        self._forward_index, self.ran_forward_with_grad = None, False
+        self._backward_pending, self._backward_untracked = 0, False
+        self._forward_pending.clear()
