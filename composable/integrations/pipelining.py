@@ -92,7 +92,7 @@ class ComposablePipelineStage(PipelineStage):
         if backward_type == "full":
             yield
             return
-        groups = [s.group for s in self._states() if s.group is not None]
+        groups = [group for s in self._states() for group in s.groups]
         for group in groups:
             group.unshard()  # kept from forward: registers them, gathers nothing
         try:

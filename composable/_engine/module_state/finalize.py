@@ -16,7 +16,7 @@ Until that handle is waited on, a forward or another finalization raises.
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Iterable, Protocol, Sequence
 
 import torch
 import torch.distributed.fsdp as torch_fsdp
@@ -25,7 +25,6 @@ import torch.nn as nn
 from ..comm.profiling import labelled
 from ..comm.streams import CommStreams
 from ..groups.group import GroupState, ParamGroup
-from ..groups.group_set import GroupSet, members
 from ..hooks.contract import check_bool
 from ..params.annotated import untyped
 
@@ -40,7 +39,7 @@ class TreeMember(Protocol):
 
     module: nn.Module
     api_name: str
-    group: ParamGroup | GroupSet | None
+    groups: list[ParamGroup]  # none: the state manages nothing
     requires_gradient_sync: bool
     manual_finalization: bool  # the root's setting (set_manual_backward_finalization)
     is_last_backward: bool  # the root's setting (set_is_last_backward)
@@ -48,19 +47,18 @@ class TreeMember(Protocol):
 
     def final_reduction_needed(self) -> bool: ...
 
-    def finish_backward_of_group(self, reduce: bool, last: bool = False) -> None: ...
+    def finish_backward_of_groups(self, reduce: bool, last: bool = False) -> None: ...
 
-    def end_backward_of_group(self) -> None: ...
+    def end_backward_of_groups(self) -> None: ...
 
     def clear_pass_bookkeeping(self) -> None: ...
 
 
-def distinct_streams(states: Sequence[TreeMember]) -> list[CommStreams]:
-    """The distinct communication streams of the states' groups (one set per CUDA device,
-    none on CPU)."""
+def distinct_streams(groups: Iterable[ParamGroup]) -> list[CommStreams]:
+    """The distinct communication streams of `groups` (one set per CUDA device, none on CPU)."""
     found: dict[int, CommStreams] = {}
-    for state in states:
-        streams = state.group.streams if state.group is not None else None
+    for group in groups:
+        streams = group.streams
         if streams is not None:
             found.setdefault(id(streams), streams)
     return list(found.values())
@@ -168,13 +166,13 @@ class BackwardEnd:
         like every group that ran, is left for `finalize`."""
         manual = bool(self.manual_active)
         for index, state in enumerate(self.states):
-            if state.group is None:
+            if not state.groups:
                 continue
             reduce = state.requires_gradient_sync and state.final_reduction_needed()
             if manual and (reduce or state.ran_forward_with_grad):
                 self._to_finalize.add(index)
             if not (manual and reduce):
-                state.finish_backward_of_group(reduce, last=True)
+                state.finish_backward_of_groups(reduce, last=True)
         for state in self.states:
             state.clear_pass_bookkeeping()
         self.callback_queued = False
@@ -224,12 +222,12 @@ class BackwardEnd:
         if self.callback_queued or torch._C._current_graph_task_id() != -1:
             raise RuntimeError(f"{api}: must be called after backward completes, not during it")
         for index, state in enumerate(self.states):
-            group = state.group
-            if group is None or not group.layout.replicate_groups:
+            if not any(group.layout.replicate_groups for group in state.groups):
                 continue
             pending = index in self._to_finalize
-            to_reduce = state.requires_gradient_sync and (pending or group.has_unsharded_grads())
-            for reducer in (g.reducer for g in members(group)):  # per-parameter meshes: partial sums of each
+            unsharded = any(group.has_unsharded_grads() for group in state.groups)
+            to_reduce = state.requires_gradient_sync and (pending or unsharded)
+            for reducer in (group.reducer for group in state.groups):  # per-parameter meshes: partial sums of each
                 deferred = to_reduce and not getattr(reducer, "requires_all_reduce", True)
                 if getattr(reducer, "_partial", None) is not None or deferred:
                     raise RuntimeError(
@@ -244,16 +242,16 @@ class BackwardEnd:
         try:
             for index in reversed(range(len(self.states))):
                 state = self.states[index]
-                if state.group is None:
+                if not state.groups:
                     continue
                 pending = index in self._to_finalize
                 if pending:  # it ran with grad since the last reduction (replicate reduces every bucket then)
                     state.ran_forward_with_grad = True
                 reduce = state.requires_gradient_sync and state.final_reduction_needed()
                 if reduce or pending:
-                    state.finish_backward_of_group(reduce, last=True)
-                elif state.group.state is not GroupState.SHARDED:
-                    state.end_backward_of_group()
+                    state.finish_backward_of_groups(reduce, last=True)
+                elif any(group.state is not GroupState.SHARDED for group in state.groups):
+                    state.end_backward_of_groups()
                 state.ran_forward_with_grad = False
             self._to_finalize.clear()
         finally:
@@ -261,10 +259,10 @@ class BackwardEnd:
 
     def end_iteration(self) -> None:
         """Wait for every launched reduction of the tree and end the backward iteration."""
-        for state in self.states:
-            if state.group is not None:
-                state.group.finish_reduce()
-        for streams in distinct_streams(self.states):
+        groups = [group for state in self.states for group in state.groups]
+        for group in groups:
+            group.finish_reduce()
+        for streams in distinct_streams(groups):
             streams.end_of_backward()
         self.manual_active = None
         self.pending_reduction = None

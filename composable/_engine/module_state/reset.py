@@ -20,12 +20,12 @@ def reset_iteration(root: ModuleState, api: str) -> None:
     context = root.root_context
     states = context.states if context is not None else [root]
     for state in states:
-        if state.group is not None:
-            state.group.reducer.discard()
-            state.group.reshard()
+        for group in state.groups:
+            group.reducer.discard()
+            group.reshard()
         state.clear_pass_bookkeeping()
     if context is not None:
         context.forward_order.clear()
         context.backward_end.discard()  # a pending finalize_backward handle is invalidated
-    for streams in distinct_streams(states):
+    for streams in distinct_streams(group for state in states for group in state.groups):
         streams.end_of_backward()

@@ -1,5 +1,6 @@
-"""The per-module state shared by `fully_shard` and `replicate`: hooks that drive a parameter group
-through forward and backward, root detection and lazy init; the end of backward belongs to the
+"""The per-module state shared by `fully_shard` and `replicate`: hooks that drive its parameter
+groups through forward and backward (one group per mesh, each driven in turn, as FSDP2 loops
+over its `FSDPParamGroup`s), root detection and lazy init; the end of backward belongs to the
 tree's `BackwardEnd` (finalize.py), which the root's lazy init makes and the first pre-backward starts.
 
 Order of events for one module (root marked *):
@@ -29,8 +30,8 @@ from ..comm.profiling import labelled
 from ..comm.streams import CommStreams
 from ..dtypes.policies import MixedPrecisionPolicy
 from ..grads.grad_dtype import set_unsharded_grad_dtypes
+from ..groups.build import ListedModules
 from ..groups.group import ParamGroup
-from ..groups.group_set import GroupSet, members
 from ..hooks.autograd import any_requires_grad, attach_post_backward, attach_pre_backward, cast_floating, run_eagerly
 from ..hooks.compile_boundary import keep_hooks_outside_graphs
 from ..hooks.contract import check_bool, keep_post_hook_last, param_states, register_api_pre_hook
@@ -52,14 +53,15 @@ class ModuleState:
     def __init__(
         self,
         module: nn.Module | Sequence[nn.Module],
-        group: ParamGroup | GroupSet | None,
+        groups: list[ParamGroup],
         mp_policy: MixedPrecisionPolicy,
         reshard_after_forward: bool | int,
         reshard_is_default: bool,
     ) -> None:
         self.modules: tuple[nn.Module, ...] = (module,) if isinstance(module, nn.Module) else tuple(module)
         self.module = self.modules[0]
-        self.group = group
+        self._single_module = isinstance(module, nn.Module)  # else FQNs as in an nn.ModuleList of them
+        self.groups = groups  # one per mesh (per-parameter meshes: several); none: nothing managed
         self.mp_policy = mp_policy
         self.reshard_after_forward = reshard_after_forward
         self._reshard_is_default = reshard_is_default
@@ -101,21 +103,27 @@ class ModuleState:
     # -- public helpers ---------------------------------------------------------------------
     @property
     def param_names(self) -> list[str]:
-        return [] if self.group is None else [mp.fqn for mp in self.group.params]
+        """The FQNs of the managed parameters, in the module's order (per-parameter meshes
+        interleave their groups' parameters); a list of modules names them as an
+        `nn.ModuleList` of the modules would."""
+        managed = {mp.fqn for group in self.groups for mp in group.params}
+        tree = self.module if self._single_module else ListedModules(self.modules)
+        walk = dict.fromkeys(name for name, _ in tree.named_parameters(remove_duplicate=False))
+        return [name for name in walk if name in managed]
 
     def unshard(self, async_op: bool = False) -> "UnshardHandle | None":
         """All-gather this module's parameters and register the unsharded ones. With
         `async_op=True` the all-gather is only started: returns a handle whose `wait()`
         finishes it; the next forward uses what it gathered (no second all-gather)."""
         check_bool("unshard", "async_op", async_op)
-        if self.group is not None:
-            self.group.unshard(async_op=async_op)
-        return UnshardHandle(self.group) if async_op else None
+        for group in self.groups:
+            group.unshard(async_op=async_op)
+        return UnshardHandle(self.groups) if async_op else None
 
     def reshard(self) -> None:
         """Free the unsharded parameters and register the sharded DTensors again."""
-        if self.group is not None:
-            self.group.reshard()
+        for group in self.groups:
+            group.reshard()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, recurse: bool = True) -> None:
         """False: backward accumulates unsharded gradients locally (more memory: a full
@@ -190,8 +198,8 @@ class ModuleState:
         if self._in_backward():
             # Activation checkpointing re-runs the forward inside backward: gather if needed
             # and keep the parameters until this module's own post_backward reshards them.
-            if self.group is not None:
-                self.group.unshard()
+            for group in self.groups:
+                group.unshard()
             with resumed():
                 return self._cast_inputs(args, kwargs)
         grouped = len(self.modules) > 1
@@ -206,17 +214,17 @@ class ModuleState:
             if grouped:
                 self._forward_pending = set(range(len(self.modules)))
         self.ran_forward_with_grad |= torch.is_grad_enabled()
-        if self.group is not None:
-            self.group.unshard()  # a no-op for the later modules of a pass
-            if first:
-                self._after_unshard()
-                for other in self.forward_prefetch:
-                    if other.group is not None:
-                        other.group.unshard(async_op=True)
+        for group in self.groups:
+            group.unshard()  # a no-op for the later modules of a pass
+        if self.groups and first:
+            self._after_unshard()
+            for other in self.forward_prefetch:
+                for group in other.groups:
+                    group.unshard(async_op=True)
         with resumed():  # spmd_types: the module's parameters and inputs keep their types
             args, kwargs = self._cast_inputs(args, kwargs)
-            if self.group is not None:
-                restore_annotations(self.group.params)
+            for group in self.groups:
+                restore_annotations(group.params)
             if torch.is_grad_enabled():
                 if grouped:  # the group reduces after the last of its post-backwards (see `_post_backward`)
                     if any_requires_grad((args, kwargs)):
@@ -233,8 +241,7 @@ class ModuleState:
         context.backward_end.check_no_pending_reduction()
         context.forward_order.clear()
         for state in context.states:
-            group = state.group
-            if group is not None:
+            for group in state.groups:
                 group.finish_reduce()  # in case a previous backward did not finish
                 group.refresh_sharded_params()
         for streams in self._tree_streams():
@@ -289,15 +296,15 @@ class ModuleState:
         # In eval mode a backward rarely follows (a validation forward without no_grad): reshard
         # so the sharded parameters are registered again (state_dict, checkpointing); a
         # backward that does follow gathers them again in pre_backward.
-        if self.group is not None:
-            reshard = self.reshard_after_forward
+        reshard = self.reshard_after_forward
+        for group in self.groups:
             if reshard is True or not backward_follows or not module.training:
-                self.group.reshard()
+                group.reshard()
             elif reshard is False:  # keep the storage for backward, but show the sharded parameters meanwhile
                 if not self._shows_unsharded():
-                    self.group.register_sharded()
-            else:  # an int: keep 1/N, so backward gathers within N ranks
-                self.group.reshard_to(reshard)
+                    group.register_sharded()
+            else:  # an int: keep 1/N, so backward gathers within N ranks (each group: where its mesh is wider)
+                group.reshard_to(reshard)
         if backward_follows:
             output = attach_pre_backward(self, output)
             context = self.root_context
@@ -310,7 +317,8 @@ class ModuleState:
 
     def _tree_streams(self) -> list[CommStreams]:
         """The distinct communication streams of the groups in the tree (root only)."""
-        return finalize.distinct_streams(self.root_context.states if self.root_context is not None else [])
+        states = self.root_context.states if self.root_context is not None else []
+        return finalize.distinct_streams(group for state in states for group in state.groups)
 
     def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         dtype = self.mp_policy.param_dtype
@@ -328,16 +336,17 @@ class ModuleState:
         if context is not None:
             context.backward_end.start_backward()  # the first pre-backward queues the end of backward
         self.training_state = TrainingState.PRE_BACKWARD
-        if self.group is not None:
-            self.group.reducer.drop_discarded_sums()  # zero_grad since a no-sync backward
-            if self.unshard_in_backward:
-                self.group.unshard()
-            for group in members(self.group):
-                set_unsharded_grad_dtypes(group, reducing=self.requires_gradient_sync)
+        for group in self.groups:
+            group.reducer.drop_discarded_sums()  # zero_grad since a no-sync backward
+        if self.unshard_in_backward:
+            for group in self.groups:
+                group.unshard()
+        for group in self.groups:
+            set_unsharded_grad_dtypes(group, reducing=self.requires_gradient_sync)
         for other in self.backward_prefetch or self._implicit_backward_prefetch():
-            if other.group is not None and other.training_state is not TrainingState.PRE_BACKWARD:
-                if other.unshard_in_backward:
-                    other.group.unshard(async_op=True)
+            if other.training_state is not TrainingState.PRE_BACKWARD and other.unshard_in_backward:
+                for group in other.groups:
+                    group.unshard(async_op=True)
 
     def _implicit_backward_prefetch(self) -> list["ModuleState"]:
         """The state whose forward finished just before this one's: its backward comes next."""
@@ -346,7 +355,7 @@ class ModuleState:
         if context is None or index is None or index == 0 or index > len(context.forward_order) - 1:
             return []
         previous = context.forward_order[index - 1]
-        return [previous] if previous is not self and previous.group is not None else []
+        return [previous] if previous is not self and previous.groups else []
 
     @labelled("composable::post_backward")
     @untyped
@@ -356,39 +365,43 @@ class ModuleState:
             if self._backward_pending > 0 or self._backward_untracked:
                 return  # gradients of other listed modules may still come: the last (or the end of backward) reduces
         self.training_state = TrainingState.POST_BACKWARD
-        if self.group is not None:
-            self.finish_backward_of_group(reduce=self.requires_gradient_sync)
+        if self.groups:
+            self.finish_backward_of_groups(reduce=self.requires_gradient_sync)
 
-    def finish_backward_of_group(self, reduce: bool, last: bool = False) -> None:
+    def finish_backward_of_groups(self, reduce: bool, last: bool = False) -> None:
         """Reshard, then reduce if `reduce` (FSDP2's order: the reduction reads gradients, not the
         parameters, so their storage is not held while it allocates); no gradient sync: stash the
         gradients first. `last`: no all-gather comes before the optimizer step: free what waits one."""
         if not self.requires_gradient_sync:
-            self.group.stash_grads()  # type: ignore[union-attr]
-        self.end_backward_of_group()
+            for group in self.groups:
+                group.stash_grads()
+        self.end_backward_of_groups()
         if reduce:
-            if last and self.group.streams is not None:  # type: ignore[union-attr]
-                self.group.streams.release_gather_buffers()  # type: ignore[union-attr]
+            if last:
+                for streams in finalize.distinct_streams(self.groups):
+                    streams.release_gather_buffers()
             self._launch_reduction()
 
-    def end_backward_of_group(self) -> None:
+    def end_backward_of_groups(self) -> None:
         """Reshard, or with `reshard_after_backward=False` keep the unsharded storage (the next
         forward gathers nothing, unless an optimizer step changed the shards meanwhile) while
         the modules show the sharded parameters."""
-        if self.reshard_after_backward:
-            self.group.reshard()  # type: ignore[union-attr]
-        elif not self._shows_unsharded():
-            self.group.keep_unsharded()  # type: ignore[union-attr]
+        for group in self.groups:
+            if self.reshard_after_backward:
+                group.reshard()
+            elif not self._shows_unsharded():
+                group.keep_unsharded()
 
     def _after_unshard(self) -> None:
         """Hook for subclasses: the unsharded parameters exist now."""
 
     def final_reduction_needed(self) -> bool:
-        """Whether the end of backward must still launch this group's reduction."""
-        return self.group is not None and self.group.has_unsharded_grads()
+        """Whether the end of backward must still launch this state's reductions."""
+        return any(group.has_unsharded_grads() for group in self.groups)
 
     def _launch_reduction(self) -> None:
-        self.group.reduce_grads()  # type: ignore[union-attr]
+        for group in self.groups:
+            group.reduce_grads()
 
     def _shows_unsharded(self) -> bool:
         """Whether a group kept unsharded stays registered unsharded between passes (finalize.py)."""
