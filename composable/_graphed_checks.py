@@ -162,8 +162,8 @@ def _module_settings(module: nn.Module) -> tuple[tuple[str, Any], ...]:
         items += [(f"{api} {s}", getattr(state, s, None)) for s in _STATE_SETTINGS]
         for s in ("forward_prefetch", "backward_prefetch"):
             items.append((f"{api} {s}", tuple(id(x) for x in getattr(state, s, None) or ())))
-        reducer = getattr(getattr(state, "group", None), "reducer", None)
-        items += [(f"{api} {s}", getattr(reducer, s, None)) for s in _REDUCER_SETTINGS]
+        for group in state.groups:  # per-parameter meshes: each group's reducer has its own settings
+            items += [(f"{api} {s}", getattr(group.reducer, s, None)) for s in _REDUCER_SETTINGS]
     return tuple(items)
 
 

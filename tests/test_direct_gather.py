@@ -47,7 +47,7 @@ def _which_gathers(rank: int, world: int) -> dict[str, list[str]]:
     composable.fully_shard(net.fc1)
     composable.fully_shard(net)
     out["dim0"] = _traced_step(net, "cuda")
-    group = composable.fully_shard.state(net.fc1).group
+    group = composable.fully_shard.state(net.fc1).groups[0]
     # The unsharded parameters are views of the gathered storages themselves.
     out["views"] = [
         str(mp.unsharded_param.untyped_storage().data_ptr() == mp.unsharded_padded.untyped_storage().data_ptr())
@@ -77,7 +77,7 @@ def _regather_keeps_versions(rank: int, world: int, compiled: bool) -> list[floa
     composable.fully_shard(net.fc1)
     composable.fully_shard(net)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    group = composable.fully_shard.state(net.fc1).group
+    group = composable.fully_shard.state(net.fc1).groups[0]
     losses = []
     for _ in range(3):
         loss = net(torch.randn(4, 6, device="cuda")).sum()

@@ -136,7 +136,7 @@ def test_meta_init_gathers_weights_of_their_own_size() -> None:
                 m.register_forward_pre_hook(note)
         for name, p in net.named_parameters():
             assert p.to_local().shape[0] == p.shape[0] // 2, name
-        group = fully_shard.state(net.blocks[0]).group  # type: ignore[union-attr]
+        group = fully_shard.state(net.blocks[0]).groups[0]  # type: ignore[union-attr]
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
         flats = []
         for step in range(3):

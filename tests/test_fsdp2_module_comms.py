@@ -161,7 +161,7 @@ def _all_reduce_hook(rank: int, world: int) -> None:
         for s in range(2):
             step(model, ref, opts, s, rank, world)
         names = ("root", "emb", "body", "body2")
-        shards = [sum(mp.layout.region_numel for mp in fully_shard.state(m).group.params) for m in _modules(model)]
+        shards = [sum(mp.layout.region_numel for mp in fully_shard.state(m).groups[0].params) for m in _modules(model)]
         assert calls == {name: [n] * 2 for name, n in zip(names, shards)}, (calls, shards)
 
 
@@ -196,8 +196,8 @@ def _separate_group(rank: int, world: int) -> None:
     for m in _modules(model):
         m.set_custom_reduce_scatter(reduce)
     model.set_separate_reduce_scatter_group()
-    shared = fully_shard.state(model).group.layout.shard_group
-    own = {id(fully_shard.state(m).group.reducer.reduce_scatter_group) for m in _modules(model)}
+    shared = fully_shard.state(model).groups[0].layout.shard_group
+    own = {id(fully_shard.state(m).groups[0].reducer.reduce_scatter_group) for m in _modules(model)}
     assert len(own) == 1  # one new group for the one set of ranks
     opts = (sgd(model), sgd(ref))
     step(model, ref, opts, 0, rank, world)
@@ -219,7 +219,7 @@ def _pg_alloc(rank: int, world: int) -> None:
     allocs = {"gather": 0, "reduce": 0}
     for m in _modules(model):
         m.set_allocate_memory_from_process_group_for_comm(True)
-        group = fully_shard.state(m).group
+        group = fully_shard.state(m).groups[0]
         for kind, comm in (("gather", group.all_gather_comm), ("reduce", group.reducer.reduce_scatter_comm)):
             assert isinstance(
                 comm, (custom_comms.ProcessGroupAllocAllGather, custom_comms.ProcessGroupAllocReduceScatter)
@@ -239,7 +239,7 @@ def _pg_alloc(rank: int, world: int) -> None:
     with pytest.raises(RuntimeError, match="cannot be used together with a custom collective .CountingAllGather"):
         model.body.set_allocate_memory_from_process_group_for_comm(True)
     model.set_allocate_memory_from_process_group_for_comm(False)
-    assert fully_shard.state(model).group.all_gather_comm is None
+    assert fully_shard.state(model).groups[0].all_gather_comm is None
 
 
 def test_allocate_memory_from_process_group_trains_through_it() -> None:
@@ -255,7 +255,7 @@ def _symm_mem(rank: int, world: int) -> None:
     for m in _modules(model):
         m.set_force_sum_reduction_for_comms(True)  # NCCL's symmetric reduce-scatter only sums
         m.set_symm_mem_for_comm()
-        group = fully_shard.state(m).group
+        group = fully_shard.state(m).groups[0]
         assert isinstance(group.all_gather_comm, custom_comms.SymmMemAllGather)
         assert isinstance(group.reducer.reduce_scatter_comm, custom_comms.SymmMemReduceScatter)
     opts = (sgd(model), sgd(ref))

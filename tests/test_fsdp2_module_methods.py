@@ -142,7 +142,7 @@ def _unshard_in_backward(rank: int, world: int) -> None:
         for opt in opts:
             opt.zero_grad(set_to_none=True)
         loss = loss_of(model, tokens)
-        emb_group = fully_shard.state(model.emb).group
+        emb_group = fully_shard.state(model.emb).groups[0]
         with count_collectives() as c:
             loss.backward()
         # body2 and body are gathered again (the root keeps its own); the embedding is not.
@@ -207,7 +207,7 @@ def _reset_iter_state(rank: int, world: int) -> None:
             for name, p in model.named_parameters():  # every group resharded
                 assert p is sharded[name] and isinstance(p, DTensor), name
             for m in (model, model.emb, model.body, model.body2):
-                assert fully_shard.state(m).group.state is GroupState.SHARDED
+                assert fully_shard.state(m).groups[0].state is GroupState.SHARDED
         step(model, ref, opts, s, rank, world)  # the failed iteration left nothing behind
         s += 1
 
@@ -230,7 +230,7 @@ def _unused_params(rank: int, world: int) -> None:
         model.use_extra = rank == 0  # `extra` gets a gradient on rank 0 only; `unused` nowhere
     theirs.set_reduce_scatter_unused_params(True)  # FSDP2 needs it: ranks reduce the same parameters
     fully_shard.state(mine).set_reduce_scatter_unused_params(True)
-    assert fully_shard.state(mine.body).group.reducer.reduce_unused  # recurse=True
+    assert fully_shard.state(mine.body).groups[0].reducer.reduce_unused  # recurse=True
     opts = [sgd(m) for m in (theirs, mine, default)]
     for s in range(2):
         losses = [loss_of(m, batch_for(s, world, rank)) for m in (theirs, mine, default)]
@@ -249,8 +249,8 @@ def _unused_params(rank: int, world: int) -> None:
             opt.step()
             opt.zero_grad()
     fully_shard.state(mine).set_reduce_scatter_unused_params(False, recurse=False)
-    assert not fully_shard.state(mine).group.reducer.reduce_unused
-    assert fully_shard.state(mine.body).group.reducer.reduce_unused
+    assert not fully_shard.state(mine).groups[0].reducer.reduce_unused
+    assert fully_shard.state(mine.body).groups[0].reducer.reduce_unused
 
 
 @pytest.mark.skipif(
@@ -273,9 +273,9 @@ def _max_input_buffers(rank: int, world: int, device: str = "cpu", cap: int = 3)
     with pytest.raises(ValueError, match="'max_input_buffers' must be >= 1, got 0"):
         model.set_reduce_scatter_max_input_buffers(0)
     model.body.set_reduce_scatter_max_input_buffers(2, recurse=False)
-    assert fully_shard.state(model).group.reducer.max_input_buffers == 1
+    assert fully_shard.state(model).groups[0].reducer.max_input_buffers == 1
     model.set_reduce_scatter_max_input_buffers(cap)
-    reducers = [fully_shard.state(m).group.reducer for m in (model, model.emb, model.body, model.body2)]
+    reducers = [fully_shard.state(m).groups[0].reducer for m in (model, model.emb, model.body, model.body2)]
     assert [r.max_input_buffers for r in reducers] == [cap] * 4
     streams = reducers[0].streams
     in_flight: list[int] = []
@@ -312,7 +312,7 @@ def _post_optim_event(rank: int, world: int) -> None:
     torch.cuda.set_device(rank)
     model, ref = sharded_pair("cuda")
     opts = (sgd(model), sgd(ref))
-    streams = fully_shard.state(model).group.streams
+    streams = fully_shard.state(model).groups[0].streams
     for s in range(3):
         event = torch.cuda.current_stream().record_event()  # after the previous step's optimizer
         model.set_post_optim_event(event)

@@ -160,7 +160,7 @@ def _parity(
         tag = f"{layout} {loss} step {step}"
         value = loss_fn(model, batch_for(step, world, rank).to(device))
         for modules in lists:  # resharded by the end of the forward, whichever modules ran
-            group = fully_shard.state(modules[0]).group
+            group = fully_shard.state(modules[0]).groups[0]
             assert group.state is (GroupState.SHARDED if reshard is None else GroupState.UNSHARDED), tag
             assert all(isinstance(p, DTensor) for m in modules for p in m.parameters()), tag
         value.backward()
@@ -168,7 +168,7 @@ def _parity(
         ref_value.backward()
         torch.testing.assert_close(rank_mean(value), ref_value.detach(), **tol, msg=lambda m: f"{tag} loss: {m}")
         for modules in lists:
-            assert fully_shard.state(modules[0]).group.state is GroupState.SHARDED, tag
+            assert fully_shard.state(modules[0]).groups[0].state is GroupState.SHARDED, tag
         assert_shards(model, ref, rank, world, f"{tag} grad", grads=True, tol=tol)
         for o in (opt, ref_opt):
             o.step()
@@ -208,7 +208,7 @@ def test_parity_on_gpus_nccl(layout: str, loss: str) -> None:
 
 def _expected_counts(model: LM, reshard: bool | None) -> tuple[int, int]:
     """(groups with parameters, those that gather again in backward)."""
-    seen = {id(s): s for m in model.modules() if (s := fully_shard.state(m)) is not None and s.group is not None}
+    seen = {id(s): s for m in model.modules() if (s := fully_shard.state(m)) is not None and s.groups}
     root = fully_shard.state(model)
     regathers = sum(1 for s in seen.values() if s is not root) if reshard is None else 0
     return len(seen), regathers
@@ -303,7 +303,7 @@ def _methods_and_manual_unshard(rank: int, world: int) -> None:
         scores = model.head.scores(hidden)
         ref_scores = ref.head.scores(ref(tokens[:, :-1], run_head=False))
     torch.testing.assert_close(scores, ref_scores, **TOL)
-    assert state.group.state is GroupState.SHARDED
+    assert state.groups[0].state is GroupState.SHARDED
     # unshard()/reshard() act on the whole group, both modules.
     state.unshard()
     assert not isinstance(model.norm.weight, DTensor) and model.head.weight.shape == ref.head.weight.shape

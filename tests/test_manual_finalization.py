@@ -228,7 +228,7 @@ def _keep_storage(rank: int, world: int) -> None:
     for _ in range(2):
         for b in blocks:
             b.reshard()
-        unsharded = [fully_shard.state(b).group.params[0].unsharded_param for b in blocks]
+        unsharded = [fully_shard.state(b).groups[0].params[0].unsharded_param for b in blocks]
         assert all(u.untyped_storage().size() > 0 for u in unsharded)  # not freed
         model(_batch(0, 0, rank)).sum().backward()  # forward and backward reshard and gather again
         unshard_all()
@@ -236,9 +236,9 @@ def _keep_storage(rank: int, world: int) -> None:
     model.set_keep_unsharded_storage(False, recurse=False)  # the root only: the blocks still keep
     model[0].set_keep_unsharded_storage(False)
     model[0].reshard()
-    assert fully_shard.state(model[0]).group.params[0].unsharded_param.untyped_storage().size() == 0
+    assert fully_shard.state(model[0]).groups[0].params[0].unsharded_param.untyped_storage().size() == 0
     model[1].reshard()
-    assert fully_shard.state(model[1]).group.params[0].unsharded_param.untyped_storage().size() > 0
+    assert fully_shard.state(model[1]).groups[0].params[0].unsharded_param.untyped_storage().size() > 0
 
 
 def test_keep_unsharded_storage_keeps_data_pointers() -> None:

@@ -102,7 +102,7 @@ def _deepcopy(rank: int, world_size: int, api: str) -> None:
         assert torch.equal(p.full_tensor(), snapshot[name]), f"training the copy changed the original's {name}"
     lm_steps(model, ref, rank, world_size, range(1, STEPS), "original again", opt, ref_opt)
     if api == "replicate":  # the copy's gradients launch its own buckets (hooks are not copied)
-        for mp in replicate.state(clone).group.params:
+        for mp in replicate.state(clone).groups[0].params:
             assert mp.hooked_param is mp.unsharded_param and mp.unsharded_param._post_accumulate_grad_hooks, mp.fqn
 
 
@@ -123,7 +123,7 @@ def _deepcopy_on_cuda(rank: int, world_size: int, api: str) -> None:
     state_of = replicate.state if api == "replicate" else fully_shard.state
     lm_loss(model, batch_for(0, world_size, rank).cuda()).backward()  # streams in use
     clone = copy.deepcopy(model)  # used to fail: "cannot pickle 'Stream' object"
-    assert state_of(clone).group.streams is state_of(model).group.streams  # one set per device
+    assert state_of(clone).groups[0].streams is state_of(model).groups[0].streams  # one set per device
     for (name, p), q in zip(model.named_parameters(), clone.parameters(), strict=True):
         assert torch.equal(p._local_tensor, q._local_tensor), name
         assert q._local_tensor.untyped_storage().data_ptr() != p._local_tensor.untyped_storage().data_ptr(), name

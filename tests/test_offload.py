@@ -260,7 +260,6 @@ def _host_copies(rank: int, world_size: int, strategy: ShardingStrategy) -> None
     """`compute_shard_on_device=True`: each group's shard is copied from the host once per
     step (not again for backward's all-gather), and not at all in a forward after no change; any
     in-place write to a parameter (here outside the optimizer) reaches the next forward."""
-    from composable._engine.groups.group_set import members
     from composable._engine.hooks.contract import param_states
 
     mesh = init_device_mesh("cpu", (world_size,))
@@ -270,7 +269,7 @@ def _host_copies(rank: int, world_size: int, strategy: ShardingStrategy) -> None
         torch.manual_seed(0)
         models.append(_wrap(TinyTransformer(), mesh=mesh, mp_policy=bf16, strategy=strategy, offload_policy=policy))
     plain, offloaded = models
-    groups = [g for state in param_states(offloaded) for g in members(state.group)]
+    groups = [g for state in param_states(offloaded) for g in state.groups]
     assert len(groups) == len(offloaded.layers) + 1
 
     def copies() -> int:

@@ -259,25 +259,19 @@ class _UnusedComm:
 
 
 def _knobs(rank: int, world: int) -> None:
-    """FSDP2's methods on a module of two meshes set their knob on each group; the module's group
-    reads back the value they share, and names a value each group holds its own of."""
+    """FSDP2's methods on a module of two meshes set their knob on each of its groups (one per
+    mesh, as FSDP2's `FSDPParamGroup`s), binding collectives to each group's own process group."""
     from composable import share_comm_ctx
     from composable.integrations.fsdp2_module import as_fsdp_module, restore_class
 
     block, _ = _block(world)
     state = fully_shard.state(block[0])
-    groups = state.group.members
+    groups = state.groups
     assert len(groups) == 2 and groups[0].layout.shard_group is not groups[1].layout.shard_group
-    # Each group its own process group's allocator: no single one to read.
+    # Each group its own process group's allocator.
     state.set_allocate_memory_from_process_group_for_comm(True)
     assert all(g.all_gather_comm._group is g.layout.shard_group for g in groups)
-    for read in (lambda: state.group.all_gather_comm, lambda: state.group.reducer.reduce_scatter_comm):
-        with pytest.raises(NotImplementedError, match="live on 2 meshes .* each with its own '.*_comm'"):
-            read()
-    with pytest.raises(NotImplementedError, match="each with its own 'shard_group': this method is not supported"):
-        _ = state.group.layout.shard_group
-    with pytest.raises(AttributeError):
-        _ = state.group.flat_shard  # nothing is forwarded: a set offers only what it names
+    assert all(g.reducer.reduce_scatter_comm._group is g.layout.shard_group for g in groups)
     state.set_allocate_memory_from_process_group_for_comm(False)
     gather, reduce, hook = _UnusedComm(), _UnusedComm(), lambda grads: None
     state.set_custom_all_gather(gather)
@@ -299,10 +293,7 @@ def _knobs(rank: int, world: int) -> None:
         assert r.divide_factor == 3.0 and r.all_reduce_hook is hook and r.all_reduce_hook_stream is None
         assert r.reduce_scatter_group is None and g.streams is None and r.streams is None  # CPU: no streams
         assert g.shows_unsharded_between_passes
-    group = state.group
-    assert group.all_gather_comm is gather and group.reducer.reduce_scatter_comm is reduce
-    assert group.reducer.divide_factor == 3.0 and group.reducer.requires_all_reduce is False
-    assert group.layout.sharded and group.layout.replicate_groups == ()
+    assert all(g.layout.sharded and g.layout.replicate_groups == () for g in groups)
     restore_class(block[0])
     assert not any(g.shows_unsharded_between_passes for g in groups)
 
@@ -357,7 +348,7 @@ def _prefetch_and_int_reshard(rank: int, world: int) -> None:
     # One process group's allocator per group, each on its own mesh.
     state = fully_shard.state(model[0])
     state.set_allocate_memory_from_process_group_for_comm(True)
-    for group in state.group.members:
+    for group in state.groups:
         assert group.all_gather_comm._group is group.layout.shard_group
         assert group.reducer.reduce_scatter_comm._group is group.layout.shard_group
     model(torch.randn(3, 6)).sum().backward()

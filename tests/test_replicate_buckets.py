@@ -91,7 +91,7 @@ def _replica_buffer(rank: int, world_size: int) -> dict:
     model = Chain()
     ref = copy.deepcopy(model)
     replicate(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-    group = replicate.state(model).group
+    group = replicate.state(model).groups[0]
     seen = []
     for step in range(2):
         model.zero_grad(set_to_none=True)

@@ -127,7 +127,7 @@ def _states(bag: Bag) -> list:
 
 def _flat_numel(state: object) -> int:
     """Size of one group's flat sharded buffer (the all-gather input)."""
-    group = state.group  # type: ignore[attr-defined]
+    group = state.groups[0]  # type: ignore[attr-defined]
     return 0 if group is None else group.flat_shard.numel()
 
 

@@ -3,8 +3,8 @@
 One folder per concern; each folder's __init__ maps its files. From the top floor down (a
 folder imports only folders below it; tests/test_engine_structure.py holds the order):
 
-module_state  per-module state: forward/backward hooks, root context, end of backward, reset
-groups        parameter groups: the construction path, flat sharded storage, several groups per state
+module_state  per-module state: forward/backward hooks, root context, the end of backward (one owner), reset
+groups        parameter groups: the construction path (one group per mesh), flat sharded storage
 unshard       all-gathering shards into unsharded parameters (direct, flat, mixed dtypes, the
               all-gather extension of subclass weights)
 grads         gradient reduction (reduce-scatter, all-reduce, replicate's buckets, no-sync sums)

@@ -2,8 +2,11 @@
 as `torch.distributed.fsdp.FSDPModule`'s (torch 2.11-2.15), over composable's engine.
 (torch 2.15's manual backward finalization is the engine's own: `_engine/module_state/finalize.py`.)
 
-Each sets a field of the group's reducer or gatherer that the engine reads once per collective;
-left at its default, a knob costs one attribute read per reduction or gather.
+Each sets a field of the groups' reducers or gatherers that the engine reads once per collective;
+left at its default, a knob costs one attribute read per reduction or gather. A module whose
+parameters live on several meshes (per-parameter meshes) has one group per mesh: each method
+sets each group, binding collectives to that group's own process groups (as FSDP2 per
+`FSDPParamGroup`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from .._engine.comm import custom_comms
-from .._engine.groups.group_set import GroupSet, members, per_mesh_error
 from .._engine.hooks.contract import check_bool
 from .._engine.module_state.reset import reset_iteration
 from .strategy import ShardingStrategy
@@ -26,7 +28,7 @@ if TYPE_CHECKING:
 class FSDP2Methods:
     """Mixed into `FSDPState`; see `_state.py` for the attributes it reads."""
 
-    group: "ParamGroup | GroupSet | None"
+    groups: "list[ParamGroup]"
     strategy: ShardingStrategy
     unshard_in_backward: bool
 
@@ -52,8 +54,8 @@ class FSDP2Methods:
         check_bool(api, "keep", keep)
         check_bool(api, "recurse", recurse)
         for state in self._fsdp_states(recurse):
-            if state.group is not None:
-                state.group.keep_unsharded_storage = keep
+            for group in state.groups:
+                group.keep_unsharded_storage = keep
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """The next forward's all-gathers (CUDA: the all-gather and reduce streams) wait on
@@ -63,8 +65,9 @@ class FSDP2Methods:
         if not isinstance(event, (torch.Event, torch.cuda.Event)):
             raise TypeError(f"set_post_optim_event: 'event' must be a torch.Event, got {type(event).__name__}")
         for state in self._fsdp_states(recurse=True):  # the tree's streams (one set per device)
-            if state.group is not None and state.group.streams is not None:
-                state.group.streams.post_optim_event = event
+            for group in state.groups:
+                if group.streams is not None:
+                    group.streams.post_optim_event = event
 
     def reset_iter_state(self) -> None:
         """After an exception aborted a forward or backward: wait for the collectives in flight,
@@ -82,7 +85,7 @@ class FSDP2Methods:
         (float8) keep their own gather."""
         api = "set_custom_all_gather"
         _check_comm(api, comm)
-        if (group := self._sharded_group(api)) is not None:
+        for group in self._sharded_groups(api):
             group.all_gather_comm = comm
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
@@ -91,7 +94,7 @@ class FSDP2Methods:
         async_op=)` reduces (op is SUM, or AVG where the collectives average)."""
         api = "set_custom_reduce_scatter"
         _check_comm(api, comm)
-        if (group := self._sharded_group(api)) is not None:
+        for group in self._sharded_groups(api):
             group.reducer.reduce_scatter_comm = comm
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
@@ -101,15 +104,14 @@ class FSDP2Methods:
         `set_custom_reduce_scatter` (RuntimeError)."""
         api = "set_allocate_memory_from_process_group_for_comm"
         check_bool(api, "enable", enable)
-        if (group := self._sharded_group(api)) is None:
-            return
         gather_cls, reduce_cls = custom_comms.ProcessGroupAllocAllGather, custom_comms.ProcessGroupAllocReduceScatter
-        _refuse_custom(api, group, gather_cls, reduce_cls)
-        group.all_gather_comm = gather_cls(_shard_group(group)) if enable else None
-        reducer = group.reducer
-        reducer.reduce_scatter_comm = (
-            reduce_cls(reducer.reduce_scatter_group or _shard_group(group)) if enable else None
-        )
+        for group in self._sharded_groups(api):
+            _refuse_custom(api, group, gather_cls, reduce_cls)
+            group.all_gather_comm = gather_cls(_shard_group(group)) if enable else None
+            reducer = group.reducer
+            reducer.reduce_scatter_comm = (
+                reduce_cls(reducer.reduce_scatter_group or _shard_group(group)) if enable else None
+            )
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         """All-gather outputs from symmetric memory (`torch.distributed._symmetric_memory`,
@@ -120,25 +122,8 @@ class FSDP2Methods:
         api = "set_symm_mem_for_comm"
         if backend != "NCCL":
             raise ValueError(f"{api}: 'backend' must be 'NCCL', got {backend!r}")
-        if (group := self._sharded_group(api)) is None:
-            return
-        group, shard_group = _one_mesh(group), _shard_group(group)
-        if group.config.device.type != "cuda" or "nccl" not in str(dist.get_backend(shard_group)):
-            raise NotImplementedError(
-                f"{api}: symmetric memory needs CUDA with NCCL, got device {group.config.device} "
-                f"and backend {dist.get_backend(shard_group)}"
-            )
-        _refuse_custom(api, group, custom_comms.SymmMemAllGather, custom_comms.SymmMemReduceScatter)
-        reducer = group.reducer
-        if reducer.force_sum and reducer.max_input_buffers > 1:
-            raise ValueError(
-                f"{api}: a symmetric-memory reduce-scatter keeps one input buffer; "
-                f"set_reduce_scatter_max_input_buffers is {reducer.max_input_buffers}"
-            )
-        group.all_gather_comm = custom_comms.SymmMemAllGather(shard_group, backend)
-        if reducer.force_sum:
-            rs_group = reducer.reduce_scatter_group or shard_group
-            reducer.reduce_scatter_comm = custom_comms.SymmMemReduceScatter(rs_group, backend)
+        for group in self._sharded_groups(api):
+            _use_symm_mem(api, group, backend)
 
     # -- reducing -----------------------------------------------------------------------------
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
@@ -150,22 +135,22 @@ class FSDP2Methods:
         api = "set_all_reduce_hook"
         if not callable(hook):
             raise TypeError(f"{api}: 'hook' must be callable, got {type(hook).__name__}")
-        if (group := self._sharded_group(api)) is None:
-            return
-        if stream is not None and group.layout.replicate_groups:
+        groups = self._sharded_groups(api)
+        if stream is not None and any(group.layout.replicate_groups for group in groups):
             raise ValueError(
                 f"{api}: 'stream' cannot be set when using HSDP (the hook runs on its all-reduce's stream)"
             )
-        group.reducer.all_reduce_hook = hook
-        group.reducer.all_reduce_hook_stream = stream
+        for group in groups:
+            group.reducer.all_reduce_hook = hook
+            group.reducer.all_reduce_hook_stream = stream
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """True: the collectives only ever sum (ReduceOp.SUM, never AVG), the averaging (or
         `set_gradient_divide_factor`) is a division after them, as NCCL's zero-copy and
         symmetric-memory collectives need. gloo always sums; NCCL in fp32 averages otherwise."""
         check_bool("set_force_sum_reduction_for_comms", "enable", enable)
-        if self.group is not None:
-            self.group.reducer.force_sum = enable
+        for group in self.groups:
+            group.reducer.force_sum = enable
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
         """True: every parameter that requires grad takes part in the reduction with a zero
@@ -176,8 +161,8 @@ class FSDP2Methods:
         check_bool(api, "reduce_scatter_unused_params", reduce_scatter_unused_params)
         check_bool(api, "recurse", recurse)
         for state in self._fsdp_states(recurse):
-            if state.group is not None:
-                state.group.reducer.reduce_unused = reduce_scatter_unused_params
+            for group in state.groups:
+                group.reducer.reduce_unused = reduce_scatter_unused_params
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """CUDA: how many reduce-scatter input buffers may be in flight (1, the default: the
@@ -189,16 +174,16 @@ class FSDP2Methods:
         if max_input_buffers < 1:
             raise ValueError(f"{api}: 'max_input_buffers' must be >= 1, got {max_input_buffers}")
         check_bool(api, "recurse", recurse)
-        states = [s for s in self._fsdp_states(recurse) if s.group is not None]
-        for group in (g for s in states for g in members(s.group)):  # per-parameter meshes: each its own comm
+        groups = [group for state in self._fsdp_states(recurse) for group in state.groups]
+        for group in groups:  # checked for every group before any changes
             if max_input_buffers > 1 and isinstance(
                 group.reducer.reduce_scatter_comm, custom_comms.SymmMemReduceScatter
             ):
                 raise ValueError(
                     f"{api}: a symmetric-memory reduce-scatter keeps one input buffer, got {max_input_buffers}"
                 )
-        for state in states:
-            state.group.reducer.max_input_buffers = max_input_buffers
+        for group in groups:
+            group.reducer.max_input_buffers = max_input_buffers
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         """True: reduce-scatter on a process group of its own over the same ranks (one per set
@@ -209,10 +194,7 @@ class FSDP2Methods:
         check_bool(api, "enable", enable)
         check_bool(api, "recurse", recurse)
         made: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        for state in self._fsdp_states(recurse):
-            group = state.group
-            if group is None or not group.layout.sharded:
-                continue
+        for group in self._separable_groups(api, enable, recurse):
             reducer = group.reducer
             if not enable:
                 reducer.reduce_scatter_group = None
@@ -224,10 +206,25 @@ class FSDP2Methods:
                 )
             reducer.reduce_scatter_group = made[ranks]
 
-    def _sharded_group(self, api: str) -> "ParamGroup | GroupSet | None":
+    def _separable_groups(self, api: str, enable: bool, recurse: bool) -> "list[ParamGroup]":
+        """The sharded groups `set_separate_reduce_scatter_group` changes. A module on several
+        meshes has no one shard group to separate from: refused, as it always was."""
+        found = []
+        for state in self._fsdp_states(recurse):
+            sharded = [group for group in state.groups if group.layout.sharded]
+            if enable and sharded and len(state.groups) > 1:
+                raise NotImplementedError(
+                    f"{api}: the module's parameters live on {len(state.groups)} meshes (shard_placement_fn's "
+                    "ShardPlacementResult), each with its own 'shard_group': this method is not supported with "
+                    "per-parameter meshes"
+                )
+            found += sharded
+        return found
+
+    def _sharded_groups(self, api: str) -> "list[ParamGroup]":
         if self.strategy is ShardingStrategy.NO_SHARD:
             raise NotImplementedError(f"{api}: a NO_SHARD module neither all-gathers nor reduce-scatters")
-        return self.group  # None: no parameters here, nothing to set
+        return self.groups  # none: no parameters here, nothing to set
 
 
 def _check_comm(api: str, comm: Any) -> None:
@@ -237,20 +234,35 @@ def _check_comm(api: str, comm: Any) -> None:
         )
 
 
-def _one_mesh(group: "ParamGroup | GroupSet") -> "ParamGroup":
-    """The group of a module on one mesh: several have no one shard group (as `LayoutSet.shard_group`)."""
-    if isinstance(group, GroupSet):
-        raise per_mesh_error(len(group.members), "shard_group")
-    return group
-
-
-def _shard_group(group: "ParamGroup | GroupSet") -> dist.ProcessGroup:
+def _shard_group(group: "ParamGroup") -> dist.ProcessGroup:
     # None only in a replicated layout (spmd parameters without a shard mesh), which neither
     # gathers nor reduce-scatters: its collectives are made but never called.
     return cast(dist.ProcessGroup, group.layout.shard_group)
 
 
-def _refuse_custom(api: str, group: "ParamGroup | GroupSet", gather_cls: type, reduce_cls: type) -> None:
+def _use_symm_mem(api: str, group: "ParamGroup", backend: str) -> None:
+    """`set_symm_mem_for_comm` on one group: its all-gather (and, summing only, its
+    reduce-scatter) from symmetric memory over its own shard group."""
+    shard_group = _shard_group(group)
+    if group.config.device.type != "cuda" or "nccl" not in str(dist.get_backend(shard_group)):
+        raise NotImplementedError(
+            f"{api}: symmetric memory needs CUDA with NCCL, got device {group.config.device} "
+            f"and backend {dist.get_backend(shard_group)}"
+        )
+    _refuse_custom(api, group, custom_comms.SymmMemAllGather, custom_comms.SymmMemReduceScatter)
+    reducer = group.reducer
+    if reducer.force_sum and reducer.max_input_buffers > 1:
+        raise ValueError(
+            f"{api}: a symmetric-memory reduce-scatter keeps one input buffer; "
+            f"set_reduce_scatter_max_input_buffers is {reducer.max_input_buffers}"
+        )
+    group.all_gather_comm = custom_comms.SymmMemAllGather(shard_group, backend)
+    if reducer.force_sum:
+        rs_group = reducer.reduce_scatter_group or shard_group
+        reducer.reduce_scatter_comm = custom_comms.SymmMemReduceScatter(rs_group, backend)
+
+
+def _refuse_custom(api: str, group: "ParamGroup", gather_cls: type, reduce_cls: type) -> None:
     for current, own in (
         (group.all_gather_comm, gather_cls),
         (group.reducer.reduce_scatter_comm, reduce_cls),

@@ -3,29 +3,28 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._engine.dtypes.policies import MixedPrecisionPolicy, OffloadPolicy
 from .._engine.groups.group import ParamGroup
-from .._engine.groups.group_set import GroupSet, members
 from .._engine.hooks.contract import check_bool, get_state
 from .._engine.module_state.state import ModuleState
 from ._methods import FSDP2Methods
 from .strategy import ShardingStrategy, check_reshard_type, normalize_reshard
 
 
-def make_post_forward_groups(api: str, reshard: bool | int, group: ParamGroup | GroupSet | None) -> None:
+def make_post_forward_groups(api: str, reshard: bool | int, groups: list[ParamGroup]) -> None:
     """For an int `reshard_after_forward`: make the process groups backward all-gathers within,
     on each parameter group (each mesh of per-parameter meshes) whose shard world it splits.
     Creating process groups is collective: called at the same point on every rank."""
     if isinstance(reshard, bool):
         return
-    for member in members(group):
-        if normalize_reshard(api, reshard, member.layout.shard_world) not in (True, False):
-            member.layout.post_forward_group(reshard)
+    for group in groups:
+        if normalize_reshard(api, reshard, group.layout.shard_world) not in (True, False):
+            group.layout.post_forward_group(reshard)
 
 
 class FSDPState(FSDP2Methods, ModuleState):
@@ -42,7 +41,7 @@ class FSDPState(FSDP2Methods, ModuleState):
     def __init__(
         self,
         module: nn.Module | Sequence[nn.Module],
-        group: ParamGroup | GroupSet | None,
+        groups: list[ParamGroup],
         *,
         mesh: DeviceMesh,
         strategy: ShardingStrategy,
@@ -52,7 +51,7 @@ class FSDPState(FSDP2Methods, ModuleState):
         reshard_is_default: bool,
         dp_mesh_dims: object = None,
     ) -> None:
-        super().__init__(module, group, mp_policy, reshard_after_forward, reshard_is_default)
+        super().__init__(module, groups, mp_policy, reshard_after_forward, reshard_is_default)
         self.mesh = mesh
         self.dp_mesh_dims = dp_mesh_dims  # None, or the DataParallelMeshDims naming `mesh`'s data-parallel dims
         self.strategy = strategy
@@ -73,8 +72,8 @@ class FSDPState(FSDP2Methods, ModuleState):
         backward with True, which reduces the accumulated sum once."""
         check_bool("set_requires_all_reduce", "requires_all_reduce", requires_all_reduce)
         for state in self._fsdp_states(recurse):
-            if state.group is not None:
-                state.group.reducer.requires_all_reduce = requires_all_reduce
+            for group in state.groups:
+                group.reducer.requires_all_reduce = requires_all_reduce
 
     def _fsdp_states(self, recurse: bool) -> list["FSDPState"]:
         """This module's fully_shard state and, with `recurse`, every one below it."""
@@ -103,7 +102,7 @@ class FSDPState(FSDP2Methods, ModuleState):
             if state.strategy is ShardingStrategy.NO_SHARD:
                 continue  # nothing sharded: nothing to reshard
             value = normalize_reshard(api, reshard_after_forward, state.mesh.size(state.mesh.ndim - 1))
-            make_post_forward_groups(api, value, state.group)
+            make_post_forward_groups(api, value, state.groups)
             state.reshard_after_forward = value
             state._reshard_is_default = False
 
@@ -126,33 +125,8 @@ class FSDPState(FSDP2Methods, ModuleState):
             raise TypeError(f"{api}: 'factor' must be a number, got {factor!r}")
         if not (factor > 0 and math.isfinite(factor)):
             raise ValueError(f"{api}: 'factor' must be a finite number > 0, got {factor!r}")
-        if self.group is not None:
-            self.group.reducer.divide_factor = float(factor)
-
-    # Methods that bind collectives to one process group: per-parameter meshes run them once per
-    # group (FSDP2 makes them per FSDPParamGroup), each seeing that group as the module's.
-    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
-        self._each_group(FSDP2Methods.set_symm_mem_for_comm, backend)
-
-    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        self._each_group(FSDP2Methods.set_allocate_memory_from_process_group_for_comm, enable)
-
-    set_symm_mem_for_comm.__doc__ = FSDP2Methods.set_symm_mem_for_comm.__doc__
-    set_allocate_memory_from_process_group_for_comm.__doc__ = (
-        FSDP2Methods.set_allocate_memory_from_process_group_for_comm.__doc__
-    )
-
-    def _each_group(self, method: Callable[..., None], *args: object) -> None:
-        whole = self.group
-        if not isinstance(whole, GroupSet):
-            method(self, *args)
-            return
-        try:
-            for group in whole.members:
-                self.group = group
-                method(self, *args)
-        finally:
-            self.group = whole
+        for group in self.groups:
+            group.reducer.divide_factor = float(factor)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """False: the end of the next backwards leaves gradient reductions in flight (they

@@ -16,7 +16,7 @@ from .._engine.dtypes.policies import (
     check_policies,
     param_dtype_resolver,
 )
-from .._engine.groups.build import GroupOptions, ListedModules, build_group
+from .._engine.groups.build import GroupOptions, ListedModules, build_groups
 from .._engine.hooks.contract import (
     answers_state,
     check_composable,
@@ -142,11 +142,11 @@ def fully_shard(
         spmd=spmd,
         param_dtype_for=param_dtype_resolver(api, mp_policy),
     )
-    group = build_group(api, module if isinstance(module, nn.Module) else modules, mesh, ignored, options)
-    make_post_forward_groups(api, reshard, group)
+    groups = build_groups(api, module if isinstance(module, nn.Module) else modules, mesh, ignored, options)
+    make_post_forward_groups(api, reshard, groups)
     state = FSDPState(
         module if isinstance(module, nn.Module) else modules,
-        group,
+        groups,
         mesh=mesh,
         strategy=strategy,
         mp_policy=mp_policy,

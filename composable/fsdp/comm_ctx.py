@@ -24,10 +24,11 @@ def share_comm_ctx(modules: list[nn.Module]) -> None:
                 f"share_comm_ctx: 'modules' must hold modules fully_shard manages, got {type(module).__name__} at index {i}"
             )
     groups = [
-        s.group
+        group
         for module in modules
         for sub in module.modules()
-        if (s := get_state(sub, "fully_shard")) is not None and s.group is not None
+        if (s := get_state(sub, "fully_shard")) is not None
+        for group in s.groups
     ]
     shared = next((g.streams for g in groups if g.streams is not None), None)
     for group in groups:

@@ -250,8 +250,8 @@ def _show_unsharded_between_passes(module: nn.Module, show: bool) -> None:
     (`reshard_after_forward=False`) until backward reshards; composable's core shows the
     sharded ones meanwhile (docs/migrating.md). The adapter does as FSDP2."""
     state = fully_shard.state(module)
-    if state is not None and state.group is not None:
-        state.group.shows_unsharded_between_passes = show
+    for group in state.groups if state is not None else []:
+        group.shows_unsharded_between_passes = show
 
 
 def as_fsdp_modules(root: nn.Module) -> nn.Module:

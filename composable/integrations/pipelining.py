@@ -47,7 +47,6 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 
 from .._engine.hooks.contract import param_states
-from .._engine.module_state.reset import finish_backward
 from .._engine.module_state.state import ModuleState
 from ..clip_grad import clip_grads_with_norm_, get_total_norm
 
@@ -93,7 +92,7 @@ class ComposablePipelineStage(PipelineStage):
         if backward_type == "full":
             yield
             return
-        groups = [s.group for s in self._states() if s.group is not None]
+        groups = [group for s in self._states() for group in s.groups]
         for group in groups:
             group.unshard()  # kept from forward: registers them, gathers nothing
         try:
@@ -122,13 +121,15 @@ class ComposablePipelineStage(PipelineStage):
             state.requires_gradient_sync = True
             state.reshard_after_backward = True
         for root in self._roots():
-            context = root.root_context
-            if context is not None and context.pending_reduction is not None:
-                context.pending_reduction.wait()  # an asynchronous finalization the schedule started
-            if context is not None and context.manual_active:  # a backward ran since the last finalization
+            backward_end = root.root_context.backward_end if root.root_context is not None else None
+            if backward_end is not None and backward_end.pending_reduction is not None:
+                backward_end.pending_reduction.wait()  # an asynchronous finalization the schedule started
+            if backward_end is not None and backward_end.manual_active:  # a backward ran since the last finalization
                 root.finalize_backward()
-            elif not root.manual_finalization:  # backwards outside this stage's schedule (automatic)
-                finish_backward(root)
+            elif (
+                backward_end is not None and not root.manual_finalization
+            ):  # backwards outside the schedule (automatic)
+                backward_end.finish_outside_autograd()
             root.set_manual_backward_finalization(False)
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._engine.groups.group_set import members
 from .._engine.module_state.state import ModuleState
 
 if TYPE_CHECKING:
@@ -35,37 +34,39 @@ class ReplicateState(ModuleState):
         runs on the training thread, as the bucket's all-reduce finishes."""
         if not callable(hook):
             raise TypeError(f"set_all_reduce_hook: 'hook' must be callable, got {type(hook).__name__}")
-        for group in members(self.group):
+        for group in self.groups:
             group.reducer.all_reduce_hook = hook
 
     def _after_unshard(self) -> None:
         # Unsharded parameters are created lazily (and again after a dtype change), so the
         # gradient-ready hooks are attached to whichever object is current.
-        for mp in self.group.params:  # type: ignore[union-attr]
-            up = mp.unsharded_param
-            if mp.wants_grad and up is not None and mp.hooked_param is not up:
-                up.register_post_accumulate_grad_hook(self._make_grad_ready_hook(mp))
-                mp.hooked_param = up
+        for group in self.groups:
+            for mp in group.params:
+                up = mp.unsharded_param
+                if mp.wants_grad and up is not None and mp.hooked_param is not up:
+                    up.register_post_accumulate_grad_hook(self._make_grad_ready_hook(group, mp))
+                    mp.hooked_param = up
 
-    def _make_grad_ready_hook(self, mp: ManagedParam) -> Callable[[torch.Tensor], None]:
+    def _make_grad_ready_hook(self, group: ParamGroup, mp: ManagedParam) -> Callable[[torch.Tensor], None]:
         # Weak references only: the hook lives on the unsharded parameter (in C++), which the
         # state holds; strong ones would make a cycle the garbage collector cannot see and the
         # model would never be freed.
-        state_ref, mp_ref = weakref.ref(self), weakref.ref(mp)
+        state_ref, group_ref, mp_ref = weakref.ref(self), weakref.ref(group), weakref.ref(mp)
 
         def hook(_param: torch.Tensor) -> None:
-            state, managed = state_ref(), mp_ref()
-            if state is not None and managed is not None and state.requires_gradient_sync:
-                # One mesh's group (replicate builds no set), whose reducer buckets (`bucket_cap_bytes`).
-                cast("BucketedReducer", cast("ParamGroup", state.group).reducer).on_grad_ready(managed)
+            state, owner, managed = state_ref(), group_ref(), mp_ref()
+            if state is not None and owner is not None and managed is not None and state.requires_gradient_sync:
+                # The group's reducer buckets (`bucket_cap_bytes`).
+                cast("BucketedReducer", owner.reducer).on_grad_ready(managed)
 
         return hook
 
-    def _final_reduction_needed(self) -> bool:
+    def final_reduction_needed(self) -> bool:
         # Buckets this rank did not fill may have been filled on another rank: every rank
         # whose forward ran (DDP semantics: all ranks run it) launches every remaining bucket,
         # whatever its own gradients.
-        return self.group is not None and self._ran_forward_with_grad
+        return bool(self.groups) and self.ran_forward_with_grad
 
     def _launch_reduction(self) -> None:
-        self.group.reducer.flush_buckets()  # type: ignore[union-attr]
+        for group in self.groups:
+            cast("BucketedReducer", group.reducer).flush_buckets()

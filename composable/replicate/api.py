@@ -13,7 +13,7 @@ from .._engine.dtypes.policies import (
     check_policies,
     param_dtype_resolver,
 )
-from .._engine.groups.build import GroupOptions, build_group
+from .._engine.groups.build import GroupOptions, build_groups
 from .._engine.hooks.contract import answers_state, check_composable, check_module, install_state, state_of
 from .._engine.meshes.mesh import check_mesh, default_mesh, infer_device_type, mesh_from_process_group
 from .._engine.params.claim import check_ignored
@@ -101,8 +101,8 @@ def replicate(
         compute_shard_on_device=getattr(offload_policy, "compute_shard_on_device", False),
         param_dtype_for=param_dtype_resolver(api, mp_policy),
     )
-    group = build_group(api, module, mesh, ignored, options)
-    state = ReplicateState(module, group, mp_policy, reshard_after_forward=False, reshard_is_default=False)
+    groups = build_groups(api, module, mesh, ignored, options)
+    state = ReplicateState(module, groups, mp_policy, reshard_after_forward=False, reshard_is_default=False)
     state.mesh = mesh
     state.bucket_cap_mb = float(bucket_cap_mb)
     install_state(module, api, state)

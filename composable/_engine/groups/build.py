@@ -1,6 +1,6 @@
 """The one construction path both data-parallel front ends call: claim the parameters, move
-the module to the compute device, lay the parameters out over the mesh and make the group
-that owns them."""
+the module to the compute device, lay the parameters out over the mesh and make the groups
+that own them (one per mesh)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,6 @@ from ..params.spmd import SpmdDims, check_spmd_param, make_spmd_param
 from ..unshard.extension import has_extension
 from ..unshard.mixed_dtypes import check_mixed_group, resolve_param_dtypes
 from .group import GroupConfig, ParamGroup
-from .group_set import GroupSet
 
 
 @dataclass(frozen=True)
@@ -49,16 +48,16 @@ class GroupOptions:
     param_dtype_for: Callable[[str, nn.Parameter], torch.dtype | None] | None = None
 
 
-def build_group(
+def build_groups(
     api: str,
     module: nn.Module | Sequence[nn.Module],
     mesh: DeviceMesh,
     ignored: set[nn.Parameter],
     options: GroupOptions,
-) -> ParamGroup | GroupSet | None:
+) -> list[ParamGroup]:
     """Manage the parameters of `module`'s subtree that no API applied to a descendant manages
-    (minus `ignored`): register their sharded DTensors in every slot and return the group, or
-    None when there is nothing to manage. Buffers move to the compute device. Raises
+    (minus `ignored`): register their sharded DTensors in every slot and return their groups,
+    none when there is nothing to manage. Buffers move to the compute device. Raises
     `RuntimeError` for forbidden compositions and `ValueError` for parameters on several devices.
 
     A sequence of modules makes one group of the parameters of all their subtrees (a weight
@@ -66,8 +65,8 @@ def build_group(
     parameters would have in an `nn.ModuleList` of the modules: `"0.weight"`, `"1.bias"`.
 
     Parameters that `options.shard_placement_fn` puts on other meshes (`ShardPlacementResult`)
-    make one group per mesh, in order of first use (as FSDP2); several are returned as one
-    `GroupSet` (group_set.py)."""
+    make one group per mesh, in order of first use (as FSDP2 keeps one `FSDPParamGroup` per
+    mesh); the state drives each in that order."""
     if not isinstance(module, nn.Module):
         module = ListedModules(module)
     claimed = claim_parameters(module, ignored, api)
@@ -85,7 +84,7 @@ def build_group(
         check_same_model(api, module, described, [mesh.get_group(d) for d in range(mesh.ndim)], device)
     watch_subtree(module, api)
     if not claimed:
-        return None
+        return []
     layout = DataParallelLayout.make(mesh, options.sharded) if options.spmd is None else options.spmd.layout()
     # One group per mesh (shard_placement_fn's ShardPlacementResults), in order of first use, as FSDP2.
     parts: dict[tuple, tuple[DataParallelLayout, SpmdDims | None, list[tuple[str, list, nn.Parameter, int]]]] = {}
@@ -119,12 +118,8 @@ def build_group(
     ]
     mark_replaced(originals, api)
     install_step_hook()  # refuses optimizers built before this call, holding `originals`
-    ordered = [mp for g in groups for mp in g.params]
-    mark_managed([mp.sharded for mp in ordered], api)
-    if len(groups) == 1:
-        return groups[0]
-    position = {fqn: i for i, (fqn, _, _) in enumerate(claimed)}
-    return GroupSet(groups, sorted(ordered, key=lambda mp: position[mp.fqn]))
+    mark_managed([mp.sharded for g in groups for mp in g.params], api)
+    return groups
 
 
 def _make_group(

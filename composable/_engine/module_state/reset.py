@@ -1,10 +1,10 @@
-"""Ending an iteration outside autograd: recovering from an exception that aborted a forward or
-backward (FSDP2's `reset_iter_state`), and finishing a backward that autograd did not end."""
+"""Ending an iteration outside autograd after an exception aborted a forward or backward
+(FSDP2's `reset_iter_state`). A backward that autograd did not end is finished by the tree's
+`BackwardEnd.finish_outside_autograd` (finalize.py)."""
 
 from __future__ import annotations
 
-from .finalize import discard_finalization
-from .root_context import TrainingState
+from .finalize import distinct_streams
 from .state import ModuleState
 
 
@@ -18,34 +18,14 @@ def reset_iteration(root: ModuleState, api: str) -> None:
             f"{api}: module {type(root.module).__name__} is not the root of its tree; call it on the module run first"
         )
     context = root.root_context
-    for state in context.states if context is not None else [root]:
-        if state.group is not None:
-            state.group.reducer.discard()
-            state.group.reshard()
-        state.training_state = TrainingState.IDLE
-        state._forward_index = None
-        state._ran_forward_with_grad = False
-        state._forward_pending.clear()
-        state._backward_pending, state._backward_untracked = 0, False
+    states = context.states if context is not None else [root]
+    for state in states:
+        for group in state.groups:
+            group.reducer.discard()
+            group.reshard()
+        state.clear_pass_bookkeeping()
     if context is not None:
         context.forward_order.clear()
-        context.final_callback_queued = False
-        discard_finalization(context)  # a pending finalize_backward handle is invalidated
-    for streams in root._tree_streams():
+        context.backward_end.discard()  # a pending finalize_backward handle is invalidated
+    for streams in distinct_streams(group for state in states for group in state.groups):
         streams.end_of_backward()
-
-
-def finish_backward(root: ModuleState) -> None:
-    """End a backward of `root`'s tree that autograd did not end, as its end-of-backward
-    callback does: reduce every group that still holds gradients (per its
-    `requires_gradient_sync`), reshard per `reshard_after_backward`, and, with
-    `is_last_backward`, wait for every reduction. For callers that compute gradients outside
-    one `backward()` (a pipeline schedule's split input/weight backward, or several
-    micro-batch backwards of which only the caller knows the last): every state of the tree
-    counts as having run with grad since the last reduction, so `replicate` launches all its
-    buckets (its ranks all ran, DDP semantics). A no-op unless `root` is a root that ran."""
-    if root.root_context is None or not root.is_root:
-        return
-    for state in root.root_context.states:
-        state._ran_forward_with_grad = True
-    root._final_callback()

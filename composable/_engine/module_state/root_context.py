@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import Any
+from typing import Generic, TypeVar
 
-from . import finalize
+from .finalize import BackwardEnd, TreeMember
 
-ModuleState = Any  # state.py's (which imports this file)
+# The module states of the tree (state.py's `ModuleState`, which imports this file).
+State = TypeVar("State", bound=TreeMember)
 
 
 class TrainingState(Enum):
@@ -19,15 +20,15 @@ class TrainingState(Enum):
 
 
 @dataclass(eq=False)
-class RootContext:
+class RootContext(Generic[State]):
     """What only the root of a tree keeps, shared by every state of the tree: the states
     themselves, the order their forwards finished in this iteration (backward prefetches in
-    reverse) and whether the end-of-backward callback is queued."""
+    reverse) and the end of backward of the tree (`BackwardEnd`, finalize.py)."""
 
-    root: "ModuleState"
-    states: list["ModuleState"]
-    forward_order: list["ModuleState"] = field(default_factory=list)
-    final_callback_queued: bool = False
-    manual_active: bool | None = None  # manual finalization, as chosen when this backward started (finalize.py)
-    pending_reduction: finalize.GradientReductionHandle | None = None  # finalize_backward's, until finished
-    finalizing: bool = False  # inside finalize_backward
+    root: State
+    states: list[State]
+    forward_order: list[State] = field(default_factory=list)
+    backward_end: BackwardEnd = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.backward_end = BackwardEnd(self.root, self.states)

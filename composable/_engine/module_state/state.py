@@ -1,5 +1,7 @@
-"""The per-module state shared by `fully_shard` and `replicate`: hooks that drive a parameter group
-through forward and backward, root detection, lazy init, and the end-of-backward callback.
+"""The per-module state shared by `fully_shard` and `replicate`: hooks that drive its parameter
+groups through forward and backward (one group per mesh, each driven in turn, as FSDP2 loops
+over its `FSDPParamGroup`s), root detection and lazy init; the end of backward belongs to the
+tree's `BackwardEnd` (finalize.py), which the root's lazy init makes and the first pre-backward starts.
 
 Order of events for one module (root marked *):
   pre_forward   lazy init*, refresh sharded params*, unshard (+ prefetch), cast inputs,
@@ -28,8 +30,8 @@ from ..comm.profiling import labelled
 from ..comm.streams import CommStreams
 from ..dtypes.policies import MixedPrecisionPolicy
 from ..grads.grad_dtype import set_unsharded_grad_dtypes
+from ..groups.build import ListedModules
 from ..groups.group import ParamGroup
-from ..groups.group_set import GroupSet, members
 from ..hooks.autograd import any_requires_grad, attach_post_backward, attach_pre_backward, cast_floating, run_eagerly
 from ..hooks.compile_boundary import keep_hooks_outside_graphs
 from ..hooks.contract import check_bool, keep_post_hook_last, param_states, register_api_pre_hook
@@ -38,11 +40,12 @@ from ..params.annotated import restore_annotations, resumed, untyped
 from ..params.late_params import check_no_late_params
 from ..params.wrappers import offset_free_state_dict
 from . import finalize
+from .finalize import GradientReductionHandle
 from .root_context import RootContext, TrainingState
 from .unshard_handle import UnshardHandle
 
 
-class ModuleState(finalize.BackwardFinalization):
+class ModuleState:
     """State one parameter-owning API installs on one module."""
 
     api_name = "composable"
@@ -50,30 +53,30 @@ class ModuleState(finalize.BackwardFinalization):
     def __init__(
         self,
         module: nn.Module | Sequence[nn.Module],
-        group: ParamGroup | GroupSet | None,
+        groups: list[ParamGroup],
         mp_policy: MixedPrecisionPolicy,
         reshard_after_forward: bool | int,
         reshard_is_default: bool,
     ) -> None:
         self.modules: tuple[nn.Module, ...] = (module,) if isinstance(module, nn.Module) else tuple(module)
         self.module = self.modules[0]
-        self.group = group
+        self._single_module = isinstance(module, nn.Module)  # else FQNs as in an nn.ModuleList of them
+        self.groups = groups  # one per mesh (per-parameter meshes: several); none: nothing managed
         self.mp_policy = mp_policy
         self.reshard_after_forward = reshard_after_forward
         self._reshard_is_default = reshard_is_default
         self.reshard_after_backward = True  # False: keep the unsharded parameters until the next forward
         self.is_last_backward = True  # root: False lets the end of backward leave reductions in flight
         self.manual_finalization = False  # root: set_manual_backward_finalization
-        self.finalize_pending = False  # manual finalization: finalize_backward reduces this group
         self.unshard_in_backward = True  # False: backward computes without gathering (set_unshard_in_backward)
         self.training_state = TrainingState.IDLE
         self.requires_gradient_sync = True
         self.is_root: bool | None = None  # decided at lazy init
-        self.root_context: RootContext | None = None  # shared by the states of one root's tree
+        self.root_context: RootContext[ModuleState] | None = None  # shared by the states of one root's tree
         self.forward_prefetch: list[ModuleState] = []
         self.backward_prefetch: list[ModuleState] = []
         self._forward_index: int | None = None  # position in the root's forward order
-        self._ran_forward_with_grad = False  # since the last end of backward
+        self.ran_forward_with_grad = False  # since the last end of backward
         # Several modules only: positions of those yet to run in this pass; post-backward functions
         # attached and not run yet; whether one ran with grad but no input needing grad (nothing
         # tells when its gradients are done: the end of backward reduces).
@@ -100,21 +103,27 @@ class ModuleState(finalize.BackwardFinalization):
     # -- public helpers ---------------------------------------------------------------------
     @property
     def param_names(self) -> list[str]:
-        return [] if self.group is None else [mp.fqn for mp in self.group.params]
+        """The FQNs of the managed parameters, in the module's order (per-parameter meshes
+        interleave their groups' parameters); a list of modules names them as an
+        `nn.ModuleList` of the modules would."""
+        managed = {mp.fqn for group in self.groups for mp in group.params}
+        tree = self.module if self._single_module else ListedModules(self.modules)
+        walk = dict.fromkeys(name for name, _ in tree.named_parameters(remove_duplicate=False))
+        return [name for name in walk if name in managed]
 
     def unshard(self, async_op: bool = False) -> "UnshardHandle | None":
         """All-gather this module's parameters and register the unsharded ones. With
         `async_op=True` the all-gather is only started: returns a handle whose `wait()`
         finishes it; the next forward uses what it gathered (no second all-gather)."""
         check_bool("unshard", "async_op", async_op)
-        if self.group is not None:
-            self.group.unshard(async_op=async_op)
-        return UnshardHandle(self.group) if async_op else None
+        for group in self.groups:
+            group.unshard(async_op=async_op)
+        return UnshardHandle(self.groups) if async_op else None
 
     def reshard(self) -> None:
         """Free the unsharded parameters and register the sharded DTensors again."""
-        if self.group is not None:
-            self.group.reshard()
+        for group in self.groups:
+            group.reshard()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, recurse: bool = True) -> None:
         """False: backward accumulates unsharded gradients locally (more memory: a full
@@ -125,6 +134,32 @@ class ModuleState(finalize.BackwardFinalization):
         targets = param_states(self.modules) if recurse else [self]
         for state in targets:
             state.requires_gradient_sync = requires_gradient_sync
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """True: the end of backward no longer reduces gradients or waits for reductions; call
+        `finalize_backward` after all the backward passes of one logical backward (each with
+        `set_requires_gradient_sync(False)`, then True before finalizing). Call it on the root
+        (the module run first) before backward: RuntimeError on another module, during a
+        backward, or to change the mode between a backward and its finalization. Supersedes
+        `set_is_last_backward`. As torch 2.15's `FSDPModule.set_manual_backward_finalization`."""
+        backward_end = self.root_context.backward_end if self.root_context is not None else None
+        finalize.check_mode_change(self, self.is_root, backward_end, enabled)
+        self.manual_finalization = enabled
+
+    def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
+        """Finish the backward iteration under manual finalization: reduce the gradients of
+        every group that holds some (per its current `requires_gradient_sync`), reshard per
+        `reshard_after_backward`, and wait for the reductions. `async_op=True`: return a
+        `GradientReductionHandle` without waiting; `wait()` it before using the gradients or
+        running this tree again. A no-op before the root's first forward. RuntimeError on a
+        module other than the root, without `set_manual_backward_finalization(True)`, during
+        backward, while an earlier handle is not waited on, and with HSDP's deferred replica
+        all-reduce (`set_requires_all_reduce(False)`) in play. As torch 2.15's
+        `FSDPModule.finalize_backward`."""
+        check_bool("finalize_backward", "async_op", async_op)
+        if self.is_root is None or self.root_context is None:  # never ran: nothing to finalize
+            return GradientReductionHandle(None) if async_op else None
+        return self.root_context.backward_end.finalize(self, async_op)
 
     # -- lazy init ----------------------------------------------------------------------------
     def _lazy_init(self) -> None:
@@ -137,8 +172,7 @@ class ModuleState(finalize.BackwardFinalization):
                 f"containing them too (e.g. {self.api_name}(model)) and run that"
             )
         check_pipeline_stage(self.api_name, self.module)  # a torch stage that reduces per microbatch: fail now
-        context = RootContext(self, param_states(self.module))
-        finalize.check_manual_on_root(self, context.states)
+        context = RootContext[ModuleState](self, param_states(self.module))  # checks manual finalization
         self.is_root = True
         for state in context.states:
             state.root_context = context
@@ -164,8 +198,8 @@ class ModuleState(finalize.BackwardFinalization):
         if self._in_backward():
             # Activation checkpointing re-runs the forward inside backward: gather if needed
             # and keep the parameters until this module's own post_backward reshards them.
-            if self.group is not None:
-                self.group.unshard()
+            for group in self.groups:
+                group.unshard()
             with resumed():
                 return self._cast_inputs(args, kwargs)
         grouped = len(self.modules) > 1
@@ -179,18 +213,18 @@ class ModuleState(finalize.BackwardFinalization):
             self.training_state = TrainingState.FORWARD
             if grouped:
                 self._forward_pending = set(range(len(self.modules)))
-        self._ran_forward_with_grad |= torch.is_grad_enabled()
-        if self.group is not None:
-            self.group.unshard()  # a no-op for the later modules of a pass
-            if first:
-                self._after_unshard()
-                for other in self.forward_prefetch:
-                    if other.group is not None:
-                        other.group.unshard(async_op=True)
+        self.ran_forward_with_grad |= torch.is_grad_enabled()
+        for group in self.groups:
+            group.unshard()  # a no-op for the later modules of a pass
+        if self.groups and first:
+            self._after_unshard()
+            for other in self.forward_prefetch:
+                for group in other.groups:
+                    group.unshard(async_op=True)
         with resumed():  # spmd_types: the module's parameters and inputs keep their types
             args, kwargs = self._cast_inputs(args, kwargs)
-            if self.group is not None:
-                restore_annotations(self.group.params)
+            for group in self.groups:
+                restore_annotations(group.params)
             if torch.is_grad_enabled():
                 if grouped:  # the group reduces after the last of its post-backwards (see `_post_backward`)
                     if any_requires_grad((args, kwargs)):
@@ -204,11 +238,10 @@ class ModuleState(finalize.BackwardFinalization):
         check_no_late_params(self.module)
         context = self.root_context
         assert context is not None
-        finalize.check_no_pending_reduction(self, context)
+        context.backward_end.check_no_pending_reduction()
         context.forward_order.clear()
         for state in context.states:
-            group = state.group
-            if group is not None:
+            for group in state.groups:
                 group.finish_reduce()  # in case a previous backward did not finish
                 group.refresh_sharded_params()
         for streams in self._tree_streams():
@@ -263,15 +296,15 @@ class ModuleState(finalize.BackwardFinalization):
         # In eval mode a backward rarely follows (a validation forward without no_grad): reshard
         # so the sharded parameters are registered again (state_dict, checkpointing); a
         # backward that does follow gathers them again in pre_backward.
-        if self.group is not None:
-            reshard = self.reshard_after_forward
+        reshard = self.reshard_after_forward
+        for group in self.groups:
             if reshard is True or not backward_follows or not module.training:
-                self.group.reshard()
+                group.reshard()
             elif reshard is False:  # keep the storage for backward, but show the sharded parameters meanwhile
-                if not finalize.shows_unsharded(self):
-                    self.group.register_sharded()
-            else:  # an int: keep 1/N, so backward gathers within N ranks
-                self.group.reshard_to(reshard)
+                if not self._shows_unsharded():
+                    group.register_sharded()
+            else:  # an int: keep 1/N, so backward gathers within N ranks (each group: where its mesh is wider)
+                group.reshard_to(reshard)
         if backward_follows:
             output = attach_pre_backward(self, output)
             context = self.root_context
@@ -283,14 +316,9 @@ class ModuleState(finalize.BackwardFinalization):
         return output
 
     def _tree_streams(self) -> list[CommStreams]:
-        """The distinct communication streams of the groups in the tree (root only; one set
-        per CUDA device, none on CPU)."""
-        found: dict[int, CommStreams] = {}
-        for state in self.root_context.states if self.root_context is not None else []:
-            streams = state.group.streams if state.group is not None else None
-            if streams is not None:
-                found.setdefault(id(streams), streams)
-        return list(found.values())
+        """The distinct communication streams of the groups in the tree (root only)."""
+        states = self.root_context.states if self.root_context is not None else []
+        return finalize.distinct_streams(group for state in states for group in state.groups)
 
     def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         dtype = self.mp_policy.param_dtype
@@ -305,22 +333,20 @@ class ModuleState(finalize.BackwardFinalization):
         if self.training_state is TrainingState.PRE_BACKWARD:
             return
         context = self.root_context
-        if context is not None and not context.final_callback_queued:
-            context.final_callback_queued = True
-            if context.manual_active is None:  # the mode of this backward (set_manual_backward_finalization)
-                context.manual_active = context.root.manual_finalization
-            torch.autograd.Variable._execution_engine.queue_callback(context.root._final_callback)
+        if context is not None:
+            context.backward_end.start_backward()  # the first pre-backward queues the end of backward
         self.training_state = TrainingState.PRE_BACKWARD
-        if self.group is not None:
-            self.group.reducer.drop_discarded_sums()  # zero_grad since a no-sync backward
-            if self.unshard_in_backward:
-                self.group.unshard()
-            for group in members(self.group):
-                set_unsharded_grad_dtypes(group, reducing=self.requires_gradient_sync)
+        for group in self.groups:
+            group.reducer.drop_discarded_sums()  # zero_grad since a no-sync backward
+        if self.unshard_in_backward:
+            for group in self.groups:
+                group.unshard()
+        for group in self.groups:
+            set_unsharded_grad_dtypes(group, reducing=self.requires_gradient_sync)
         for other in self.backward_prefetch or self._implicit_backward_prefetch():
-            if other.group is not None and other.training_state is not TrainingState.PRE_BACKWARD:
-                if other.unshard_in_backward:
-                    other.group.unshard(async_op=True)
+            if other.training_state is not TrainingState.PRE_BACKWARD and other.unshard_in_backward:
+                for group in other.groups:
+                    group.unshard(async_op=True)
 
     def _implicit_backward_prefetch(self) -> list["ModuleState"]:
         """The state whose forward finished just before this one's: its backward comes next."""
@@ -329,7 +355,7 @@ class ModuleState(finalize.BackwardFinalization):
         if context is None or index is None or index == 0 or index > len(context.forward_order) - 1:
             return []
         previous = context.forward_order[index - 1]
-        return [previous] if previous is not self and previous.group is not None else []
+        return [previous] if previous is not self and previous.groups else []
 
     @labelled("composable::post_backward")
     @untyped
@@ -339,55 +365,51 @@ class ModuleState(finalize.BackwardFinalization):
             if self._backward_pending > 0 or self._backward_untracked:
                 return  # gradients of other listed modules may still come: the last (or the end of backward) reduces
         self.training_state = TrainingState.POST_BACKWARD
-        if self.group is not None:
-            self._finish_backward_of_group(reduce=self.requires_gradient_sync)
+        if self.groups:
+            self.finish_backward_of_groups(reduce=self.requires_gradient_sync)
 
-    def _finish_backward_of_group(self, reduce: bool, last: bool = False) -> None:
+    def finish_backward_of_groups(self, reduce: bool, last: bool = False) -> None:
         """Reshard, then reduce if `reduce` (FSDP2's order: the reduction reads gradients, not the
         parameters, so their storage is not held while it allocates); no gradient sync: stash the
         gradients first. `last`: no all-gather comes before the optimizer step: free what waits one."""
         if not self.requires_gradient_sync:
-            self.group.stash_grads()  # type: ignore[union-attr]
-        self._end_backward_of_group()
+            for group in self.groups:
+                group.stash_grads()
+        self.end_backward_of_groups()
         if reduce:
-            if last and self.group.streams is not None:  # type: ignore[union-attr]
-                self.group.streams.release_gather_buffers()  # type: ignore[union-attr]
+            if last:
+                for streams in finalize.distinct_streams(self.groups):
+                    streams.release_gather_buffers()
             self._launch_reduction()
 
-    def _end_backward_of_group(self) -> None:
+    def end_backward_of_groups(self) -> None:
         """Reshard, or with `reshard_after_backward=False` keep the unsharded storage (the next
         forward gathers nothing, unless an optimizer step changed the shards meanwhile) while
         the modules show the sharded parameters."""
-        if self.reshard_after_backward:
-            self.group.reshard()  # type: ignore[union-attr]
-        elif not finalize.shows_unsharded(self):
-            self.group.keep_unsharded()  # type: ignore[union-attr]
+        for group in self.groups:
+            if self.reshard_after_backward:
+                group.reshard()
+            elif not self._shows_unsharded():
+                group.keep_unsharded()
 
     def _after_unshard(self) -> None:
         """Hook for subclasses: the unsharded parameters exist now."""
 
-    def _final_reduction_needed(self) -> bool:
-        """Whether the end of backward must still launch this group's reduction."""
-        return self.group is not None and self.group.has_unsharded_grads()
+    def final_reduction_needed(self) -> bool:
+        """Whether the end of backward must still launch this state's reductions."""
+        return any(group.has_unsharded_grads() for group in self.groups)
 
     def _launch_reduction(self) -> None:
-        self.group.reduce_grads()  # type: ignore[union-attr]
+        for group in self.groups:
+            group.reduce_grads()
 
-    @labelled("composable::final_callback")
-    @untyped
-    def _final_callback(self) -> None:
-        """End of backward (root only): finish every group in the tree (finalize.py)."""
-        context = self.root_context
-        assert context is not None
-        manual = finalize.finish_groups_at_end_of_backward(context)
-        for state in context.states:
-            state.training_state = TrainingState.IDLE
-            state._forward_index, state._ran_forward_with_grad = None, False
-            state._backward_pending, state._backward_untracked = 0, False
-            state._forward_pending.clear()
-        context.final_callback_queued = False
-        if manual:
-            return  # finalize_backward finishes
-        context.manual_active = None
-        if self.is_last_backward:  # else the next forward finishes (set_is_last_backward(False): micro-batches)
-            finalize.end_backward_iteration(self)
+    def _shows_unsharded(self) -> bool:
+        """Whether a group kept unsharded stays registered unsharded between passes (finalize.py)."""
+        return self.root_context is not None and self.root_context.backward_end.shows_unsharded()
+
+    def clear_pass_bookkeeping(self) -> None:
+        """Forget this iteration's pass: the end of backward, or `reset_iter_state` after an abort."""
+        self.training_state = TrainingState.IDLE
+        self._forward_index, self.ran_forward_with_grad = None, False
+        self._backward_pending, self._backward_untracked = 0, False
+        self._forward_pending.clear()

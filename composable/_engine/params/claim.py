@@ -29,8 +29,8 @@ def claim_parameters(
     API applied to an ancestor of `module`: a forbidden composition."""
     claimed: set[int] = {id(p) for p in ignored}
     for _, sub, state in iter_param_states(module):
-        if sub is not module and state.group is not None:
-            claimed.update(id(mp.sharded_param) for mp in state.group.params)
+        if sub is not module:
+            claimed.update(id(mp.sharded_param) for group in state.groups for mp in group.params)
     found: dict[int, tuple[str, list[tuple[nn.Module, str]], nn.Parameter]] = {}
     for prefix, sub in module.named_modules(remove_duplicate=False):
         for name, param in sub._parameters.items():
