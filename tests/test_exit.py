@@ -16,10 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 from _harness import env_without_launcher
 from test_train_example import EXAMPLES, SMALL, command_line, register_command_line
 
-sys.path.insert(0, str(EXAMPLES))
-import launch  # noqa: E402
-from options import parse_args  # noqa: E402
-from watchdog import EXIT_TEARDOWN_HUNG  # noqa: E402
+from trainer import launch
+from trainer.options import parse_args
+from trainer.watchdog import EXIT_TEARDOWN_HUNG
 
 # rank 1's teardown blocks in destroy_process_group; --timeout 10 makes the bound 10 s (the
 # least there is) and gives the startup collectives 10 s on a loaded machine (4 s timed out once)
@@ -56,8 +55,8 @@ _RANK_END = """
 import os, sys, tempfile, threading, time
 sys.path.insert(0, {examples!r})
 import torch.distributed as dist
-import launch
-from watchdog import ExitGuard
+from trainer import launch
+from trainer.watchdog import ExitGuard
 
 dist.init_process_group("gloo", init_method=f"file://{{tempfile.mktemp()}}", rank=0, world_size=1)
 threading.Thread(target={thread}, name="left-over").start()  # a non-daemon thread still running

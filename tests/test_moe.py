@@ -10,7 +10,6 @@ single-process model trained on all ranks' batches (so the expert-parallel gradi
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,13 +18,10 @@ from _harness import run_on_ranks
 from torch.distributed.device_mesh import init_device_mesh
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-if str(EXAMPLES) not in sys.path:
-    sys.path.insert(0, str(EXAMPLES))
-
-from model import Transformer, get_config, lm_loss  # noqa: E402
-from parallel import expert_mesh, shard_experts, sharding_units  # noqa: E402
 
 import composable  # noqa: E402
+from models.model import Transformer, get_config, lm_loss  # noqa: E402
+from trainer.parallel import expert_mesh, shard_experts, sharding_units  # noqa: E402
 
 try:
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -95,7 +91,7 @@ def test_moe_expert_parallel_equal_to_fsdp2(ep: int) -> None:
 
 
 def _bench(rank: int, world: int) -> None:
-    from bench_build import build
+    from benchmarks.bench_build import build
 
     cfg = get_config("tiny", dim=32, n_layers=2, n_heads=2, ffn_dim=48, n_experts=4, max_seq_len=16)
     losses = []
@@ -116,8 +112,8 @@ def test_benchmark_builds_moe() -> None:
 
 def test_benchmark_moe_flag(capsys: pytest.CaptureFixture[str]) -> None:
     """`--moe` gives the model experts; with float8, graphed runs or a 2D --mesh it is refused, named."""
-    from benchmark import model_config, parse_args
-    from parallel import MOE_EXPERTS
+    from benchmarks.side_by_side import model_config, parse_args
+    from trainer.parallel import MOE_EXPERTS
 
     assert model_config(parse_args(["--moe", "--preset", "tiny"])).n_experts == MOE_EXPERTS
     with pytest.raises(SystemExit):

@@ -15,7 +15,6 @@ methods set reach every group (dp_mesh_dims and errors: test_per_param_mesh_dims
 from __future__ import annotations
 
 import copy
-import sys
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,14 +27,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-if str(EXAMPLES) not in sys.path:
-    sys.path.insert(0, str(EXAMPLES))
-
-from model import Transformer, get_config, lm_loss  # noqa: E402
-from parallel import expert_mesh, sharding_units  # noqa: E402
 
 import composable  # noqa: E402
 from composable import ShardPlacementResult, clip_grad_norm_, fully_shard  # noqa: E402
+from models.model import Transformer, get_config, lm_loss  # noqa: E402
+from trainer.parallel import expert_mesh, sharding_units  # noqa: E402
 
 try:  # torch >= 2.13: FSDP2 takes ShardPlacementResult (composable's is torch's class there)
     from torch.distributed.fsdp import fully_shard as torch_fully_shard

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
-import sys
 
 import pytest
 import torch
@@ -27,12 +25,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-
-from model import ModelConfig, Transformer, lm_loss  # noqa: E402
-from parallel import apply_tensor_parallel  # noqa: E402
-
 import composable  # noqa: E402
+from models.model import ModelConfig, Transformer, lm_loss
+from trainer.parallel import apply_tensor_parallel
 
 CFG = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_dim=48, max_seq_len=16)
 FUSED_CFG = dataclasses.replace(CFG, fused_projections=True)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,21 +23,18 @@ from _harness import run_on_ranks
 from torch.distributed.tensor import DTensor
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-if str(EXAMPLES) not in sys.path:
-    sys.path.insert(0, str(EXAMPLES))
-
-import train as train_script  # noqa: E402
-from checkpointing import load_checkpoint, save_checkpoint  # noqa: E402
-from data import ByteCorpus, get_batch  # noqa: E402
-from model import Transformer, lm_loss  # noqa: E402
-from options import cuda_graph_mode, model_config, parse_args  # noqa: E402
-from parallel import UsageError, build_mesh, parallelize  # noqa: E402
-from schedule import build_optimizer, evaluate, lr_at, world_mean  # noqa: E402
-from train_step import build_graph_optimizer, checkpoint_ready, make_train_step, set_lr  # noqa: E402
 
 from composable import ShardedGradScaler, clip_grad_norm_, fully_shard, no_sync  # noqa: E402
 from composable._graphed_checks import Recorder as _Recorder  # noqa: E402
 from composable._graphed_checks import Snapshot as _Snapshot  # noqa: E402
+from models.model import Transformer, lm_loss  # noqa: E402
+from trainer import main_job as train_script  # noqa: E402
+from trainer.checkpointing import load_checkpoint, save_checkpoint  # noqa: E402
+from trainer.data import ByteCorpus, get_batch  # noqa: E402
+from trainer.options import cuda_graph_mode, model_config, parse_args  # noqa: E402
+from trainer.parallel import UsageError, build_mesh, parallelize  # noqa: E402
+from trainer.schedule import build_optimizer, evaluate, lr_at, world_mean  # noqa: E402
+from trainer.train_step import build_graph_optimizer, checkpoint_ready, make_train_step, set_lr  # noqa: E402
 
 # test_train_example.py's small model: a few steps take a fraction of a second per rank.
 SMALL = (

@@ -14,7 +14,6 @@ blocks' matrices and AdamW on the rest, as one optimizer.
 from __future__ import annotations
 
 import copy
-import sys
 from pathlib import Path
 
 import torch
@@ -22,14 +21,12 @@ from _harness import assert_close_tensors
 from torch import nn
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-if str(EXAMPLES) not in sys.path:
-    sys.path.insert(0, str(EXAMPLES))
 
-import options  # noqa: E402
-from muon_adamw import MuonAdamW, build_muon_adamw, is_hidden_matrix  # noqa: E402
 from test_train_example import SMALL, _losses, _run  # noqa: E402
 
 from composable.optim import Muon  # noqa: E402
+from trainer import options  # noqa: E402
+from trainer.muon_adamw import MuonAdamW, build_muon_adamw, is_hidden_matrix  # noqa: E402
 
 
 class _Blocks(nn.Module):
