@@ -1,7 +1,9 @@
 """The main job (`python examples/train.py`) and QLoRA fine-tuning (`examples/qlora.py`).
 
-main_job.py        the entry point and the training loop: build, train, evaluate, checkpoint, report
-options.py         the command line: flags, per-preset defaults, the checks that refuse bad values
+main_job.py        the entry point: spawn or join the ranks, settle the run, the device and the meshes
+training_loop.py   build the model and optimizer, resume, the steps (evaluate, checkpoint), the summary
+options.py         the command line parsed: per-preset defaults, the checks that refuse bad values
+flags.py           the flags, in groups, and the parser that reports a bad value in one line
 launch.py          starting and ending the ranks: spawn or torchrun, bounded teardown, exit codes
 watchdog.py        heartbeats and the stall watchdog of the ranks
 runs.py            run directories: each run owns <out>/<run id>/, identity checks for --resume
