@@ -1,4 +1,4 @@
-"""The benchmark's `--mesh` (examples/bench_mesh.py): the flags and their refusals, the
+"""The benchmark's `--mesh` (examples/benchmarks/bench_mesh.py): the flags and their refusals, the
 contenders each mesh builds (fully_shard and FSDP2 with the same placements on the same 2D
 mesh, the floors without one), the report's per-GPU token accounting and mesh naming, and a
 4-rank gloo smoke run of each 2D mesh and of the 3D (replicate, shard, tp) one in which

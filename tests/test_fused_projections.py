@@ -1,4 +1,4 @@
-"""examples/model.py's fused projections (`ModelConfig.fused_projections`): one `wqkv` and one
+"""examples/models/model.py's fused projections (`ModelConfig.fused_projections`): one `wqkv` and one
 `w13` linear per block instead of wq/wk/wv and w1/w3, in one process.
 
 - The fused model loading an unfused one's weights (`fuse_state_dict`) computes the same

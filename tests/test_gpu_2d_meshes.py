@@ -1,5 +1,5 @@
-"""The 2D layouts on 4 ranks, the way train.py lays out examples/model.py's Transformer
-(examples/parallel.py: its TP plan, its sharding units), on 4 GPUs with NCCL and, where that
+"""The 2D layouts on 4 ranks, the way train.py lays out examples/models/model.py's Transformer
+(examples/trainer/parallel.py: its TP plan, its sharding units), on 4 GPUs with NCCL and, where that
 form is not covered elsewhere, on 4 gloo ranks on the CPU:
 
 - TP x FSDP (dp 2 x tp 2): train.py's TP plan on every block, then `fully_shard` over dp,

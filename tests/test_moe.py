@@ -3,7 +3,7 @@
 On 4 gloo ranks the experts of every block are split over an expert-parallel dim of 2 and
 sharded over the other (edp, 2), or split over all 4 ranks (tokens travel by all-to-all to
 every other rank, edp of 1), then the blocks and the root are sharded over the world
-(examples/parallel.py's `shard_experts`, then `sharding_units`); trained with PyTorch FSDP2's
+(examples/trainer/parallel.py's `shard_experts`, then `sharding_units`); trained with PyTorch FSDP2's
 `fully_shard` and with composable's, the losses and parameters are equal bit for bit, and losses and parameters follow a
 single-process model trained on all ranks' batches (so the expert-parallel gradients are right too).
 """

@@ -1,4 +1,4 @@
-"""examples/moe.py at fixed capacity (`ModelConfig.moe_capacity_factor`): each rank sends each
+"""examples/models/moe.py at fixed capacity (`ModelConfig.moe_capacity_factor`): each rank sends each
 expert at most `expert_capacity` of its routed rows, in token order, and the rest are dropped.
 
 One process: the slots are placed and dropped as promised; a capacity no expert reaches computes

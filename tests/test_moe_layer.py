@@ -1,4 +1,4 @@
-"""examples/moe.py's layer on its own: the grouped-GEMM path computes what the per-expert loop
+"""examples/models/moe.py's layer on its own: the grouped-GEMM path computes what the per-expert loop
 computes; without expert parallelism the layer compiles into one graph (no host
 synchronisation, no data-dependent shape); with it, blocks compiled as train.py compiles them
 train as the eager ones (the dispatch runs between compiled graphs, with plain collectives);

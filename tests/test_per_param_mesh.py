@@ -3,7 +3,7 @@
 
 On 4 gloo ranks laid out as (edp 2, ep 2), every block of the example MoE transformer is
 sharded by ONE `fully_shard(block, shard_placement_fn=...)`: the routed experts (split over
-`ep`, examples/moe.py) on the 2-rank `edp` mesh, the other parameters on the 4-rank dense
+`ep`, examples/models/moe.py) on the 2-rank `edp` mesh, the other parameters on the 4-rank dense
 mesh. Against FSDP2's own `fully_shard` with the same function (torch >= 2.13): losses, local
 shards, gradients and parameters over 3 AdamW steps equal bit for bit, and the same
 all-gathers / reduce-scatters / all-reduces per process group per step. On every torch the

@@ -107,7 +107,9 @@ def test_fused_projections_follow_async_tp_by_default(
     assert benchmark.parse_args([*bench, "--async-tp", "--no-fused-projections"]).fused_projections is False
     with pytest.raises(SystemExit):
         benchmark.parse_args(["--model", "hf-llama", "--fused-projections"])
-    assert "--fused-projections with --model hf-llama: the fused layout is examples/model.py's" in _error_line(capsys)
+    assert "--fused-projections with --model hf-llama: the fused layout is examples/models/model.py's" in _error_line(
+        capsys
+    )
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])

@@ -1,4 +1,4 @@
-"""`graphed_step` over a 2D step: the examples' tensor-parallel recipe (examples/parallel.py's
+"""`graphed_step` over a 2D step: the examples' tensor-parallel recipe (examples/trainer/parallel.py's
 `apply_tensor_parallel`: sequence-parallel norms, vocabulary-parallel embedding and head, the
 vocabulary-parallel loss) x `fully_shard` over dp, bf16 compute / fp32 reduction, fused
 capturable AdamW. The whole step (forward with its tp all-gathers and reduce-scatters,

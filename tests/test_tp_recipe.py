@@ -1,4 +1,4 @@
-"""The tensor-parallel recipe of the examples (examples/parallel.py's `apply_tensor_parallel`:
+"""The tensor-parallel recipe of the examples (examples/trainer/parallel.py's `apply_tensor_parallel`:
 sequence-parallel norms, embeddings to sequence shards, head to vocabulary shards with the loss
 computed shard by shard) x fully_shard over dp, on a 2 x 2 (dp, tp) mesh of 4 gloo ranks; with
 fused projections (one wqkv and one w13 linear per block) also on 1 x 4, where each rank holds

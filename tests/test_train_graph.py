@@ -1,4 +1,4 @@
-"""examples/train.py's `--cuda-graph` and its step function (examples/train_step.py).
+"""examples/train.py's `--cuda-graph` and its step function (examples/trainer/train_step.py).
 
 CPU only (a graph needs a GPU): `--cuda-graph on` without CUDA, or with a run graphs do not
 support, is refused in one line; `auto` resolves as documented; on the CPU a run trains exactly

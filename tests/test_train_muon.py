@@ -1,4 +1,4 @@
-"""The main job with `--optimizer muon` (examples/train.py, examples/muon_adamw.py): Muon on the
+"""The main job with `--optimizer muon` (examples/train.py, examples/trainer/muon_adamw.py): Muon on the
 blocks' matrices and AdamW on the rest, as one optimizer.
 
 - `MuonAdamW` steps each parameter exactly as its own optimizer would (Muon's matrices as

@@ -1,4 +1,4 @@
-"""examples/vocab_parallel_loss.py: cross entropy of vocabulary-sharded logits (the tensor-parallel
+"""examples/models/vocab_parallel_loss.py: cross entropy of vocabulary-sharded logits (the tensor-parallel
 head's loss), on 2 gloo ranks against `F.cross_entropy` of the whole logits in one process.
 
 - The loss and the logits' gradient, fp32 and bf16, with a vocabulary that does not split evenly

@@ -34,7 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--model",
         default="own",
         choices=MODELS,
-        help="'own': examples/model.py; 'hf-llama': transformers' LlamaForCausalLM at the preset's shape",
+        help="'own': examples/models/model.py; 'hf-llama': transformers' LlamaForCausalLM at the preset's shape",
     )
     p.add_argument("--dim", type=int, default=None, help="model width instead of the preset's (see width_overrides)")
     p.add_argument("--n-layers", type=int, default=None, help="number of blocks instead of the preset's")
@@ -94,8 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--moe",
         action="store_true",
-        help="mixture-of-experts feed-forwards (examples/moe.py, --model own): fully_shard and FSDP2 split the experts "
-        "over an expert-parallel dim and shard them over the rest (examples/parallel.py's shard_experts)",
+        help="mixture-of-experts feed-forwards (examples/models/moe.py, --model own): fully_shard and FSDP2 split the experts "
+        "over an expert-parallel dim and shard them over the rest (examples/trainer/parallel.py's shard_experts)",
     )
     p.add_argument(
         "--moe-capacity-factor",
@@ -108,7 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="adamw",
         help="fused AdamW; or Muon on the blocks' 2D weights (AdamW on the rest): 'muon' is composable.optim.Muon "
         "(each matrix orthogonalized by one owner rank), 'muon-gathered' the baseline that gathers every matrix "
-        "whole on every rank (examples/bench_optim.py)",
+        "whole on every rank (examples/benchmarks/bench_optim.py)",
     )
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend for --compile")
     p.add_argument(
@@ -170,7 +170,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         # Async TP fuses a reduce-scatter only with a single producer matmul (parallel.tp_block_plan).
         args.fused_projections = args.async_tp
     if args.fused_projections and args.model != "own":
-        p.error(f"--fused-projections with --model {args.model}: the fused layout is examples/model.py's (--model own)")
+        p.error(
+            f"--fused-projections with --model {args.model}: the fused layout is examples/models/model.py's (--model own)"
+        )
     if args.model == "hf-llama" and not args.cpu_overhead and not hf_available():
         p.error(HF_MISSING)
     if args.float8 and not args.cpu_overhead and not float8_available():

@@ -8,7 +8,7 @@
   tensor-parallel on "tp" with train.py's recipe first, then HSDP over (replicate, shard), as
   torchtitan's dp_replicate x dp_shard x tp; the FSDP-style contenders' eager and compiled steps.
 - `tp`: a 2D (dp, tp) mesh of world/`--tp-size` x `--tp-size` ranks; the model is
-  tensor-parallel on "tp" with train.py's recipe (examples/parallel.py's
+  tensor-parallel on "tp" with train.py's recipe (examples/trainer/parallel.py's
   `apply_tensor_parallel`: sequence-parallel norms, embeddings and head included, the loss
   shard by shard, vocab_parallel_loss.py), then fully_shard / FSDP2 shard over "dp"; on GPUs the blocks are
   compiled unless `--no-compile`, and `--async-tp` turns on async TP for both contenders (and
@@ -145,7 +145,7 @@ def mesh_errors(
     if args.mesh == "tp" or three_d:
         where = "--mesh tp" if args.mesh == "tp" else "--mesh hsdp --tp-size"
         if args.model != "own":
-            return f"--model {args.model} with {where}: the TP plan (examples/parallel.py) is for --model own"
+            return f"--model {args.model} with {where}: the TP plan (examples/trainer/parallel.py) is for --model own"
         if getattr(args, "float8", False):
             return f"--float8 with {where}: torchao's float8 needs its own TP styles; use --mesh dp or hsdp"
         problem = tp_problem(args.tp_size, n_heads, ffn_dim, args.seq_len)

@@ -1,6 +1,6 @@
 """The benchmark's optimizers (`--optimizer`): fused AdamW, or Muon on the blocks' hidden matrices
 beside fused AdamW on the rest (embeddings, head, norms: the usual split), as one optimizer
-(examples/muon_adamw.py, the main job's `--optimizer muon`).
+(examples/trainer/muon_adamw.py, the main job's `--optimizer muon`).
 
 - `muon`: `composable.optim.Muon`, each matrix orthogonalized whole by one owner rank.
 - `muon-gathered`: the simplest correct Muon over sharded parameters, the baseline: every matrix

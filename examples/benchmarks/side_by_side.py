@@ -31,7 +31,7 @@ tokens/s per GPU, MFU, peak memory allocated and reserved) and the ratios ours/t
 `--mesh hsdp` / `--mesh tp` put fully_shard and FSDP2 on a 2D mesh (HSDP, or TP x FSDP with
 train.py's TP recipe, compiled by default on GPUs, `--async-tp` for async TP; bench_mesh.py),
 beside the floors. `--fused-projections` (on by default with `--async-tp`) gives every
-contender's blocks one wqkv and one w13 linear instead of wq/wk/wv and w1/w3 (examples/model.py).
+contender's blocks one wqkv and one w13 linear instead of wq/wk/wv and w1/w3 (examples/models/model.py).
 Without a GPU it runs on the CPU with gloo (timings only; a smoke test of the wiring).
 MFU is always against the bf16 peak. How contenders are built: bench_build.py; the report: bench_report.py; `--cpu-overhead`:
 bench_overhead.py.

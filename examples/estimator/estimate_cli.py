@@ -75,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a benchmark.py --out results file: estimate its setup (model, batch, --mesh, world) and print "
         "the estimate beside the measurement (estimate_bench.py); the model and setup flags are not read",
     )
-    h = p.add_argument_group("hardware (assumptions: see examples/estimate_time.py)")
+    h = p.add_argument_group("hardware (assumptions: see examples/estimator/estimate_time.py)")
     h.add_argument(
         "--bandwidth",
         default="",

@@ -158,7 +158,7 @@ def fake_world(world: int):  # type: ignore[no-untyped-def]
 
 def build_layout(setup: Setup, device: str = "cpu") -> Transformer:
     """The meta-device model with `setup`'s layout applied through the public APIs, mirroring
-    examples/parallel.py (checkpoint, then TP, then fully_shard per block + root, or replicate)."""
+    examples/trainer/parallel.py (checkpoint, then TP, then fully_shard per block + root, or replicate)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from composable import checkpoint, fully_shard, replicate

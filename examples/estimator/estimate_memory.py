@@ -10,7 +10,7 @@ Sizes per rank, for `Setup` (estimate_setup.py); c = bytes of the compute (param
 - buffers: unsharded parameters (c bytes) of the groups gathered at that moment, their
   unsharded gradients (c), gradient-reduction inputs (fp32), `replicate`'s persistent
   replica (c, only when c differs from the parameter dtype) and its buckets.
-- activations, per token and block, what autograd saves in examples/model.py (checked
+- activations, per token and block, what autograd saves in examples/models/model.py (checked
   against saved tensors on CPU by tests/test_estimate.py): each RMSNorm keeps its fp32
   input (4D) and its output (cD); the q/k/v and w1/w3 Linears share one input (cD each);
   SDPA keeps q, k, v, its output (which `wo` shares) and an fp32 logsumexp per head; SwiGLU

@@ -8,7 +8,7 @@ Assumptions (none of these was measured by the project; override them with flags
   (`--gpus-per-node`, consecutive ranks per node) runs at the inter-node rate.
 - `--tflops 334`: achieved dense bf16 TFLOP/s per GPU, derived from BENCHMARKS.md's measured
   no-communication floor (1b preset, batch 4: 58,313 tok/s/GPU x 5.73 GFLOP/token on H200).
-  Compute time = model FLOPs (examples/model.py's `model_flops_per_token`, +1/3 for
+  Compute time = model FLOPs (examples/models/model.py's `model_flops_per_token`, +1/3 for
   checkpointing's recomputed forward) / achieved FLOP/s; 1/3 of it forward. Under tensor
   parallelism (torchtitan's recipe, parallel.py's `apply_tensor_parallel`) every term is
   split over the tp ranks: the sharded GEMMs by heads / hidden features / vocabulary (the head

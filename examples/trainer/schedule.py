@@ -17,7 +17,7 @@ from trainer.muon_adamw import build_muon_adamw
 
 def build_optimizer(model: nn.Module, args: argparse.Namespace, fused: bool = False) -> torch.optim.Optimizer:
     """AdamW, or with `--optimizer muon` Muon on the hidden matrices and AdamW on the rest (one
-    optimizer: examples/muon_adamw.py); `fused`: one AdamW kernel per step for every parameter
+    optimizer: examples/trainer/muon_adamw.py); `fused`: one AdamW kernel per step for every parameter
     (CUDA), as the TP recipe runs."""
     if getattr(args, "optimizer", "adamw") == "muon":
         return build_muon_adamw(model, args.lr, args.weight_decay, fused=fused or None)
