@@ -7,6 +7,7 @@ the stacks of its threads, and exit status 3; a normal teardown is prompt and ex
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -53,7 +54,6 @@ def test_the_bound_follows_timeout(tmp_path) -> None:  # type: ignore[no-untyped
 # A rank's end on a gloo world of one, as `run_rank` ends: `teardown` then `exit_process`.
 _RANK_END = """
 import os, sys, tempfile, threading, time
-sys.path.insert(0, {examples!r})
 import torch.distributed as dist
 from trainer import launch
 from trainer.watchdog import ExitGuard
@@ -69,14 +69,17 @@ launch.exit_process(0)
 
 
 def _rank_end(thread: str) -> tuple[subprocess.CompletedProcess, float]:
-    script = _RANK_END.format(examples=str(EXAMPLES), thread=thread)
+    script = _RANK_END.format(thread=thread)
+    # The child finds the examples' packages as pytest does (pyproject.toml's pythonpath).
+    env = env_without_launcher()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(EXAMPLES), env.get("PYTHONPATH")) if p)
     start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(script)],
         capture_output=True,
         text=True,
         timeout=240,
-        env=env_without_launcher(),
+        env=env,
     )
     return proc, time.monotonic() - start
 
