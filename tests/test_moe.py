@@ -10,18 +10,14 @@ single-process model trained on all ranks' batches (so the expert-parallel gradi
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from _harness import run_on_ranks
 from torch.distributed.device_mesh import init_device_mesh
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-
-import composable  # noqa: E402
-from models.model import Transformer, get_config, lm_loss  # noqa: E402
-from trainer.parallel import expert_mesh, shard_experts, sharding_units  # noqa: E402
+import composable
+from models.model import Transformer, get_config, lm_loss
+from trainer.parallel import expert_mesh, shard_experts, sharding_units
 
 try:
     from torch.distributed.fsdp import fully_shard as torch_fully_shard

@@ -26,18 +26,15 @@ import pytest
 import torch
 import torch.distributed as dist
 from _harness import count_collectives, gpu_worlds, run_on_ranks
+from test_moe_train import SMALL as MOE_SMALL
+from test_moe_train import _args as moe_args
+from test_train_example import SMALL, _losses, _run
 from torch.distributed.device_mesh import init_device_mesh
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-
-from test_moe_train import SMALL as MOE_SMALL  # noqa: E402
-from test_moe_train import _args as moe_args  # noqa: E402
-from test_train_example import SMALL, _losses, _run  # noqa: E402
-
-from models import moe  # noqa: E402
-from models.model import get_config  # noqa: E402
-from trainer import main_job as train_script  # noqa: E402
-from trainer.options import cuda_graph_mode, parse_args  # noqa: E402
+from models import moe
+from models.model import get_config
+from trainer import main_job as train_script
+from trainer.options import cuda_graph_mode, parse_args
 
 CFG = get_config("tiny", dim=32, n_layers=2, n_heads=2, ffn_dim=48, n_experts=4)
 

@@ -7,20 +7,17 @@ the load-balancing loss and its gradient, scaled as the loss is over micro-batch
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import pytest
 import torch
 from _harness import run_on_ranks
 from torch.distributed.device_mesh import init_device_mesh
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-
-import composable  # noqa: E402
-from models import moe  # noqa: E402
-from models.model import Transformer, get_config, lm_loss  # noqa: E402
-from trainer.parallel import expert_mesh, shard_experts, sharding_units  # noqa: E402
-from trainer.train_step import make_train_step  # noqa: E402
+import composable
+from models import moe
+from models.model import Transformer, get_config, lm_loss
+from trainer.parallel import expert_mesh, shard_experts, sharding_units
+from trainer.train_step import make_train_step
 
 CFG = get_config("tiny", dim=32, n_layers=2, n_heads=2, ffn_dim=48, n_experts=4)
 

@@ -15,12 +15,10 @@ import pytest
 import torch
 from _harness import gpu_worlds, run_on_ranks
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-
-from models.moe import NOT_CAPTURABLE  # noqa: E402
-from trainer import main_job as train_script  # noqa: E402
-from trainer.options import cuda_graph_mode, parse_args  # noqa: E402
-from trainer.parallel import UsageError  # noqa: E402
+from models.moe import NOT_CAPTURABLE
+from trainer import main_job as train_script
+from trainer.options import cuda_graph_mode, parse_args
+from trainer.parallel import UsageError
 
 SMALL = (
     "--preset tiny --dim 64 --n-layers 2 --n-heads 2 --ffn-dim 128 --seq-len 64 --batch-size 4 --lr 1e-2 "

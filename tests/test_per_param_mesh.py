@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -26,12 +25,10 @@ from _harness import count_collectives, on_gpus, run_on_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-
-import composable  # noqa: E402
-from composable import ShardPlacementResult, clip_grad_norm_, fully_shard  # noqa: E402
-from models.model import Transformer, get_config, lm_loss  # noqa: E402
-from trainer.parallel import expert_mesh, sharding_units  # noqa: E402
+import composable
+from composable import ShardPlacementResult, clip_grad_norm_, fully_shard
+from models.model import Transformer, get_config, lm_loss
+from trainer.parallel import expert_mesh, sharding_units
 
 try:  # torch >= 2.13: FSDP2 takes ShardPlacementResult (composable's is torch's class there)
     from torch.distributed.fsdp import fully_shard as torch_fully_shard

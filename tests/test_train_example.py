@@ -28,11 +28,11 @@ import torch
 import torch.nn.functional as F
 from _harness import assert_close_tensors, env_without_launcher, run_on_ranks
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+from models.model import ModelConfig, Transformer, apply_rope, count_parameters, get_config, rope_tables
+from trainer import checkpointing, reporting
+from trainer import main_job as train_script
 
-from models.model import ModelConfig, Transformer, apply_rope, count_parameters, get_config, rope_tables  # noqa: E402
-from trainer import checkpointing, reporting  # noqa: E402
-from trainer import main_job as train_script  # noqa: E402
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 # A model small enough that a 6-step run takes well under a second per rank.
 SMALL = [

@@ -26,17 +26,14 @@ from pathlib import Path
 import pytest
 import torch
 from _harness import assert_close_tensors, run_on_ranks
+from test_train_example import SMALL, _losses, _reference, _run, command_line, register_command_line
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-
-from test_train_example import SMALL, _losses, _reference, _run, command_line, register_command_line  # noqa: E402
-
-from models.model import PRESET_LR, Transformer, get_config  # noqa: E402
-from trainer import checkpointing, memory_check, options  # noqa: E402
-from trainer import main_job as train_script  # noqa: E402
-from trainer.checkpointing import CheckpointError  # noqa: E402
-from trainer.parallel import UsageError  # noqa: E402
-from trainer.watchdog import Watchdog  # noqa: E402
+from models.model import PRESET_LR, Transformer, get_config
+from trainer import checkpointing, memory_check, options
+from trainer import main_job as train_script
+from trainer.checkpointing import CheckpointError
+from trainer.parallel import UsageError
+from trainer.watchdog import Watchdog
 
 BASE = SMALL + ["--eval-every", "0"]
 

@@ -18,15 +18,12 @@ from pathlib import Path
 
 import torch
 from _harness import assert_close_tensors
+from test_train_example import SMALL, _losses, _run
 from torch import nn
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-
-from test_train_example import SMALL, _losses, _run  # noqa: E402
-
-from composable.optim import Muon  # noqa: E402
-from trainer import options  # noqa: E402
-from trainer.muon_adamw import MuonAdamW, build_muon_adamw, is_hidden_matrix  # noqa: E402
+from composable.optim import Muon
+from trainer import options
+from trainer.muon_adamw import MuonAdamW, build_muon_adamw, is_hidden_matrix
 
 
 class _Blocks(nn.Module):

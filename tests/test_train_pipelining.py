@@ -16,10 +16,8 @@ import torch
 from _harness import assert_close_tensors
 from test_train_example import SMALL, _losses, _run
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-
-from trainer import main_job as train_script  # noqa: E402
-from trainer.pipeline import SCHEDULES  # noqa: E402
+from trainer import main_job as train_script
+from trainer.pipeline import SCHEDULES
 
 # Four layers: two stages per pipeline rank under the interleaved and V-shaped schedules.
 BASE = [*SMALL, "--n-layers", "4", "--steps", "3", "--eval-every", "3", "--ckpt-every", "0"]

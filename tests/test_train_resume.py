@@ -16,15 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 from _harness import assert_close_tensors, run_on_ranks
+from test_train_example import _losses, _reference, _run
+from test_train_faults import BASE, _attempt, _try
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-
-from test_train_example import _losses, _reference, _run  # noqa: E402
-from test_train_faults import BASE, _attempt, _try  # noqa: E402
-
-from models.model import get_config  # noqa: E402
-from trainer import checkpointing, options, runs  # noqa: E402
-from trainer.parallel import UsageError  # noqa: E402
+from models.model import get_config
+from trainer import checkpointing, options, runs
+from trainer.parallel import UsageError
 
 # ----------------------------------------------------------------------------- 1: runs sharing --out
 
