@@ -4,9 +4,8 @@
 import os
 import sys
 
-sys.path.append(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-)  # a checkout that was not pip-installed still runs
+# A checkout that was not pip-installed still finds composable, one folder up.
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_muon_floor import main  # noqa: E402
 

@@ -10,9 +10,8 @@ The runs, the flags and the report: benchmarks/side_by_side.py and the files it 
 import os
 import sys
 
-sys.path.append(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-)  # a checkout that was not pip-installed still runs
+# A checkout that was not pip-installed still finds composable, one folder up.
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.side_by_side import command_line_main  # noqa: E402
 

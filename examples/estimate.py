@@ -10,9 +10,8 @@ The flags and the report: estimator/estimate_cli.py; the arithmetic: the other e
 import os
 import sys
 
-sys.path.append(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-)  # a checkout that was not pip-installed still runs
+# A checkout that was not pip-installed still finds composable, one folder up.
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from estimator.estimate_cli import main  # noqa: E402
 

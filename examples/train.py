@@ -10,9 +10,8 @@ What it does, its flags and its outputs: trainer/main_job.py and trainer/options
 import os
 import sys
 
-sys.path.append(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-)  # a checkout that was not pip-installed still runs
+# A checkout that was not pip-installed still finds composable, one folder up.
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from trainer.launch import exit_process  # noqa: E402
 from trainer.main_job import main  # noqa: E402
