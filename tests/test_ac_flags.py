@@ -10,7 +10,6 @@ of every contender with `--ac selective` trains.
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,17 +18,12 @@ from _harness import assert_close_tensors, fake_process_group, run_on_ranks
 from test_benchmark_tools import _smoke
 from test_train_example import SMALL, _losses, _reference, _run
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-if str(EXAMPLES) not in sys.path:
-    sys.path.insert(0, str(EXAMPLES))
-
-import bench_build  # noqa: E402
-import benchmark  # noqa: E402
-import parallel  # noqa: E402
-import train as train_script  # noqa: E402
-from model import Transformer, get_config  # noqa: E402
-
-from composable import checkpoint  # noqa: E402
+from benchmarks import bench_build
+from benchmarks import side_by_side as benchmark
+from composable import checkpoint
+from models.model import Transformer, get_config
+from trainer import main_job as train_script
+from trainer import parallel
 
 
 def test_ac_flag_parses_and_the_old_flag_is_full() -> None:

@@ -3,15 +3,10 @@ on 4 gloo ranks, and a --tp-size that does not divide the world refused in one l
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 from _harness import run_on_ranks
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-
-import bench_links  # noqa: E402
+from benchmarks import bench_links
 
 
 def _measure(rank: int, world: int) -> list[dict[str, object]]:

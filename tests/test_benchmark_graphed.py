@@ -5,20 +5,15 @@ and on a GPU trained like their eager contenders. Their timings: BENCHMARKS.md."
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-
-import bench_args
-import bench_build
-import benchmark
 from _harness import requires_gpus, smoke_argv
 from test_benchmark_tools import _result  # the made-up run result the report reads
+
+from benchmarks import bench_args, bench_build
+from benchmarks import side_by_side as benchmark
 
 
 def test_graphed_contenders_are_held_against_both_floors(

@@ -1,4 +1,4 @@
-"""The benchmark's `--mesh` (examples/bench_mesh.py): the flags and their refusals, the
+"""The benchmark's `--mesh` (examples/benchmarks/bench_mesh.py): the flags and their refusals, the
 contenders each mesh builds (fully_shard and FSDP2 with the same placements on the same 2D
 mesh, the floors without one), the report's per-GPU token accounting and mesh naming, and a
 4-rank gloo smoke run of each 2D mesh and of the 3D (replicate, shard, tp) one in which
@@ -7,21 +7,15 @@ fully_shard trains like FSDP2."""
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-
-import bench_args
-import bench_build
-import bench_mesh
-import benchmark
 from _harness import fake_process_group, run_on_ranks, smoke_argv
 from test_benchmark_tools import _result  # the made-up run result the report reads
+
+from benchmarks import bench_args, bench_build, bench_mesh
+from benchmarks import side_by_side as benchmark
 
 
 def test_mesh_defaults() -> None:

@@ -9,18 +9,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from _harness import run_on_ranks, smoke_argv
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-
-import bench_args  # noqa: E402
-import bench_build  # noqa: E402
-import benchmark  # noqa: E402
+from benchmarks import bench_args, bench_build
+from benchmarks import side_by_side as benchmark
 
 RUNS = (
     "fully_shard,fully_shard_offload,fully_shard_offload_on_device,fully_shard_state_offload,"
@@ -101,7 +97,7 @@ def test_offload_runs_refuse_what_is_not_measured(
 def test_offloaded_ranks_share_the_host_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     """torchrun starts several processes with OMP_NUM_THREADS=1; the host's optimizer step of an
     offloaded run gets each local rank's share of the cores instead."""
-    import launch
+    from trainer import launch
 
     before = torch.get_num_threads()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")

@@ -9,22 +9,15 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
-import os
-import sys
 from pathlib import Path
 
+import _crashing
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-
-import _crashing
-import bench_args
-import bench_build
-import bench_float8
-import bench_overhead
-import benchmark
-import trace_overlap as overlap
-from trace_overlap import Interval
+from benchmarks import bench_args, bench_build, bench_float8, bench_overhead
+from benchmarks import side_by_side as benchmark
+from benchmarks import trace_overlap as overlap
+from benchmarks.trace_overlap import Interval
 
 
 def _result(run: str, step_s: float, peak: float) -> dict:
@@ -299,7 +292,7 @@ def test_width_flags_override_the_preset(argv: list[str], shape: tuple[int, ...]
 
 
 def test_width_flags_and_float8_are_named_in_the_table_header(monkeypatch: pytest.MonkeyPatch) -> None:
-    from bench_report import describe
+    from benchmarks.bench_report import describe
 
     monkeypatch.setattr(bench_args, "float8_available", lambda: True)
     args = benchmark.parse_args(["--preset", "1b", "--dim", "4096", "--float8"])

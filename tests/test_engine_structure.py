@@ -1,5 +1,6 @@
 """The package's shape: dependencies point one way (front ends -> engine -> collectives), no
-import cycle between files nor between packages, and the engine's steps show by name in profiles.
+import cycle between files nor between packages, and the engine's steps show by name in profiles;
+the examples' packages likewise (models at the bottom, no cycle, every file named).
 
 The import graph is read from the source with `ast` (every `import`/`from ... import`,
 including those under `if TYPE_CHECKING:`), so this runs without importing anything.
@@ -188,7 +189,8 @@ def test_engine_files_live_in_its_folders() -> None:
 def test_no_file_over_420_lines() -> None:
     """A smell detector, not a rule to split by: a file this long usually holds two concerns. A
     class stays whole in one file even when that takes a few lines more."""
-    long = {str(p.relative_to(ROOT)): n for p in ROOT.rglob("*.py") if (n := len(p.read_text().splitlines())) > 420}
+    files = [*ROOT.rglob("*.py"), *Path(__file__).resolve().parents[1].joinpath("examples").rglob("*.py")]
+    long = {str(p.relative_to(ROOT.parent)): n for p in files if (n := len(p.read_text().splitlines())) > 420}
     assert not long, long
 
 
@@ -230,4 +232,52 @@ def test_architecture_page_names_every_file() -> None:
         for p in ROOT.rglob("*.py")
         if p.name != "__init__.py" and p.name not in page and not re.search(rf"\b{re.escape(p.stem)}\b", page)
     )
+    assert not unnamed, f"files docs/architecture.md does not name: {unnamed}"
+
+
+# ----------------------------------------------------------------------------- the examples' packages
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLE_PACKAGES = ("models", "trainer", "benchmarks", "estimator")
+
+
+def _example_packages_imported(path: Path) -> set[str]:
+    """The examples' packages that `path` imports (by the first part of each imported name)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+    return found & set(EXAMPLE_PACKAGES)
+
+
+def _example_files() -> list[Path]:
+    return sorted(p for pkg in EXAMPLE_PACKAGES for p in (EXAMPLES / pkg).rglob("*.py"))
+
+
+def test_examples_packages_have_no_cycles() -> None:
+    """models is the floor the main job, the benchmark and the estimator share: it imports none of
+    them, and no two of the packages import each other both ways."""
+    graph: dict[str, set[str]] = {pkg: set() for pkg in EXAMPLE_PACKAGES}
+    for path in _example_files():
+        mine = path.relative_to(EXAMPLES).parts[0]
+        graph[mine] |= _example_packages_imported(path) - {mine}
+    assert not graph["models"], f"models imports {sorted(graph['models'])}"
+    assert _find_cycle(graph) is None, _find_cycle(graph)
+
+
+def test_examples_packages_map_their_files() -> None:
+    """Each example package's __init__.py docstring names each of its files, and
+    docs/architecture.md names every one of them too."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
+    unmapped, unnamed = [], []
+    for path in _example_files():
+        if path.name == "__init__.py":
+            continue
+        if path.name not in (ast.get_docstring(ast.parse((path.parent / "__init__.py").read_text())) or ""):
+            unmapped.append(str(path.relative_to(EXAMPLES)))
+        if path.name not in page:
+            unnamed.append(str(path.relative_to(EXAMPLES)))
+    assert not unmapped, f"files their package's __init__.py does not name: {unmapped}"
     assert not unnamed, f"files docs/architecture.md does not name: {unnamed}"

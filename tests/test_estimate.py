@@ -4,23 +4,19 @@ communication it estimates on the fake process group is what a real 2-rank gloo 
 from __future__ import annotations
 
 import json
-import os
-import sys
 from dataclasses import replace
 
 import pytest
 import torch
+from _harness import fake_process_group, run_on_ranks, trace_collectives
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-
-import estimate
-from _harness import fake_process_group, run_on_ranks, trace_collectives
-from estimate_comm import build_layout, estimate_comm
-from estimate_memory import activation_bytes_per_token, estimate_memory, n_params, sizes
-from estimate_setup import Setup, UsageError
-from model import ModelConfig, Transformer, get_config, lm_loss
+from estimator import estimate_cli as estimate
+from estimator.estimate_comm import build_layout, estimate_comm
+from estimator.estimate_memory import activation_bytes_per_token, estimate_memory, n_params, sizes
+from estimator.estimate_setup import Setup, UsageError
+from models.model import ModelConfig, Transformer, get_config, lm_loss
 
 pytestmark = pytest.mark.once  # the same on every torch: CI runs it once (pyproject.toml)
 
@@ -223,8 +219,9 @@ def test_four_rank_estimates_equal_a_real_4_rank_gloo_run(name: str) -> None:
 
 def _benchmark_file(tmp_path, monkeypatch, argv: list[str]) -> str:  # type: ignore[no-untyped-def]
     """A benchmark.py results file (its own report) for made-up step times on 4 GPUs."""
-    import benchmark
     from test_benchmark_tools import _result
+
+    from benchmarks import side_by_side as benchmark
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     out = str(tmp_path / "bench.json")
@@ -238,7 +235,7 @@ def _benchmark_file(tmp_path, monkeypatch, argv: list[str]) -> str:  # type: ign
 def test_benchmark_results_are_estimated_beside_the_measurement(
     tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from model import model_flops_per_token
+    from models.model import model_flops_per_token
 
     path = _benchmark_file(tmp_path, monkeypatch, ["--mesh", "tp"])
     capsys.readouterr()
@@ -268,7 +265,7 @@ def test_benchmark_results_are_estimated_beside_the_measurement(
 def test_benchmark_meshes_map_to_layouts(
     tmp_path, monkeypatch: pytest.MonkeyPatch, mesh: list, parallel: tuple
 ) -> None:  # type: ignore[no-untyped-def]
-    import estimate_bench
+    from estimator import estimate_bench
 
     path = _benchmark_file(tmp_path, monkeypatch, [*mesh, "--runs", "floor,fully_shard,fsdp2"])
     s = estimate_bench.setup_from_benchmark(estimate_bench.load(path))
@@ -329,7 +326,7 @@ def test_tp_recipe_collectives_per_block() -> None:
 
 def test_tp_compute_splits_every_term_over_tp() -> None:
     """The recipe's tp rank with tp times the local batch computes what a dp rank does."""
-    from estimate_time import compute_seconds
+    from estimator.estimate_time import compute_seconds
 
     cfg = get_config("1b")
     tp = Setup(cfg, 4, "tp", tp_size=2, batch_size=8, seq_len=2048)
@@ -337,8 +334,8 @@ def test_tp_compute_splits_every_term_over_tp() -> None:
 
 
 def _reference_step(name: str) -> tuple[float, float]:
-    import estimate_bench
-    from estimate_time import Links, estimate_time
+    from estimator import estimate_bench
+    from estimator.estimate_time import Links, estimate_time
 
     setup = estimate_bench.reference_setup(name)
     tim = estimate_time(setup, estimate_comm(setup), Links(), estimate_bench.reference_tflops(name))
@@ -360,8 +357,8 @@ def test_dp2xtp2_step_within_15_percent_of_the_measured_one() -> None:
 def test_dp2xtp2_at_width_4096_within_15_percent_of_the_measured_one() -> None:
     """Against the graphed 2D step at --dim 4096 --n-layers 8, on the same run's floor; the
     reference is the model the benchmark built for those flags (heads and ffn follow --dim)."""
-    import benchmark
-    import estimate_bench
+    from benchmarks import side_by_side as benchmark
+    from estimator import estimate_bench
 
     flags = ["--dim", "4096", "--n-layers", "8", "--seq-len", "2048"]
     measured_model = benchmark.model_config(benchmark.parse_args(flags))

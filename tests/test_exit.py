@@ -7,6 +7,7 @@ the stacks of its threads, and exit status 3; a normal teardown is prompt and ex
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -16,10 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 from _harness import env_without_launcher
 from test_train_example import EXAMPLES, SMALL, command_line, register_command_line
 
-sys.path.insert(0, str(EXAMPLES))
-import launch  # noqa: E402
-from options import parse_args  # noqa: E402
-from watchdog import EXIT_TEARDOWN_HUNG  # noqa: E402
+from trainer import launch
+from trainer.options import parse_args
+from trainer.watchdog import EXIT_TEARDOWN_HUNG
 
 # rank 1's teardown blocks in destroy_process_group; --timeout 10 makes the bound 10 s (the
 # least there is) and gives the startup collectives 10 s on a loaded machine (4 s timed out once)
@@ -54,10 +54,9 @@ def test_the_bound_follows_timeout(tmp_path) -> None:  # type: ignore[no-untyped
 # A rank's end on a gloo world of one, as `run_rank` ends: `teardown` then `exit_process`.
 _RANK_END = """
 import os, sys, tempfile, threading, time
-sys.path.insert(0, {examples!r})
 import torch.distributed as dist
-import launch
-from watchdog import ExitGuard
+from trainer import launch
+from trainer.watchdog import ExitGuard
 
 dist.init_process_group("gloo", init_method=f"file://{{tempfile.mktemp()}}", rank=0, world_size=1)
 threading.Thread(target={thread}, name="left-over").start()  # a non-daemon thread still running
@@ -70,14 +69,17 @@ launch.exit_process(0)
 
 
 def _rank_end(thread: str) -> tuple[subprocess.CompletedProcess, float]:
-    script = _RANK_END.format(examples=str(EXAMPLES), thread=thread)
+    script = _RANK_END.format(thread=thread)
+    # The child finds the examples' packages as pytest does (pyproject.toml's pythonpath).
+    env = env_without_launcher()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(EXAMPLES), env.get("PYTHONPATH")) if p)
     start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(script)],
         capture_output=True,
         text=True,
         timeout=240,
-        env=env_without_launcher(),
+        env=env,
     )
     return proc, time.monotonic() - start
 

@@ -1,4 +1,4 @@
-"""examples/model.py's fused projections (`ModelConfig.fused_projections`): one `wqkv` and one
+"""examples/models/model.py's fused projections (`ModelConfig.fused_projections`): one `wqkv` and one
 `w13` linear per block instead of wq/wk/wv and w1/w3, in one process.
 
 - The fused model loading an unfused one's weights (`fuse_state_dict`) computes the same
@@ -14,16 +14,12 @@ The recipe on dp x tp meshes: tests/test_tp_recipe.py; compiled: tests/test_tp_r
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-
-from model import ModelConfig, Transformer, fuse_state_dict, lm_loss  # noqa: E402
-from parallel import tp_block_plan, tp_plan  # noqa: E402
+from models.model import ModelConfig, Transformer, fuse_state_dict, lm_loss
+from trainer.parallel import tp_block_plan, tp_plan
 
 CFG = ModelConfig(vocab_size=64, dim=48, n_layers=2, n_heads=6, ffn_dim=60, max_seq_len=16)
 

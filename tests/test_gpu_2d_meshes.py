@@ -1,5 +1,5 @@
-"""The 2D layouts on 4 ranks, the way train.py lays out examples/model.py's Transformer
-(examples/parallel.py: its TP plan, its sharding units), on 4 GPUs with NCCL and, where that
+"""The 2D layouts on 4 ranks, the way train.py lays out examples/models/model.py's Transformer
+(examples/trainer/parallel.py: its TP plan, its sharding units), on 4 GPUs with NCCL and, where that
 form is not covered elsewhere, on 4 gloo ranks on the CPU:
 
 - TP x FSDP (dp 2 x tp 2): train.py's TP plan on every block, then `fully_shard` over dp,
@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
-import sys
 
 import pytest
 import torch
@@ -30,12 +28,9 @@ import torch.nn.functional as F
 from _harness import assert_close_tensors, on_gpus, run_on_ranks, step_and_match
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-
-from model import ModelConfig, Transformer, lm_loss  # noqa: E402
-from parallel import sharding_units, tp_plan  # noqa: E402
-
 import composable  # noqa: E402
+from models.model import ModelConfig, Transformer, lm_loss
+from trainer.parallel import sharding_units, tp_plan
 
 CFG = ModelConfig(vocab_size=128, dim=64, n_layers=2, n_heads=4, ffn_dim=128, max_seq_len=16)
 BATCH = 2  # rows per data-parallel rank

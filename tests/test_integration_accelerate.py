@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import sys
 import tempfile
 
 import pytest
@@ -20,7 +19,6 @@ from _harness import assert_close_tensors, requires_gpus, run_on_ranks  # noqa: 
 from composable import fully_shard  # noqa: E402
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples", "integrations")
-sys.path.insert(0, EXAMPLES)
 
 
 def _train_both(rank: int, world_size: int, tail: bool, checkpoint_root: str) -> tuple[dict, dict, list]:

@@ -3,29 +3,21 @@
 On 4 gloo ranks the experts of every block are split over an expert-parallel dim of 2 and
 sharded over the other (edp, 2), or split over all 4 ranks (tokens travel by all-to-all to
 every other rank, edp of 1), then the blocks and the root are sharded over the world
-(examples/parallel.py's `shard_experts`, then `sharding_units`); trained with PyTorch FSDP2's
+(examples/trainer/parallel.py's `shard_experts`, then `sharding_units`); trained with PyTorch FSDP2's
 `fully_shard` and with composable's, the losses and parameters are equal bit for bit, and losses and parameters follow a
 single-process model trained on all ranks' batches (so the expert-parallel gradients are right too).
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from _harness import run_on_ranks
 from torch.distributed.device_mesh import init_device_mesh
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-if str(EXAMPLES) not in sys.path:
-    sys.path.insert(0, str(EXAMPLES))
-
-from model import Transformer, get_config, lm_loss  # noqa: E402
-from parallel import expert_mesh, shard_experts, sharding_units  # noqa: E402
-
-import composable  # noqa: E402
+import composable
+from models.model import Transformer, get_config, lm_loss
+from trainer.parallel import expert_mesh, shard_experts, sharding_units
 
 try:
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -95,7 +87,7 @@ def test_moe_expert_parallel_equal_to_fsdp2(ep: int) -> None:
 
 
 def _bench(rank: int, world: int) -> None:
-    from bench_build import build
+    from benchmarks.bench_build import build
 
     cfg = get_config("tiny", dim=32, n_layers=2, n_heads=2, ffn_dim=48, n_experts=4, max_seq_len=16)
     losses = []
@@ -116,8 +108,8 @@ def test_benchmark_builds_moe() -> None:
 
 def test_benchmark_moe_flag(capsys: pytest.CaptureFixture[str]) -> None:
     """`--moe` gives the model experts; with float8, graphed runs or a 2D --mesh it is refused, named."""
-    from benchmark import model_config, parse_args
-    from parallel import MOE_EXPERTS
+    from benchmarks.side_by_side import model_config, parse_args
+    from trainer.parallel import MOE_EXPERTS
 
     assert model_config(parse_args(["--moe", "--preset", "tiny"])).n_experts == MOE_EXPERTS
     with pytest.raises(SystemExit):

@@ -1,4 +1,4 @@
-"""examples/moe.py at fixed capacity (`ModelConfig.moe_capacity_factor`): each rank sends each
+"""examples/models/moe.py at fixed capacity (`ModelConfig.moe_capacity_factor`): each rank sends each
 expert at most `expert_capacity` of its routed rows, in token order, and the rest are dropped.
 
 One process: the slots are placed and dropped as promised; a capacity no expert reaches computes
@@ -19,7 +19,6 @@ import contextlib
 import copy
 import io
 import math
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,19 +26,15 @@ import pytest
 import torch
 import torch.distributed as dist
 from _harness import count_collectives, gpu_worlds, run_on_ranks
+from test_moe_train import SMALL as MOE_SMALL
+from test_moe_train import _args as moe_args
+from test_train_example import SMALL, _losses, _run
 from torch.distributed.device_mesh import init_device_mesh
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-if str(EXAMPLES) not in sys.path:
-    sys.path.insert(0, str(EXAMPLES))
-
-import moe  # noqa: E402
-import train as train_script  # noqa: E402
-from model import get_config  # noqa: E402
-from options import cuda_graph_mode, parse_args  # noqa: E402
-from test_moe_train import SMALL as MOE_SMALL  # noqa: E402
-from test_moe_train import _args as moe_args  # noqa: E402
-from test_train_example import SMALL, _losses, _run  # noqa: E402
+from models import moe
+from models.model import get_config
+from trainer import main_job as train_script
+from trainer.options import cuda_graph_mode, parse_args
 
 CFG = get_config("tiny", dim=32, n_layers=2, n_heads=2, ffn_dim=48, n_experts=4)
 
@@ -172,7 +167,7 @@ def test_gpu_expert_parallel_step_at_fixed_capacity_is_captured(world: int, tmp_
 
 
 def test_the_benchmark_takes_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
-    import benchmark
+    from benchmarks import side_by_side as benchmark
 
     args = benchmark.parse_args(["--moe", "--moe-capacity-factor", "1.25", "--preset", "tiny"])
     assert benchmark.model_config(args).moe_capacity_factor == 1.25

@@ -1,4 +1,4 @@
-"""examples/moe.py's layer on its own: the grouped-GEMM path computes what the per-expert loop
+"""examples/models/moe.py's layer on its own: the grouped-GEMM path computes what the per-expert loop
 computes; without expert parallelism the layer compiles into one graph (no host
 synchronisation, no data-dependent shape); with it, blocks compiled as train.py compiles them
 train as the eager ones (the dispatch runs between compiled graphs, with plain collectives);
@@ -7,24 +7,17 @@ the load-balancing loss and its gradient, scaled as the loss is over micro-batch
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from _harness import run_on_ranks
 from torch.distributed.device_mesh import init_device_mesh
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-if str(EXAMPLES) not in sys.path:
-    sys.path.insert(0, str(EXAMPLES))
-
-import moe  # noqa: E402
-from model import Transformer, get_config, lm_loss  # noqa: E402
-from parallel import expert_mesh, shard_experts, sharding_units  # noqa: E402
-from train_step import make_train_step  # noqa: E402
-
-import composable  # noqa: E402
+import composable
+from models import moe
+from models.model import Transformer, get_config, lm_loss
+from trainer.parallel import expert_mesh, shard_experts, sharding_units
+from trainer.train_step import make_train_step
 
 CFG = get_config("tiny", dim=32, n_layers=2, n_heads=2, ffn_dim=48, n_experts=4)
 

@@ -9,21 +9,16 @@ import argparse
 import contextlib
 import io
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from _harness import gpu_worlds, run_on_ranks
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-if str(EXAMPLES) not in sys.path:
-    sys.path.insert(0, str(EXAMPLES))
-
-import train as train_script  # noqa: E402
-from moe import NOT_CAPTURABLE  # noqa: E402
-from options import cuda_graph_mode, parse_args  # noqa: E402
-from parallel import UsageError  # noqa: E402
+from models.moe import NOT_CAPTURABLE
+from trainer import main_job as train_script
+from trainer.options import cuda_graph_mode, parse_args
+from trainer.parallel import UsageError
 
 SMALL = (
     "--preset tiny --dim 64 --n-layers 2 --n-heads 2 --ffn-dim 128 --seq-len 64 --batch-size 4 --lr 1e-2 "

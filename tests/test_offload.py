@@ -372,12 +372,7 @@ def _init_on_host(rank: int, world_size: int) -> None:
     """The main job's model built on meta, sharded with and without offload, materialised (the
     offloaded one on the host) and initialised from the same seed: the same weights, and no two
     layers alike (DTensor's RNG region would otherwise repeat host draws: model.init_random)."""
-    import sys
-
-    examples = str(Path(__file__).resolve().parents[1] / "examples")
-    if examples not in sys.path:
-        sys.path.insert(0, examples)
-    from model import Transformer, get_config
+    from models.model import Transformer, get_config
 
     cfg = get_config("tiny")
     models = []

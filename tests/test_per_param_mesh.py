@@ -3,7 +3,7 @@
 
 On 4 gloo ranks laid out as (edp 2, ep 2), every block of the example MoE transformer is
 sharded by ONE `fully_shard(block, shard_placement_fn=...)`: the routed experts (split over
-`ep`, examples/moe.py) on the 2-rank `edp` mesh, the other parameters on the 4-rank dense
+`ep`, examples/models/moe.py) on the 2-rank `edp` mesh, the other parameters on the 4-rank dense
 mesh. Against FSDP2's own `fully_shard` with the same function (torch >= 2.13): losses, local
 shards, gradients and parameters over 3 AdamW steps equal bit for bit, and the same
 all-gathers / reduce-scatters / all-reduces per process group per step. On every torch the
@@ -15,9 +15,7 @@ methods set reach every group (dp_mesh_dims and errors: test_per_param_mesh_dims
 from __future__ import annotations
 
 import copy
-import sys
 from collections import Counter
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -27,15 +25,10 @@ from _harness import count_collectives, on_gpus, run_on_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-if str(EXAMPLES) not in sys.path:
-    sys.path.insert(0, str(EXAMPLES))
-
-from model import Transformer, get_config, lm_loss  # noqa: E402
-from parallel import expert_mesh, sharding_units  # noqa: E402
-
-import composable  # noqa: E402
-from composable import ShardPlacementResult, clip_grad_norm_, fully_shard  # noqa: E402
+import composable
+from composable import ShardPlacementResult, clip_grad_norm_, fully_shard
+from models.model import Transformer, get_config, lm_loss
+from trainer.parallel import expert_mesh, sharding_units
 
 try:  # torch >= 2.13: FSDP2 takes ShardPlacementResult (composable's is torch's class there)
     from torch.distributed.fsdp import fully_shard as torch_fully_shard

@@ -14,7 +14,6 @@ the meta device then loaded; an HF Llama with NF4 projections (examples/qlora.py
 from __future__ import annotations
 
 import copy
-import sys
 from pathlib import Path
 
 import pytest
@@ -34,8 +33,7 @@ from composable import MixedPrecisionPolicy, fully_shard
 
 pytest.importorskip("torchao", reason="QLoRA needs torchao's NF4Tensor: pip install torchao")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from qlora import (  # noqa: E402
+from trainer.qlora import (
     LoRALinear,
     base_weight_bytes,
     build_llama,

@@ -639,8 +639,7 @@ def test_main_job_refuses_fault_tolerant_flags_that_do_not_fit(
 def _assert_refused(
     argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.syspath_prepend(str(EXAMPLES))
-    import options
+    from trainer import options
 
     with pytest.raises(SystemExit) as exit_info:
         options.parse_args([*MAIN_JOB, "--out", str(tmp_path), *argv])
@@ -660,7 +659,7 @@ def test_main_job_reads_the_replica_group_from_the_environment(
     monkeypatch.setenv("REPLICA_GROUP_ID", "one")
     _assert_refused(flags, "$REPLICA_GROUP_ID must be an integer >= 0, got 'one'", tmp_path, capsys, monkeypatch)
     monkeypatch.setenv("REPLICA_GROUP_ID", "0")
-    import options
+    from trainer import options
 
     args = options.parse_args([*MAIN_JOB, "--out", str(tmp_path), *flags, "--min-replicas", "2"])
     assert (args.lighthouse, args.min_replicas) == ("start:29510", 2)

@@ -7,20 +7,16 @@ main job training dp 2 x tp 2 with the recipe as dp 2 does without it, fused or 
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from _harness import assert_close_tensors
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-
-import benchmark  # noqa: E402
-import options  # noqa: E402
-from bench_mesh import describe_mesh  # noqa: E402
 from test_train_example import SMALL, _losses, _run  # noqa: E402 (its ranks and its small model)
+
+from benchmarks import side_by_side as benchmark
+from benchmarks.bench_mesh import describe_mesh
+from trainer import options
 
 # SMALL's model: 2 heads, ffn 64, sequences of 32 tokens.
 TRAIN_ERRORS = [
@@ -111,7 +107,9 @@ def test_fused_projections_follow_async_tp_by_default(
     assert benchmark.parse_args([*bench, "--async-tp", "--no-fused-projections"]).fused_projections is False
     with pytest.raises(SystemExit):
         benchmark.parse_args(["--model", "hf-llama", "--fused-projections"])
-    assert "--fused-projections with --model hf-llama: the fused layout is examples/model.py's" in _error_line(capsys)
+    assert "--fused-projections with --model hf-llama: the fused layout is examples/models/model.py's" in _error_line(
+        capsys
+    )
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])

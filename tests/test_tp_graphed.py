@@ -1,4 +1,4 @@
-"""`graphed_step` over a 2D step: the examples' tensor-parallel recipe (examples/parallel.py's
+"""`graphed_step` over a 2D step: the examples' tensor-parallel recipe (examples/trainer/parallel.py's
 `apply_tensor_parallel`: sequence-parallel norms, vocabulary-parallel embedding and head, the
 vocabulary-parallel loss) x `fully_shard` over dp, bf16 compute / fp32 reduction, fused
 capturable AdamW. The whole step (forward with its tp all-gathers and reduce-scatters,
@@ -13,8 +13,6 @@ GPUs (dp 1 x tp 2) and 4 (dp 2 x tp 2); skipped with fewer (`pytest -m gpu` sele
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 from typing import Any
 
 import pytest
@@ -23,12 +21,9 @@ from _harness import async_tp_restored, gpu_worlds, run_on_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-
-from model import ModelConfig, Transformer, lm_loss  # noqa: E402
-from parallel import apply_tensor_parallel, enable_async_tp  # noqa: E402
-
 import composable  # noqa: E402
+from models.model import ModelConfig, Transformer, lm_loss
+from trainer.parallel import apply_tensor_parallel, enable_async_tp
 
 CFG = ModelConfig(vocab_size=128, dim=64, n_layers=2, n_heads=4, ffn_dim=128, max_seq_len=16)
 SEQ, BATCH, STEPS, WARMUP = 16, 4, 6, 2

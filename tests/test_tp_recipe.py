@@ -1,4 +1,4 @@
-"""The tensor-parallel recipe of the examples (examples/parallel.py's `apply_tensor_parallel`:
+"""The tensor-parallel recipe of the examples (examples/trainer/parallel.py's `apply_tensor_parallel`:
 sequence-parallel norms, embeddings to sequence shards, head to vocabulary shards with the loss
 computed shard by shard) x fully_shard over dp, on a 2 x 2 (dp, tp) mesh of 4 gloo ranks; with
 fused projections (one wqkv and one w13 linear per block) also on 1 x 4, where each rank holds
@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
-import sys
 
 import pytest
 import torch
@@ -27,12 +25,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-
-from model import ModelConfig, Transformer, lm_loss  # noqa: E402
-from parallel import apply_tensor_parallel  # noqa: E402
-
 import composable  # noqa: E402
+from models.model import ModelConfig, Transformer, lm_loss
+from trainer.parallel import apply_tensor_parallel
 
 CFG = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_dim=48, max_seq_len=16)
 FUSED_CFG = dataclasses.replace(CFG, fused_projections=True)

@@ -46,10 +46,11 @@ def reduce_scatter_producers(graph: torch.fx.Graph) -> list[set[str]]:
 
 def _compiled(rank: int, world: int, fused: bool) -> None:
     from functorch.compile import make_boxed_func
-    from model import Transformer
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters
+
+    from models.model import Transformer
 
     torch._dynamo.reset()
     counters.clear()

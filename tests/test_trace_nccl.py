@@ -9,15 +9,12 @@ import gzip
 import json
 import math
 import os
-import sys
 from pathlib import Path
 
 import pytest
 from _harness import requires_gpus, run_on_ranks, smoke_argv
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-
-import trace_nccl
+from benchmarks import trace_nccl
 
 BASE = 1_790_000_000_000_000_000
 
@@ -171,8 +168,9 @@ def test_unequal_counts_are_said_and_the_common_prefix_matched(capsys: pytest.Ca
 
 
 def _profiled_floor(rank: int, world_size: int, trace_dir: str) -> None:
-    import benchmark
     import torch
+
+    from benchmarks import side_by_side as benchmark
 
     argv = smoke_argv("--runs", "floor", "--profile", "floor", "--trace-dir", trace_dir)
     benchmark.run_rounds(benchmark.parse_args(argv), torch.device("cpu"))

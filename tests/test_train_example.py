@@ -28,14 +28,11 @@ import torch
 import torch.nn.functional as F
 from _harness import assert_close_tensors, env_without_launcher, run_on_ranks
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-if str(EXAMPLES) not in sys.path:
-    sys.path.insert(0, str(EXAMPLES))
+from models.model import ModelConfig, Transformer, apply_rope, count_parameters, get_config, rope_tables
+from trainer import checkpointing, reporting
+from trainer import main_job as train_script
 
-import checkpointing  # noqa: E402
-import reporting  # noqa: E402
-import train as train_script  # noqa: E402
-from model import ModelConfig, Transformer, apply_rope, count_parameters, get_config, rope_tables  # noqa: E402
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 # A model small enough that a 6-step run takes well under a second per rank.
 SMALL = [

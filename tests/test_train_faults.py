@@ -26,20 +26,14 @@ from pathlib import Path
 import pytest
 import torch
 from _harness import assert_close_tensors, run_on_ranks
+from test_train_example import SMALL, _losses, _reference, _run, command_line, register_command_line
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-if str(EXAMPLES) not in sys.path:
-    sys.path.insert(0, str(EXAMPLES))
-
-import checkpointing  # noqa: E402
-import memory_check  # noqa: E402
-import options  # noqa: E402
-import train as train_script  # noqa: E402
-from checkpointing import CheckpointError  # noqa: E402
-from model import PRESET_LR, Transformer, get_config  # noqa: E402
-from parallel import UsageError  # noqa: E402
-from test_train_example import SMALL, _losses, _reference, _run, command_line, register_command_line  # noqa: E402
-from watchdog import Watchdog  # noqa: E402
+from models.model import PRESET_LR, Transformer, get_config
+from trainer import checkpointing, memory_check, options
+from trainer import main_job as train_script
+from trainer.checkpointing import CheckpointError
+from trainer.parallel import UsageError
+from trainer.watchdog import Watchdog
 
 BASE = SMALL + ["--eval-every", "0"]
 
@@ -339,10 +333,10 @@ def test_each_preset_brings_its_learning_rate_and_scaled_init(tmp_path: Path) ->
 
 
 def _units_and_compile(rank: int, world_size: int, argv: list[str]) -> dict:
-    from parallel import parallelize
     from torch.distributed.device_mesh import init_device_mesh
 
     from composable import fully_shard
+    from trainer.parallel import parallelize
 
     args = options.parse_args(argv)
     args.mp = "fp32"

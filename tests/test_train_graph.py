@@ -1,4 +1,4 @@
-"""examples/train.py's `--cuda-graph` and its step function (examples/train_step.py).
+"""examples/train.py's `--cuda-graph` and its step function (examples/trainer/train_step.py).
 
 CPU only (a graph needs a GPU): `--cuda-graph on` without CUDA, or with a run graphs do not
 support, is refused in one line; `auto` resolves as documented; on the CPU a run trains exactly
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,22 +22,17 @@ import torch
 from _harness import run_on_ranks
 from torch.distributed.tensor import DTensor
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-if str(EXAMPLES) not in sys.path:
-    sys.path.insert(0, str(EXAMPLES))
-
-import train as train_script  # noqa: E402
-from checkpointing import load_checkpoint, save_checkpoint  # noqa: E402
-from data import ByteCorpus, get_batch  # noqa: E402
-from model import Transformer, lm_loss  # noqa: E402
-from options import cuda_graph_mode, model_config, parse_args  # noqa: E402
-from parallel import UsageError, build_mesh, parallelize  # noqa: E402
-from schedule import build_optimizer, evaluate, lr_at, world_mean  # noqa: E402
-from train_step import build_graph_optimizer, checkpoint_ready, make_train_step, set_lr  # noqa: E402
-
-from composable import ShardedGradScaler, clip_grad_norm_, fully_shard, no_sync  # noqa: E402
-from composable._graphed_checks import Recorder as _Recorder  # noqa: E402
-from composable._graphed_checks import Snapshot as _Snapshot  # noqa: E402
+from composable import ShardedGradScaler, clip_grad_norm_, fully_shard, no_sync
+from composable._graphed_checks import Recorder as _Recorder
+from composable._graphed_checks import Snapshot as _Snapshot
+from models.model import Transformer, lm_loss
+from trainer import main_job as train_script
+from trainer.checkpointing import load_checkpoint, save_checkpoint
+from trainer.data import ByteCorpus, get_batch
+from trainer.options import cuda_graph_mode, model_config, parse_args
+from trainer.parallel import UsageError, build_mesh, parallelize
+from trainer.schedule import build_optimizer, evaluate, lr_at, world_mean
+from trainer.train_step import build_graph_optimizer, checkpoint_ready, make_train_step, set_lr
 
 # test_train_example.py's small model: a few steps take a fraction of a second per rank.
 SMALL = (

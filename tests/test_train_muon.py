@@ -1,4 +1,4 @@
-"""The main job with `--optimizer muon` (examples/train.py, examples/muon_adamw.py): Muon on the
+"""The main job with `--optimizer muon` (examples/train.py, examples/trainer/muon_adamw.py): Muon on the
 blocks' matrices and AdamW on the rest, as one optimizer.
 
 - `MuonAdamW` steps each parameter exactly as its own optimizer would (Muon's matrices as
@@ -14,22 +14,16 @@ blocks' matrices and AdamW on the rest, as one optimizer.
 from __future__ import annotations
 
 import copy
-import sys
 from pathlib import Path
 
 import torch
 from _harness import assert_close_tensors
+from test_train_example import SMALL, _losses, _run
 from torch import nn
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-if str(EXAMPLES) not in sys.path:
-    sys.path.insert(0, str(EXAMPLES))
-
-import options  # noqa: E402
-from muon_adamw import MuonAdamW, build_muon_adamw, is_hidden_matrix  # noqa: E402
-from test_train_example import SMALL, _losses, _run  # noqa: E402
-
-from composable.optim import Muon  # noqa: E402
+from composable.optim import Muon
+from trainer import options
+from trainer.muon_adamw import MuonAdamW, build_muon_adamw, is_hidden_matrix
 
 
 class _Blocks(nn.Module):

@@ -7,7 +7,6 @@ layout."""
 from __future__ import annotations
 
 import shutil
-import sys
 import tempfile
 from functools import cache
 from pathlib import Path
@@ -17,12 +16,8 @@ import torch
 from _harness import assert_close_tensors
 from test_train_example import SMALL, _losses, _run
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-if str(EXAMPLES) not in sys.path:
-    sys.path.insert(0, str(EXAMPLES))
-
-import train as train_script  # noqa: E402
-from pipeline import SCHEDULES  # noqa: E402
+from trainer import main_job as train_script
+from trainer.pipeline import SCHEDULES
 
 # Four layers: two stages per pipeline rank under the interleaved and V-shaped schedules.
 BASE = [*SMALL, "--n-layers", "4", "--steps", "3", "--eval-every", "3", "--ckpt-every", "0"]
@@ -100,7 +95,7 @@ def test_estimate_pp_reports_a_stage(tmp_path: Path, capsys: pytest.CaptureFixtu
     with the microbatches in flight."""
     import json
 
-    import estimate
+    from estimator import estimate_cli as estimate
 
     common = ["--preset", "tiny", "--world-size", "4", "--batch-size", "4", "--seq-len", "64", "--pp", "2"]
     got = {}

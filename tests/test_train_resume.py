@@ -11,24 +11,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from _harness import assert_close_tensors, run_on_ranks
+from test_train_example import _losses, _reference, _run
+from test_train_faults import BASE, _attempt, _try
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-if str(EXAMPLES) not in sys.path:
-    sys.path.insert(0, str(EXAMPLES))
-
-import checkpointing  # noqa: E402
-import options  # noqa: E402
-import runs  # noqa: E402
-from model import get_config  # noqa: E402
-from parallel import UsageError  # noqa: E402
-from test_train_example import _losses, _reference, _run  # noqa: E402
-from test_train_faults import BASE, _attempt, _try  # noqa: E402
+from models.model import get_config
+from trainer import checkpointing, options, runs
+from trainer.parallel import UsageError
 
 # ----------------------------------------------------------------------------- 1: runs sharing --out
 

@@ -1,4 +1,4 @@
-"""examples/vocab_parallel_loss.py: cross entropy of vocabulary-sharded logits (the tensor-parallel
+"""examples/models/vocab_parallel_loss.py: cross entropy of vocabulary-sharded logits (the tensor-parallel
 head's loss), on 2 gloo ranks against `F.cross_entropy` of the whole logits in one process.
 
 - The loss and the logits' gradient, fp32 and bf16, with a vocabulary that does not split evenly
@@ -10,9 +10,6 @@ head's loss), on 2 gloo ranks against `F.cross_entropy` of the whole logits in o
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,10 +17,8 @@ from _harness import assert_close_tensors, run_on_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-
-import vocab_parallel_loss  # noqa: E402
-from vocab_parallel_loss import vocab_parallel_cross_entropy  # noqa: E402
+from models import vocab_parallel_loss
+from models.vocab_parallel_loss import vocab_parallel_cross_entropy
 
 ROWS, SEQ, VOCAB = 3, 5, 13  # 13 columns over 2 ranks: 7 + 6
 
