@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .._engine.params.optim_state import STATE_ON_HOST_ATTR
+from .._engine.optimizer.optim_state import STATE_ON_HOST_ATTR
 from .._engine.params.wrappers import local_tensor, new_dtensor
 from .muon import Muon
 

@@ -41,7 +41,7 @@ from ..comm import collectives as comm
 from ..comm.streams import current_stream, stream_context
 from ..dtypes import float8_cast
 from ..dtypes.policies import MixedPrecisionPolicy
-from ..params.optim_state import track_for_optimizers
+from ..optimizer.optim_state import track_for_optimizers
 from ..params.param import ManagedParam, _contiguous_stride
 from ..params.wrappers import local_tensor
 
