@@ -28,7 +28,7 @@ from ..meshes.shard_dims import full_to_regions
 from ..params.spmd import grad_to_local
 from .grad_dtype import GroupDtypes
 from .no_sync import NoSyncSums
-from .reduce_options import OptionOf, ReduceOptions
+from .reduce_options import ForwardedOption, ReduceOptions
 from .reduction import MISSING, Reduction, had_a_gradient_somewhere, region_offsets
 
 if TYPE_CHECKING:
@@ -58,29 +58,29 @@ class GradReducer:
         self._partial: torch.Tensor | None = None  # HSDP partial sums awaiting the replica all-reduce
         self._collectives_average: dict[torch.dtype, bool] = {}
         self.options = ReduceOptions()
-        self.no_sync = NoSyncSums(params, spec.layout, spec.dtypes)
+        self.no_sync_sums = NoSyncSums(params, spec.layout, spec.dtypes)
 
     # FSDP2's options, set and read under their own names (`reduce_options.py`).
-    divide_factor = OptionOf()
-    requires_all_reduce = OptionOf()
-    force_sum = OptionOf()
-    reduce_unused = OptionOf()
-    all_reduce_hook = OptionOf()
-    all_reduce_hook_stream = OptionOf()
-    reduce_scatter_comm = OptionOf()
-    reduce_scatter_group = OptionOf()
-    max_input_buffers = OptionOf()
+    divide_factor = ForwardedOption()
+    requires_all_reduce = ForwardedOption()
+    force_sum = ForwardedOption()
+    reduce_unused = ForwardedOption()
+    all_reduce_hook = ForwardedOption()
+    all_reduce_hook_stream = ForwardedOption()
+    reduce_scatter_comm = ForwardedOption()
+    reduce_scatter_group = ForwardedOption()
+    max_input_buffers = ForwardedOption()
 
     def _grad_params(self) -> list["ManagedParam"]:
         return [mp for mp in self.params if mp.wants_grad]
 
     def stash(self) -> None:
         """No-sync backward: keep this backward's gradients unreduced (`NoSyncSums.stash`)."""
-        self.no_sync.stash()
+        self.no_sync_sums.stash()
 
     def drop_discarded_sums(self) -> None:
         """Forget the no-sync sums `zero_grad` discarded (`NoSyncSums.drop_discarded`)."""
-        self.no_sync.drop_discarded()
+        self.no_sync_sums.drop_discarded()
 
     @property
     def collectives_average(self) -> bool:
@@ -167,8 +167,8 @@ class GradReducer:
 
     # -- launching ------------------------------------------------------------------------
     def launch(self) -> None:
-        self.no_sync.drop_discarded()
-        self.no_sync.hand_over()  # consumed by this reduction
+        self.no_sync_sums.drop_discarded()
+        self.no_sync_sums.hand_over()  # consumed by this reduction
         params = self._grad_params()
         if not params or not (self.options.reduce_unused or any(self.has_grads(mp) for mp in params)):
             return
@@ -384,7 +384,7 @@ class GradReducer:
                     mp.sharded.grad = None
         self.pending.clear()
         self._partial = None
-        self.no_sync.discard()
+        self.no_sync_sums.discard()
         for mp in self.params:
             if mp.unsharded_param is not None:
                 mp.unsharded_param.grad = None

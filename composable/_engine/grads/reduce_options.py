@@ -53,7 +53,7 @@ class ReduceOptions:
         streams.reduce.wait_stream(stream)
 
 
-class OptionOf:
+class ForwardedOption:
     """A `ReduceOptions` field shown on the object that holds them as `options`, under its own
     name: FSDP2's methods and the per-mesh knobs set `reducer.force_sum` and kin."""
 

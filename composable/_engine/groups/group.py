@@ -22,7 +22,8 @@ from ..comm.profiling import labelled
 from ..comm.streams import streams_for
 from ..dtypes.policies import MixedPrecisionPolicy
 from ..grads.buckets import BucketedReducer
-from ..grads.reduce import GradReducer, GroupDtypes, ReduceSpec
+from ..grads.grad_dtype import GroupDtypes
+from ..grads.reduce import GradReducer, ReduceSpec
 from ..meshes.layout import DataParallelLayout
 from ..optimizer.optim_state import track_for_optimizers
 from ..params.claim import mark_replaced
