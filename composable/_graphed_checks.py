@@ -12,7 +12,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ._engine.hooks.contract import PARAM_OWNING_APIS, get_state
-from ._engine.params.optim_state import STATE_ON_HOST_ATTR
+from ._engine.optimizer.optim_state import STATE_ON_HOST_ATTR
 from ._engine.params.wrappers import local_tensor
 
 _API = "graphed_step"

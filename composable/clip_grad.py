@@ -173,7 +173,7 @@ def _total_norm(
             entry = groups[key] = (sample, [])
         if t is None:
             continue
-        local = _local_of(layout, t)
+        local = _local_as_laid_out(layout, t)
         if local.layout != torch.strided:  # sparse: duplicates must add up before the norm
             local = local.coalesce()._values()
         if out_device is None:
@@ -290,7 +290,7 @@ def clip_grads_with_norm_(
 # --- helpers ---------------------------------------------------------------------------
 
 
-def _local_of(layout: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+def _local_as_laid_out(layout: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """The local tensor of ``value`` laid out as ``layout`` (its parameter, or itself).
 
     A DTensor value whose placements differ from its layout's (a ``Partial`` gradient of a

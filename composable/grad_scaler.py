@@ -235,7 +235,7 @@ class ShardedGradScaler(GradScaler):
         where = f"{_API}.load_state_dict"
         if not isinstance(state_dict, abc.Mapping):
             raise TypeError(
-                f"{where}: state_dict must be a dict as returned by state_dict(), got {_describe(state_dict)}"
+                f"{where}: state_dict must be a dict as returned by state_dict(), got {_describe_value(state_dict)}"
             )
         if not self._enabled:
             return
@@ -283,14 +283,14 @@ def _check_state_value(where: str, key: str, value: object, integer: bool, ok: A
         v = v.item()  # a 1-element tensor (say, a scale saved from get_scale's tensor) is fine
     kinds = (numbers.Integral,) if integer else (numbers.Real,)
     if isinstance(v, bool) or not isinstance(v, kinds):
-        raise TypeError(f"{where}: state_dict[{key!r}] must be {what}, got {_describe(value)}")
+        raise TypeError(f"{where}: state_dict[{key!r}] must be {what}, got {_describe_value(value)}")
     v = int(cast(numbers.Integral, v)) if integer else float(v)  # `kinds` checked it
     if not ok(v):
         raise ValueError(f"{where}: state_dict[{key!r}] must be {what}, got {value!r}")
     return v
 
 
-def _describe(value: object) -> str:
+def _describe_value(value: object) -> str:
     """``repr`` and type, shortened: enough to recognise a wrong value in one line."""
     text = repr(value)
     if len(text) > 60:

@@ -209,7 +209,7 @@ class _Inputs:
                     raise ValueError(f"{_API}: argument {where} must be a tensor as at capture, got {new!r:.80}")
                 if new.shape != old.shape or new.dtype != old.dtype or new.device != old.device:
                     raise ValueError(
-                        f"{_API}: argument {where} is {_describe(new)}, captured as {_describe(old)}: a graph "
+                        f"{_API}: argument {where} is {_describe_tensor(new)}, captured as {_describe_tensor(old)}: a graph "
                         "replays fixed shapes (pad the batch, or make one graphed_step per shape)"
                     )
             elif new is not old and not _equal(new, old):
@@ -242,7 +242,7 @@ def _where(path: tuple[Any, ...]) -> str:
     return text
 
 
-def _describe(t: torch.Tensor) -> str:
+def _describe_tensor(t: torch.Tensor) -> str:
     return f"{tuple(t.shape)} {t.dtype} on {t.device}"
 
 

@@ -111,13 +111,13 @@ def batches(rank: int, steps: int, batch: int = 2, vocab: int = 128) -> list:
 @contextlib.contextmanager
 def accelerate_path(rank: int, world_size: int, composable: bool) -> Iterator[None]:
     """Inside a harness rank: the launcher's variables set, accelerate's FSDP2 path taken by
-    composable (`use_composable()`) or by PyTorch FSDP2, and afterwards FSDP2 restored and
+    composable (`use_composable_in_accelerate()`) or by PyTorch FSDP2, and afterwards FSDP2 restored and
     accelerate's process-wide state reset (harness workers serve later tests)."""
     from composable.integrations import accelerate as integration
 
     accelerate_env(rank, world_size)
     if composable:
-        integration.use_composable()
+        integration.use_composable_in_accelerate()
     try:
         yield
     finally:

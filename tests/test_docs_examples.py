@@ -243,7 +243,7 @@ def _accelerate_fsdp_on_cpu() -> Iterator[dict[str, int]]:
             counts["accelerators"] += 1
             counts["processes"] = self.num_processes
 
-    def counted_prepare(accelerator, model):  # noqa: ANN001, ANN202 - use_composable() installs it
+    def counted_prepare(accelerator, model):  # noqa: ANN001, ANN202 - use_composable_in_accelerate() installs it
         counts["prepared"] += 1
         return prepare(accelerator, model)
 
@@ -283,7 +283,7 @@ def _run_script(
     finally:
         os.chdir(cwd)
         sys.path.remove(root)
-        if "composable.integrations.accelerate" in sys.modules:  # a use_composable() ends with its script
+        if "composable.integrations.accelerate" in sys.modules:  # a use_composable_in_accelerate() ends with its script
             sys.modules["composable.integrations.accelerate"].use_fsdp2()
         if "accelerate" in sys.modules:
             from _hf import reset_accelerate
@@ -374,10 +374,12 @@ def _environ(rank: int, world_size: int) -> dict:
 
 
 def test_script_block_leaves_the_worker_as_it_found_it() -> None:
-    """`use_composable()` in a block does not outlive it: the next call on the same worker sees
+    """`use_composable_in_accelerate()` in a block does not outlive it: the next call on the same worker sees
     accelerate's own FSDP2 path, and the launcher's variables are gone."""
     pytest.importorskip("accelerate")
-    code = "from composable.integrations.accelerate import use_composable\nuse_composable()\n"
+    code = (
+        "from composable.integrations.accelerate import use_composable_in_accelerate\nuse_composable_in_accelerate()\n"
+    )
     code += "import accelerate.accelerator as a, composable.integrations.accelerate as c\n"
     code += "assert a.fsdp2_prepare_model is c.fsdp2_prepare_model"
     environ = run_on_ranks(_environ, 1)

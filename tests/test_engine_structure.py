@@ -159,7 +159,19 @@ def test_collectives_know_nothing_of_modules() -> None:
 
 # The engine's folders from the top floor down: each imports only folders after it in this list
 # (composable/_engine/__init__.py draws the same map).
-ENGINE_FLOORS = ("module_state", "groups", "unshard", "grads", "params", "dtypes", "hooks", "meshes", "comm")
+ENGINE_FLOORS = (
+    "module_state",
+    "groups",
+    "unshard",
+    "grads",
+    "optimizer",
+    "whole_model",
+    "params",
+    "dtypes",
+    "hooks",
+    "meshes",
+    "comm",
+)
 
 
 def test_engine_folders_import_only_the_floors_below() -> None:

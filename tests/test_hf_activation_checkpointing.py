@@ -1,5 +1,5 @@
 """accelerate's `activation_checkpointing=True` (its checkpoint wrapper around each decoder layer)
-under `use_composable()`, step by step as with PyTorch FSDP2: losses and parameters of a tiny
+under `use_composable_in_accelerate()`, step by step as with PyTorch FSDP2: losses and parameters of a tiny
 `LlamaForCausalLM` (`use_cache=False`: a KV cache grows again in the recomputed forward, with FSDP2
 alike). CPU, gloo, 2 ranks."""
 

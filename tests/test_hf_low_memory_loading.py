@@ -1,4 +1,4 @@
-"""accelerate's `cpu_ram_efficient_loading=True` under `use_composable()`: rank 0 reads the
+"""accelerate's `cpu_ram_efficient_loading=True` under `use_composable_in_accelerate()`: rank 0 reads the
 pretrained weights, the other ranks bring the architecture only (uninitialised storage, as
 accelerate's comments expect of them, or parameters on the meta device), and the weights reach
 every rank's shards by broadcast. The sharded parameters equal the checkpoint, no rank's memory

@@ -1,5 +1,5 @@
 """HF `Trainer` with FSDP2 (`fsdp="full_shard"`, `fsdp_config={"version": 2}`) trains with
-composable after `use_composable()`, step by step as with PyTorch FSDP2: a tiny `LlamaForCausalLM`
+composable after `use_composable_in_accelerate()`, step by step as with PyTorch FSDP2: a tiny `LlamaForCausalLM`
 loaded with `from_pretrained`, gradient accumulation, `max_grad_norm` clipping, bf16 mixed
 precision, a checkpoint every 2 steps and a resume from it, and a final model that
 `from_pretrained` loads back. CPU, gloo, 2 ranks."""
@@ -93,7 +93,7 @@ def _run(rank: int, world_size: int, root: str, composable: bool, bf16: bool) ->
 
     name = "composable" if composable else "fsdp2"
     out = os.path.join(root, name)
-    # composable: `use_composable()`, the one line a Trainer user adds before trainer.train()
+    # composable: `use_composable_in_accelerate()`, the one line a Trainer user adds before trainer.train()
     with _hf.accelerate_path(rank, world_size, composable):
         losses, trainer = _train(os.path.join(root, "pretrained"), out, None, bf16)
         if composable:  # Trainer's bf16 reached composable as FSDP2's mixed-precision policy

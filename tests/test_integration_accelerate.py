@@ -1,4 +1,4 @@
-"""HF accelerate's own FSDP2 loop (`fsdp_version=2`) with composable (`use_composable()`)
+"""HF accelerate's own FSDP2 loop (`fsdp_version=2`) with composable (`use_composable_in_accelerate()`)
 matches the same loop with PyTorch FSDP2 step by step: losses, gradient norms, the full state
 dict after `save_state` / train on / `load_state` / train. CPU, gloo, 2 ranks."""
 
@@ -67,15 +67,15 @@ def test_accelerate_loop_matches_fsdp2(tail: bool) -> None:
     assert results[0][0]["losses"][0] != results[0][0]["losses"][-1]
 
 
-def test_use_composable_is_undone() -> None:
+def test_use_composable_in_accelerate_is_undone() -> None:
     import accelerate.accelerator as acc
     from accelerate.utils import fsdp_utils
 
     from composable.integrations import accelerate as integration
 
     original = acc.fsdp2_prepare_model
-    integration.use_composable()
-    integration.use_composable()  # idempotent
+    integration.use_composable_in_accelerate()
+    integration.use_composable_in_accelerate()  # idempotent
     assert acc.fsdp2_prepare_model is integration.fsdp2_prepare_model
     integration.use_fsdp2()
     assert acc.fsdp2_prepare_model is original is fsdp_utils.fsdp2_prepare_model

@@ -209,14 +209,14 @@ def test_model_spec_and_swap() -> None:
     assert fsdp.fully_shard is original
 
 
-def test_use_composable(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_use_composable_in_torchtitan(monkeypatch: pytest.MonkeyPatch) -> None:
     from torchtitan.distributed import fsdp
 
-    from composable.integrations.torchtitan import fully_shard_for_torchtitan, use_composable
+    from composable.integrations.torchtitan import fully_shard_for_torchtitan, use_composable_in_torchtitan
 
     monkeypatch.setattr(fsdp, "fully_shard", fsdp.fully_shard)  # restored after the test
-    use_composable()
-    use_composable()
+    use_composable_in_torchtitan()
+    use_composable_in_torchtitan()
     assert fsdp.fully_shard is fully_shard_for_torchtitan
 
 
@@ -237,8 +237,8 @@ def test_unknown_backend_refused(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_torchtitan_without_fully_shard_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     from torchtitan.distributed import fsdp
 
-    from composable.integrations.torchtitan import use_composable
+    from composable.integrations.torchtitan import use_composable_in_torchtitan
 
     monkeypatch.delattr(fsdp, "fully_shard")
     with pytest.raises(NotImplementedError, match="torchtitan.distributed.fsdp has no fully_shard to replace"):
-        use_composable()
+        use_composable_in_torchtitan()

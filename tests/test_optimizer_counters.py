@@ -1,5 +1,5 @@
 """Optimizer step counters of managed parameters live on the parameters' mesh
-(`composable/_engine/params/optim_state.py`).
+(`composable/_engine/optimizer/optim_state.py`).
 
 - After the first step, each managed parameter's `step` counter (a plain 0-d tensor on the
   parameter's device) is a replicated 0-d DTensor around the same tensor, one spec object
@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import composable
-from composable._engine.params.optim_state import DTENSOR_HAS_FOREACH_ADD_TENSOR
+from composable._engine.optimizer.optim_state import DTENSOR_HAS_FOREACH_ADD_TENSOR
 
 OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
     "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
@@ -173,7 +173,7 @@ def test_capturable_multi_tensor_adam_keeps_plain_counters(fused: bool) -> None:
     """Capturable multi-tensor Adam/AdamW computes `_foreach_pow(beta, steps)`, which DTensor
     has no rule for: its counters stay plain (as under FSDP2); the fused kernel's go on the mesh.
     (A capturable step needs CUDA, so the state is made here as the first step makes it.)"""
-    from composable._engine.params.optim_state import _counters_on_mesh
+    from composable._engine.optimizer.optim_state import _counters_on_mesh
 
     with fake_process_group(2):
         model = nn.Linear(3, 4)

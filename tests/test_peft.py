@@ -1,5 +1,5 @@
 """PEFT LoRA (frozen base weights, trainable adapters) under composable through accelerate's FSDP2
-path (`use_composable()`), step by step as with PyTorch FSDP2: losses, adapters, and base weights
+path (`use_composable_in_accelerate()`), step by step as with PyTorch FSDP2: losses, adapters, and base weights
 that never move. CPU, gloo, 2 ranks."""
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from composable import MixedPrecisionPolicy, checkpoint, fully_shard, replicate
 from composable.integrations.fsdp2_module import as_fsdp_modules
-from composable.integrations.pipelining import clip_grad_norm_, pipeline_stage
+from composable.integrations.pipelining import clip_pipeline_grad_norm_, pipeline_stage
 
 STEPS = 3
 LR = 0.1
@@ -143,7 +143,7 @@ def _train(rank: int, world: int, schedules: list[str], how: str, clip: float | 
             losses = run_step(schedule, name, ids, n_stages, x_local[s], y_local[s])
             if clip is not None:
                 # The norm of the whole model: every stage's parameters, combined over pp too.
-                clip_grad_norm_(params, clip, pp_group)
+                clip_pipeline_grad_norm_(params, clip, pp_group)
             opt.step()
             opt.zero_grad()
             if losses:

@@ -1,5 +1,5 @@
 """composable.integrations.torchtitan serves torchtitan 0.2.x (register_llama3 / parallelize_llama
-/ pipeline_llama) and 0.3.x (composable_model_spec / use_composable): another version is refused
+/ pipeline_llama) and 0.3.x (composable_model_spec / use_composable_in_torchtitan): another version is refused
 at the call, naming the supported range, and each release's entry points refuse the other
 release, naming the ones to use (checked with a faked installed version)."""
 
@@ -39,19 +39,21 @@ def test_0_2_entry_points_refuse_torchtitan_0_3(monkeypatch: pytest.MonkeyPatch)
 
 def test_0_3_entry_points_refuse_torchtitan_0_2(monkeypatch: pytest.MonkeyPatch) -> None:
     _fake_installed(monkeypatch, "0.2.2")
-    match = (
-        r"composable_model_spec / use_composable are for torchtitan 0.3.x, found torchtitan 0.2.2; use register_llama3"
-    )
+    match = r"composable_model_spec / use_composable_in_torchtitan are for torchtitan 0.3.x, found torchtitan 0.2.2; use register_llama3"
     with pytest.raises(NotImplementedError, match=match):
         adapter.composable_model_spec(None)
     with pytest.raises(NotImplementedError, match=match):
-        adapter.use_composable()
+        adapter.use_composable_in_torchtitan()
     with pytest.raises(NotImplementedError, match=match), adapter.sharding_with_composable():
         pass
 
 
 def test_every_entry_point_refuses_torchtitan_0_4(monkeypatch: pytest.MonkeyPatch) -> None:
     _fake_installed(monkeypatch, "0.4.0")
-    for call in (adapter.register_llama3, adapter.use_composable, lambda: adapter.composable_model_spec(None)):
+    for call in (
+        adapter.register_llama3,
+        adapter.use_composable_in_torchtitan,
+        lambda: adapter.composable_model_spec(None),
+    ):
         with pytest.raises(NotImplementedError, match=r"supports torchtitan >= 0.2, < 0.4 .*found torchtitan 0.4.0"):
             call()

@@ -8,7 +8,9 @@ groups        parameter groups: the construction path (one group per mesh), flat
 unshard       all-gathering shards into unsharded parameters (direct, flat, mixed dtypes, the
               all-gather extension of subclass weights)
 grads         gradient reduction (reduce-scatter, all-reduce, replicate's buckets, no-sync sums)
-params        which parameters a call manages; one parameter's layouts; SPMD meshes; replicas
+optimizer     the optimizer step's pre-hook: step counters on the parameters' mesh, checks
+whole_model   every rank built the same model (replicate: made equal); no parameters added later
+params        which parameters a call manages; one parameter's layouts; SPMD meshes
 dtypes        mixed-precision and offload policies, float8 casts
 hooks         installing and finding state on a module, autograd plumbing, the compile boundary
 meshes        meshes and data-parallel layouts

@@ -3,7 +3,7 @@
 With `FullyShardedDataParallelPlugin(fsdp_version=2)` (or Trainer's `fsdp_config={"version": 2}`),
 `Accelerator.prepare` hands the model to `accelerate.utils.fsdp_utils.fsdp2_prepare_model`, which
 applies PyTorch FSDP2's `fully_shard` to the plugin's wrap units (auto-wrap policy, embeddings, the
-tail `[final norm, lm_head]`, the root). `use_composable()` makes that step shard with composable
+tail `[final norm, lm_head]`, the root). `use_composable_in_accelerate()` makes that step shard with composable
 instead and leaves every other line of accelerate as it is: the plugin's options
 (`reshard_after_forward`, `mixed_precision_policy`, `cpu_offload`, `ignored_modules`, the
 device mesh) are translated to composable's, the optimizer is re-pointed at the new parameters
@@ -14,8 +14,8 @@ broadcast of rank 0's weights into the shards, and `activation_checkpointing` it
 `isinstance(m, FSDPModule)`, so each module composable shards is given FSDP2's module interface
 (`composable.integrations.fsdp2_module`: an opt-in class swap; the core never swaps classes).
 
-    from composable.integrations.accelerate import use_composable
-    use_composable()        # before accelerator.prepare(...) / Trainer(...).train()
+    from composable.integrations.accelerate import use_composable_in_accelerate
+    use_composable_in_accelerate()        # before accelerator.prepare(...) / Trainer(...).train()
 
 The patch point is the one name `Accelerator._prepare_fsdp2` calls,
 `accelerate.accelerator.fsdp2_prepare_model`, wrapped (accelerate's function still runs) while
@@ -37,7 +37,7 @@ from composable import fully_shard
 
 from .fsdp2_module import fsdp2_fully_shard
 
-__all__ = ["use_composable", "use_fsdp2", "fsdp2_prepare_model"]
+__all__ = ["use_composable_in_accelerate", "use_fsdp2", "fsdp2_prepare_model"]
 
 _original: Any = None  # accelerate's fsdp2_prepare_model, while ours is installed
 
@@ -76,7 +76,7 @@ def fsdp2_prepare_model(accelerator: Any, model: nn.Module) -> nn.Module:
     return model
 
 
-def use_composable() -> None:
+def use_composable_in_accelerate() -> None:
     """From now on, accelerate's FSDP2 path (`fsdp_version=2`) shards with composable. Idempotent."""
     global _original
     accelerator_module = importlib.import_module("accelerate.accelerator")
@@ -86,7 +86,7 @@ def use_composable() -> None:
 
 
 def use_fsdp2() -> None:
-    """Undo `use_composable()`: accelerate's FSDP2 path uses PyTorch FSDP2 again."""
+    """Undo `use_composable_in_accelerate()`: accelerate's FSDP2 path uses PyTorch FSDP2 again."""
     global _original
     if _original is not None:
         setattr(importlib.import_module("accelerate.accelerator"), "fsdp2_prepare_model", _original)

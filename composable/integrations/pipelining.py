@@ -50,7 +50,7 @@ from .._engine.hooks.contract import param_states
 from .._engine.module_state.state import ModuleState
 from ..clip_grad import clip_grads_with_norm_, get_total_norm
 
-__all__ = ["ComposablePipelineStage", "pipeline_stage", "clip_grad_norm_"]
+__all__ = ["ComposablePipelineStage", "pipeline_stage", "clip_pipeline_grad_norm_"]
 
 
 class ComposablePipelineStage(PipelineStage):
@@ -186,7 +186,7 @@ def pipeline_stage(
     return ComposablePipelineStage(module, stage_index, num_stages, torch.device(device), **kwargs)
 
 
-def clip_grad_norm_(
+def clip_pipeline_grad_norm_(
     parameters: Iterable[torch.Tensor],
     max_norm: float,
     pp_group: dist.ProcessGroup | None,

@@ -1,6 +1,6 @@
 """torchtitan with composable's data parallelism, for torchtitan 0.2.x and 0.3.x.
 
-torchtitan 0.3 (`composable_model_spec`, `use_composable`; composable.integrations.torchtitan_v03):
+torchtitan 0.3 (`composable_model_spec`, `use_composable_in_torchtitan`; composable.integrations.torchtitan_v03):
 torchtitan's own parallelize code of every decoder model (llama3, qwen3 and its mixture of
 experts, deepseek_v3, ...) shards with composable's `fully_shard` in place of FSDP2's.
 
@@ -54,7 +54,7 @@ from .torchtitan_v03 import (
     composable_model_spec,
     fully_shard_for_torchtitan,
     sharding_with_composable,
-    use_composable,
+    use_composable_in_torchtitan,
 )
 from .torchtitan_version import SUPPORTED, check_torchtitan_version, installed_torchtitan_version  # noqa: F401
 
@@ -68,7 +68,7 @@ __all__ = [
     "pipeline_llama",
     "register_llama3",
     "sharding_with_composable",
-    "use_composable",
+    "use_composable_in_torchtitan",
 ]
 
 

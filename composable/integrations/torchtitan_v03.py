@@ -20,8 +20,8 @@ code runs unchanged, with the same groups, meshes, placements and settings as un
     from composable.integrations.torchtitan import composable_model_spec
     config.model_spec = composable_model_spec(config.model_spec)   # one model
     # or, for every model of the process (torchtitan's train.py entry point):
-    from composable.integrations.torchtitan import use_composable
-    use_composable()
+    from composable.integrations.torchtitan import use_composable_in_torchtitan
+    use_composable_in_torchtitan()
 
 Backends (`--parallelism.spmd_backend`), all three served: "spmd_types" (torchtitan's default:
 plain local tensors carrying spmd_types annotations, sharded with `dp_mesh_dims` over the whole
@@ -48,7 +48,7 @@ __all__ = [
     "composable_model_spec",
     "fully_shard_for_torchtitan",
     "sharding_with_composable",
-    "use_composable",
+    "use_composable_in_torchtitan",
 ]
 
 SUPPORTED_BACKENDS = ("spmd_types", "partial_dtensor", "full_dtensor")
@@ -123,7 +123,7 @@ def composable_model_spec(spec: Any) -> Any:
     return dataclasses.replace(spec, parallelize_fn=_parallelize_with_composable(spec.parallelize_fn))
 
 
-def use_composable() -> None:
+def use_composable_in_torchtitan() -> None:
     """From now on, in this process, every torchtitan model's data parallelism shards with
     composable (`torchtitan.distributed.fsdp.fully_shard` is `fully_shard_for_torchtitan`).
     Idempotent; for an entry point such as torchtitan's `train.py`, where the model spec comes

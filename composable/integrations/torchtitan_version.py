@@ -5,7 +5,7 @@ from __future__ import annotations
 
 SUPPORTED = ((0, 2), (0, 4))  # torchtitan versions this adapter targets: >= 0.2, < 0.4
 _FOR_0_2 = "register_llama3 / parallelize_llama / pipeline_llama"
-_FOR_0_3 = "composable_model_spec / use_composable"
+_FOR_0_3 = "composable_model_spec / use_composable_in_torchtitan"
 
 
 def installed_torchtitan_version() -> str | None:

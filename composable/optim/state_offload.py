@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .._engine.params.optim_state import STATE_ON_HOST_ATTR
+from .._engine.optimizer.optim_state import STATE_ON_HOST_ATTR
 from .._engine.params.wrappers import local_tensor, new_dtensor
 from ..fsdp import fully_shard
 from .backward_order import when_backward_leaves

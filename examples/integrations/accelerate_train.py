@@ -4,7 +4,7 @@ same script trains with PyTorch FSDP2 or, with `--composable`, with composable's
 It is accelerate's own loop: `Accelerator.prepare`, `accumulate` (gradient accumulation through
 FSDP2's `set_requires_gradient_sync`), `backward`, `clip_grad_norm_`, `save_state` /
 `load_state` (torch.distributed.checkpoint) and `get_state_dict`. The only line that differs is
-`use_composable()`.
+`use_composable_in_accelerate()`.
 
     torchrun --nproc-per-node 2 examples/integrations/accelerate_train.py [--composable] [--steps 20]
     torchrun --nproc-per-node 2 examples/integrations/accelerate_train.py --bench --composable   # tokens/s
@@ -128,7 +128,7 @@ def train(
     from composable.integrations import accelerate as integration
 
     if composable:
-        integration.use_composable()
+        integration.use_composable_in_accelerate()
     try:
         accelerator = make_accelerator(cpu=cpu, accumulation=accumulation, mixed_precision=mixed_precision)
         torch.manual_seed(0)

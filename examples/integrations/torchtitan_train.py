@@ -2,7 +2,7 @@
 (`composable.integrations.torchtitan`); every flag is torchtitan's.
 
 torchtitan 0.3: every model's own parallelize code shards with `composable.fully_shard`
-(`use_composable()`), under each of torchtitan's SPMD backends (`--parallelism.spmd_backend`):
+(`use_composable_in_torchtitan()`), under each of torchtitan's SPMD backends (`--parallelism.spmd_backend`):
 "spmd_types" (torchtitan's default), "partial_dtensor" or "full_dtensor":
 
     torchrun --nproc-per-node 2 examples/integrations/torchtitan_train.py \\
@@ -32,5 +32,5 @@ if __name__ == "__main__":
     else:
         from torchtitan.train import main
 
-        adapter.use_composable()  # the one line a torchtitan 0.3 user adds
+        adapter.use_composable_in_torchtitan()  # the one line a torchtitan 0.3 user adds
         main()

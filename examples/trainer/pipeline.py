@@ -5,7 +5,7 @@ forward-only evaluation through the stages.
 
 A stage module keeps the whole model's parameter names (`tok_embeddings.weight` on the first
 stage, `layers.<global index>.*`, `norm.weight` and `output.weight` on the last), and
-`RankModel` gathers this rank's stages under those names: the optimizer, `clip_grad_norm_`, the
+`RankModel` gathers this rank's stages under those names: the optimizer, `clip_pipeline_grad_norm_`, the
 parameter count and the DCP checkpoints see one module whose state dict is this rank's part of
 the whole model's, so a checkpoint of a pipelined run loads into any other layout (`--pp` or
 `--parallel` changed) and back.
@@ -25,7 +25,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.tensor.parallel import parallelize_module
 
 from composable import fully_shard, replicate
-from composable.integrations.pipelining import clip_grad_norm_, pipeline_stage
+from composable.integrations.pipelining import clip_pipeline_grad_norm_, pipeline_stage
 from models.model import Transformer, lm_loss
 from trainer.parallel import (
     PARAMS_ON_HOST,
@@ -218,7 +218,7 @@ class Pipeline:
             if last:  # equal microbatches: their mean is the batch's mean loss
                 loss = torch.stack([v.detach().float() for v in losses]).mean()
             dist.all_reduce(loss, group=self.pp_group)  # only the last stage's rank adds to it
-            norm = clip_grad_norm_(self.model.parameters(), max_norm, self.pp_group) if max_norm > 0 else None
+            norm = clip_pipeline_grad_norm_(self.model.parameters(), max_norm, self.pp_group) if max_norm > 0 else None
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             return loss, norm

@@ -2,8 +2,9 @@
 
 reduce          `GradReducer`: a group's reduce-scatter (+ HSDP all-reduce) or all-reduce,
                 launched async at post-backward, finished into sharded `.grad`s
-reduce_options  FSDP2's reduction knobs, the user's all-reduce hook, aborting an iteration's reductions
+reduction       one launched reduction, its flat buffer's offsets, which parameters had a gradient
+reduce_options  `ReduceOptions`: FSDP2's reduction knobs and the user's all-reduce hook
 grad_dtype      the dtype gradients are made, summed and reduced in (as the installed FSDP2)
-no_sync         the sums no-sync micro-steps keep out of sight, dropped by `zero_grad`
+no_sync         `NoSyncSums`: the sums no-sync micro-steps keep out of sight, dropped by `zero_grad`
 buckets         `replicate`'s DDP-style buckets, all-reduced from post-accumulate-grad hooks
 """

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 from ..comm.profiling import labelled
 from ..comm.streams import CommStreams
 from ..params.annotated import untyped
-from .reduce import GradReducer, ReduceSpec, _offsets, _Reduction
+from .reduce import GradReducer, ReduceSpec
+from .reduction import Reduction, region_offsets
 
 if TYPE_CHECKING:
     from ..params.param import ManagedParam
@@ -33,7 +34,7 @@ class _Bucket:
     waiting: int = 0
     launched: bool = False
     present: list[bool] = field(default_factory=list)  # this backward: which gradients it had
-    reduction: "_Reduction | None" = None  # this backward's all-reduce
+    reduction: "Reduction | None" = None  # this backward's all-reduce
 
 
 class BucketedReducer(GradReducer):
@@ -65,7 +66,7 @@ class BucketedReducer(GradReducer):
                     groups.append([])
                     used = 0
             groups = [g for g in groups if g]
-            self._buckets = [_Bucket(g, _offsets(g), waiting=len(g)) for g in groups]
+            self._buckets = [_Bucket(g, region_offsets(g), waiting=len(g)) for g in groups]
             for i, bucket in enumerate(self._buckets):
                 for mp in bucket.params:
                     mp.bucket_index = i

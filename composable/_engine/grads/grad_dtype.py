@@ -15,6 +15,7 @@ no-sync accumulation. `FOLLOWS_GRAD_DTYPE` says which rule the installed torch f
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,6 +42,24 @@ def default_reduce_dtype(param_dtype: torch.dtype | None, orig: torch.dtype) -> 
     if FOLLOWS_GRAD_DTYPE:
         return orig
     return param_dtype or orig
+
+
+@dataclass
+class GroupDtypes:
+    """A group's dtypes. `orig` is the sharded parameters' own dtype, which `module.half()`
+    after sharding changes (the group updates it in place; the reducer reads it live)."""
+
+    param_dtype: torch.dtype | None  # the policy's; None: compute in `orig`
+    reduce_policy: torch.dtype | None  # the policy's reduce dtype
+    orig: torch.dtype = torch.float32
+
+    @property
+    def unsharded(self) -> torch.dtype:
+        return self.param_dtype or self.orig
+
+    @property
+    def reduce(self) -> torch.dtype:
+        return self.reduce_policy or default_reduce_dtype(self.param_dtype, self.orig)
 
 
 def _keeps_upcast(mp: "ManagedParam") -> bool:

@@ -5,13 +5,7 @@ the collectives asynchronously; `finish` waits and accumulates the results into 
 gradients (DTensors, in the parameter's own dtype, on the CPU when offloading). `replicate`
 groups reduce in buckets instead (`buckets.py`).
 
-Presence: a rank that has no gradient for a parameter (a data-dependent branch) feeds
-negative zeros in its place. A sum is -0.0 only where every addend is -0.0 (x + -0.0 == x, and
-an exact cancellation rounds to +0.0), so after the collective a parameter whose whole region
-of the output is -0.0 had a gradient on no rank, and any other had one somewhere. That keeps
-the reduction's buffers exactly FSDP2's (no extra elements, no extra collective), so every
-backend sums the same values in the same order; a region that really sums to -0.0 everywhere
-is read as "no gradient" (its value is zero either way).
+Presence (which parameters had a gradient on some rank): `reduction.py`.
 
 Averaging: sum, then divide by the data-parallel world. For low-precision reduce dtypes the
 division is split into a pre- and a post-factor (powers of two) to avoid overflow and
@@ -20,7 +14,7 @@ underflow; gloo has neither AVG nor PREMUL_SUM, so this works on every backend.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -32,71 +26,13 @@ from ..comm.streams import CommStreams, current_stream, stream_context
 from ..meshes.layout import DataParallelLayout
 from ..meshes.shard_dims import full_to_regions
 from ..params.spmd import grad_to_local
-from .grad_dtype import default_reduce_dtype
+from .grad_dtype import GroupDtypes
 from .no_sync import NoSyncSums
-from .reduce_options import ReduceOptions
+from .reduce_options import ForwardedOption, ReduceOptions
+from .reduction import MISSING, Reduction, had_a_gradient_somewhere, region_offsets
 
 if TYPE_CHECKING:
     from ..params.param import ManagedParam
-
-
-@dataclass
-class _Reduction:
-    """One launched reduction: its works, its flat output and what maps back to whom."""
-
-    params: list["ManagedParam"]
-    present: list[bool]
-    offsets: list[int]
-    output: torch.Tensor  # 1D, reduce dtype
-    works: list[dist.Work | comm.Done] = field(default_factory=list)  # those still running (asynchronous ones)
-    all_reduced: bool = True  # False: HSDP partial, not yet reduced across replicas
-    keep_alive: list[torch.Tensor] = field(default_factory=list)
-    event: "torch.cuda.Event | None" = None  # CUDA: recorded on the reduce stream when done
-    divided: bool = False  # averaging applied (by ReduceOp.AVG, or the division after a SUM)
-    assigned: list[bool] = field(default_factory=list)  # sharded grads already pointed at `output`
-    host_output: torch.Tensor | None = None  # offload from CUDA: `output` copied to pinned memory (before `event`)
-
-
-MISSING = -0.0  # what a rank reduces in place of a gradient it does not have (see the module's note)
-
-
-def _had_a_gradient_somewhere(output: torch.Tensor, regions: list[tuple[int, int]]) -> list[bool]:
-    """For each (offset, numel) region of a finished reduction's `output`: whether any rank
-    contributed a gradient there, i.e. not every element is -0.0. One host sync for all."""
-    if not regions:
-        return []
-    marks = torch.stack([_all_missing(output.narrow(0, off, n)) for off, n in regions])
-    return [not m for m in marks.tolist()]
-
-
-def _all_missing(region: torch.Tensor) -> torch.Tensor:
-    return (torch.signbit(region) & (region == 0)).all()
-
-
-def _offsets(params: list["ManagedParam"]) -> list[int]:
-    offsets, off = [], 0
-    for mp in params:
-        offsets.append(off)
-        off += mp.layout.region_numel
-    return offsets
-
-
-@dataclass
-class GroupDtypes:
-    """A group's dtypes. `orig` is the sharded parameters' own dtype, which `module.half()`
-    after sharding changes (the group updates it in place; the reducer reads it live)."""
-
-    param_dtype: torch.dtype | None  # the policy's; None: compute in `orig`
-    reduce_policy: torch.dtype | None  # the policy's reduce dtype
-    orig: torch.dtype = torch.float32
-
-    @property
-    def unsharded(self) -> torch.dtype:
-        return self.param_dtype or self.orig
-
-    @property
-    def reduce(self) -> torch.dtype:
-        return self.reduce_policy or default_reduce_dtype(self.param_dtype, self.orig)
 
 
 @dataclass(frozen=True)
@@ -110,7 +46,7 @@ class ReduceSpec:
     pin_host: bool = False  # offload with pinned host memory from CUDA: copies to the host overlap backward
 
 
-class GradReducer(NoSyncSums, ReduceOptions):
+class GradReducer:
     """Reduces the unsharded gradients of `params` into their sharded gradients, in one
     collective (plus the replica all-reduce of HSDP) per launch."""
 
@@ -118,19 +54,40 @@ class GradReducer(NoSyncSums, ReduceOptions):
         self.params = params
         self.spec = spec
         self.streams = streams
-        self.pending: list[_Reduction] = []
-        self.requires_all_reduce = True  # HSDP: False keeps reduce-scatter, defers replica all-reduce
+        self.pending: list[Reduction] = []
         self._partial: torch.Tensor | None = None  # HSDP partial sums awaiting the replica all-reduce
         self._collectives_average: dict[torch.dtype, bool] = {}
-        self.divide_factor: float | None = None  # set_gradient_divide_factor
-        self._holds_no_sync_sums = False  # sharded groups: unreduced sums kept between backwards
+        self.options = ReduceOptions()
+        self.no_sync_sums = NoSyncSums(params, spec.layout, spec.dtypes)
+
+    # FSDP2's options, set and read under their own names (`reduce_options.py`).
+    divide_factor = ForwardedOption()
+    requires_all_reduce = ForwardedOption()
+    force_sum = ForwardedOption()
+    reduce_unused = ForwardedOption()
+    all_reduce_hook = ForwardedOption()
+    all_reduce_hook_stream = ForwardedOption()
+    reduce_scatter_comm = ForwardedOption()
+    reduce_scatter_group = ForwardedOption()
+    max_input_buffers = ForwardedOption()
+
+    def _grad_params(self) -> list["ManagedParam"]:
+        return [mp for mp in self.params if mp.wants_grad]
+
+    def stash(self) -> None:
+        """No-sync backward: keep this backward's gradients unreduced (`NoSyncSums.stash`)."""
+        self.no_sync_sums.stash()
+
+    def drop_discarded_sums(self) -> None:
+        """Forget the no-sync sums `zero_grad` discarded (`NoSyncSums.drop_discarded`)."""
+        self.no_sync_sums.drop_discarded()
 
     @property
     def collectives_average(self) -> bool:
         """Whether every collective of a reduction averages (ReduceOp.AVG) instead of summing:
         then no division is left to do. Decided once per reduce dtype (`module.half()` after
         sharding changes it; the backends do not change)."""
-        if self.divide_factor is not None or self.force_sum:
+        if self.options.divide_factor is not None or self.options.force_sum:
             return False  # sum, then divide by the user's factor (or by the world, after)
         lay, dtype = self.spec.layout, self.spec.dtypes.reduce
         decided = self._collectives_average.get(dtype)
@@ -145,7 +102,7 @@ class GradReducer(NoSyncSums, ReduceOptions):
     def dp_world(self) -> float:
         """What the summed gradients are divided by: the data-parallel world (an average), or
         the user's `set_gradient_divide_factor`."""
-        return self.divide_factor or self.spec.layout.dp_world
+        return self.options.divide_factor or self.spec.layout.dp_world
 
     def _take_grads(self, params: list["ManagedParam"]) -> tuple[list[torch.Tensor], list[bool]]:
         """Detach the unsharded gradients from their parameters (freeing them after the
@@ -206,20 +163,17 @@ class GradReducer(NoSyncSums, ReduceOptions):
     def _missing_fill(self) -> float:
         """-0.0 marks a missing gradient (see the module's note); FSDP2's
         `reduce_scatter_unused_params` gives every parameter a gradient, of +0.0 where unused."""
-        return 0.0 if self.reduce_unused else MISSING
+        return 0.0 if self.options.reduce_unused else MISSING
 
     # -- launching ------------------------------------------------------------------------
     def launch(self) -> None:
-        self.drop_discarded_sums()
-        if self._holds_no_sync_sums:  # consumed by this reduction
-            self._holds_no_sync_sums = False
-            for mp in self.params:
-                mp.grad_marker = None
+        self.no_sync_sums.drop_discarded()
+        self.no_sync_sums.hand_over()  # consumed by this reduction
         params = self._grad_params()
-        if not params or not (self.reduce_unused or any(self.has_grads(mp) for mp in params)):
+        if not params or not (self.options.reduce_unused or any(self.has_grads(mp) for mp in params)):
             return
         grads, present = self._take_grads(params)
-        if self.reduce_unused:  # as FSDP2: a zero gradient for every parameter that wants one
+        if self.options.reduce_unused:  # as FSDP2: a zero gradient for every parameter that wants one
             present = [True] * len(present)
         if self.spec.layout.sharded:
             self._launch_reduce_scatter(params, grads, present)
@@ -248,7 +202,7 @@ class GradReducer(NoSyncSums, ReduceOptions):
             else gr
             for mp, gr, here in zip(params, grads, present)
         ]
-        custom = self.reduce_scatter_comm
+        custom = self.options.reduce_scatter_comm
         flat_in = comm.chunk_cat(pieces, world, dtype, device, None if custom is None else custom.allocate)
         if pre != 1.0:
             flat_in.div_(pre)
@@ -258,13 +212,13 @@ class GradReducer(NoSyncSums, ReduceOptions):
         del pieces
         streams = self.streams
         if streams is not None:
-            streams.before_reduce(self.max_input_buffers)
+            streams.before_reduce(self.options.max_input_buffers)
         # CPU: gloo works run asynchronously and need their input until `finish`. CUDA: the
         # streams keep it alive only until the next reduce-scatter (memory stays bounded).
-        red = _Reduction(
+        red = Reduction(
             params,
             present,
-            _offsets(params),
+            region_offsets(params),
             flat_in,
             keep_alive=[flat_in] if streams is None else [],
             divided=average,
@@ -276,11 +230,12 @@ class GradReducer(NoSyncSums, ReduceOptions):
                 out = custom.allocate((flat_in.numel() // world,), dtype=dtype, device=device)
             red.output = out
             async_op = streams is None
-            group = self.reduce_scatter_group or lay.shard_group
+            # A sharded layout has a shard group: None is only the replicated one's.
+            group = cast(dist.ProcessGroup, self.options.reduce_scatter_group or lay.shard_group)
             if (work := comm.reduce_scatter(out, flat_in, group, average, async_op, custom)) is not None:
                 red.works.append(work)  # None: it ran synchronously
             if lay.replicate_groups:
-                if self.requires_all_reduce:
+                if self.options.requires_all_reduce:
                     if async_op:
                         red.works.pop().wait()  # the replica all-reduce consumes the reduce-scatter output
                     if self._partial is not None:
@@ -291,7 +246,7 @@ class GradReducer(NoSyncSums, ReduceOptions):
                             red.works.append(work)
                 else:
                     red.all_reduced = False
-            if red.all_reduced and self.all_reduce_hook is not None:
+            if red.all_reduced and self.options.all_reduce_hook is not None:
                 self._run_all_reduce_hook(red)
             if streams is not None:
                 self._average(red)
@@ -308,7 +263,7 @@ class GradReducer(NoSyncSums, ReduceOptions):
         grads: list[torch.Tensor],
         present: list[bool],
         offsets: list[int] | None = None,
-    ) -> _Reduction:
+    ) -> Reduction:
         """All-reduce `grads` (of `params`) as one flat buffer."""
         dtype = self.spec.dtypes.reduce
         average = self.collectives_average
@@ -334,20 +289,20 @@ class GradReducer(NoSyncSums, ReduceOptions):
         # current stream after the result. No stream switch or event of ours per bucket:
         # this runs once per bucket inside backward, where CPU time is what limits small
         # batches. The bucket stays alive until `finish`, as DDP's do.
-        offsets = _offsets(params) if offsets is None else offsets
-        red = _Reduction(params, present, offsets, flat, divided=average)
+        offsets = region_offsets(params) if offsets is None else offsets
+        red = Reduction(params, present, offsets, flat, divided=average)
         for i, grp in enumerate(self.spec.layout.replicate_groups):
             if i:  # a replicated 2D mesh (NO_SHARD): one dim after the other, never two at once on `flat`
                 red.works.pop().wait()
             red.works.append(comm.all_reduce_async(flat, grp, average))
-        if self.all_reduce_hook is not None:  # replicate's set_all_reduce_hook: each bucket, once reduced
+        if self.options.all_reduce_hook is not None:  # replicate's set_all_reduce_hook: each bucket, once reduced
             self._run_all_reduce_hook(red)
         self._assign_early(red)
         self.pending.append(red)
         return red
 
     # -- finishing ----------------------------------------------------------------------------
-    def _average(self, red: _Reduction) -> None:
+    def _average(self, red: Reduction) -> None:
         """Apply the post-division of the average, once. On CUDA it runs on the reduce stream
         right after the collectives, so the end of backward has less left to do."""
         if red.all_reduced and not red.divided:
@@ -356,7 +311,7 @@ class GradReducer(NoSyncSums, ReduceOptions):
                 red.output.div_(post)
             red.divided = True
 
-    def _assign_early(self, red: _Reduction) -> None:
+    def _assign_early(self, red: Reduction) -> None:
         """Point fresh sharded gradients at their slices of the reduction output now, while
         the CPU is ahead of the GPU, instead of at the end of backward. Only where nothing is
         left to do to them (no accumulation, cast or offload copy); the values are ready once
@@ -394,7 +349,7 @@ class GradReducer(NoSyncSums, ReduceOptions):
                 missing = [i for i, here in enumerate(red.present) if not here]
                 regions = [(red.offsets[i], red.params[i].layout.region_numel) for i in missing]
                 present_anywhere = list(red.present)
-                for i, somewhere in zip(missing, _had_a_gradient_somewhere(out, regions)):
+                for i, somewhere in zip(missing, had_a_gradient_somewhere(out, regions)):
                     present_anywhere[i] = somewhere
             if red.host_output is not None and red.event is not None:
                 red.event.synchronize()  # its copy to the host, launched with the reduction, overlapped backward
@@ -406,6 +361,33 @@ class GradReducer(NoSyncSums, ReduceOptions):
                 if present and not (red.assigned and red.assigned[i]):
                     mp.add_to_sharded_grad(mp.layout.local_at(out, off))
         self.pending.clear()
+        self._end_of_backward()
+
+    def _run_all_reduce_hook(self, red: Reduction) -> None:
+        """The user's hook, after the reduce-scatter or HSDP's all-reduce, before the division
+        that averages. CPU: the reduction is finished first."""
+        for work in red.works:
+            if work is not None:
+                work.wait()
+        red.works.clear()
+        self.options.run_all_reduce_hook(red.output, self.streams)
+
+    def discard(self) -> None:
+        """Forget every launched reduction (after waiting for its collectives), the gradients
+        it was to produce, HSDP partial sums and no-sync sums: an iteration aborted by an
+        exception (`reset_iter_state`)."""
+        for red in self.pending:
+            for work in red.works:
+                work.wait()
+            for mp, assigned in zip(red.params, red.assigned):
+                if assigned:  # pointed at the unfinished output early
+                    mp.sharded.grad = None
+        self.pending.clear()
+        self._partial = None
+        self.no_sync_sums.discard()
+        for mp in self.params:
+            if mp.unsharded_param is not None:
+                mp.unsharded_param.grad = None
         self._end_of_backward()
 
     def _end_of_backward(self) -> None:

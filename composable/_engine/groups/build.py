@@ -17,16 +17,16 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..meshes.layout import DataParallelLayout
 from ..meshes.mesh import compute_device
+from ..optimizer.optim_state import install_step_hook
 from ..params.annotated import Annotation, is_annotated, to_storage
 from ..params.claim import check_same_device, claim_parameters, mark_managed, mark_replaced
-from ..params.late_params import watch_subtree
-from ..params.optim_state import install_step_hook
 from ..params.param import DTensorSpecLite, ManagedParam, ParamLayout
 from ..params.placement_result import MeshInfo, layout_key, own_spmd_dims, placement_of
-from ..params.replicas import check_same_model, sync_replicas
 from ..params.spmd import SpmdDims, check_spmd_param, make_spmd_param
 from ..unshard.extension import has_extension
 from ..unshard.mixed_dtypes import check_mixed_group, resolve_param_dtypes
+from ..whole_model.late_params import watch_subtree
+from ..whole_model.replicas import check_same_model, sync_replicas
 from .group import GroupConfig, ParamGroup
 
 

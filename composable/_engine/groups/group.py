@@ -22,10 +22,11 @@ from ..comm.profiling import labelled
 from ..comm.streams import streams_for
 from ..dtypes.policies import MixedPrecisionPolicy
 from ..grads.buckets import BucketedReducer
-from ..grads.reduce import GradReducer, GroupDtypes, ReduceSpec
+from ..grads.grad_dtype import GroupDtypes
+from ..grads.reduce import GradReducer, ReduceSpec
 from ..meshes.layout import DataParallelLayout
+from ..optimizer.optim_state import track_for_optimizers
 from ..params.claim import mark_replaced
-from ..params.optim_state import track_for_optimizers
 from ..params.param import ManagedParam, is_freed, raise_still_on_meta
 from ..unshard import extension, extension_batch
 from ..unshard.device_copy import DeviceShardCopy

@@ -37,8 +37,8 @@ from ..hooks.compile_boundary import keep_hooks_outside_graphs
 from ..hooks.contract import check_bool, keep_post_hook_last, param_states, register_api_pre_hook
 from ..hooks.pipeline_guard import check_pipeline_stage
 from ..params.annotated import restore_annotations, resumed, untyped
-from ..params.late_params import check_no_late_params
 from ..params.wrappers import offset_free_state_dict
+from ..whole_model.late_params import check_no_late_params
 from . import finalize
 from .finalize import GradientReductionHandle
 from .root_context import RootContext, TrainingState

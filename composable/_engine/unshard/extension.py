@@ -41,8 +41,9 @@ from ..comm import collectives as comm
 from ..comm.streams import current_stream, stream_context
 from ..dtypes import float8_cast
 from ..dtypes.policies import MixedPrecisionPolicy
-from ..params.optim_state import track_for_optimizers
+from ..optimizer.optim_state import track_for_optimizers
 from ..params.param import ManagedParam, _contiguous_stride
+from ..params.wrappers import local_tensor
 
 HOOKS = ("fsdp_pre_all_gather", "fsdp_post_all_gather")
 
@@ -57,12 +58,6 @@ def has_extension(tensor: object) -> bool:
     if isinstance(tensor, DTensor):
         tensor = tensor._local_tensor
     return all(hasattr(tensor, name) for name in HOOKS)
-
-
-def _local_of(unsharded: torch.Tensor) -> torch.Tensor:
-    """The unsharded parameter's own tensor: the local tensor of a DTensor (tensor parallel or
-    `dp_mesh_dims`), else itself."""
-    return unsharded._local_tensor if isinstance(unsharded, DTensor) else unsharded
 
 
 @dataclass
@@ -363,7 +358,7 @@ def _finish_batched(
     versions: list[int] = []
     for mp, gather in zip(params, pending):
         unsharded = mp.unsharded_param
-        if getattr(_local_of(unsharded), "_scale", None) is not gather.metadata[0]:  # type: ignore[arg-type]
+        if getattr(local_tensor(unsharded), "_scale", None) is not gather.metadata[0]:  # type: ignore[arg-type]
             data = mp.extension_outputs[0].view(-1, *gather.input_shapes[0][1:])
             local = mp.sharded_param._local_tensor  # type: ignore[union-attr]
             with comm.refilling(unsharded):  # type: ignore[arg-type]

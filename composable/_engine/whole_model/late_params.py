@@ -25,7 +25,7 @@ from torch.nn.modules.module import (
     register_module_parameter_registration_hook,
 )
 
-from .claim import MANAGED_BY_ATTR
+from ..params.claim import MANAGED_BY_ATTR
 
 # In a module's __dict__ (invisible to named_modules/state_dict; copied by deepcopy): the API
 # that manages the subtree the module belongs to.

@@ -30,8 +30,8 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .claim import REPLACED_BY_ATTR, replacement_count
-from .wrappers import new_dtensor
+from ..params.claim import REPLACED_BY_ATTR, replacement_count
+from ..params.wrappers import new_dtensor
 
 STEP_KEY = "step"
 # Set on an optimizer whose state `composable.optim.offload_optimizer_state` keeps on the host
