@@ -2,9 +2,9 @@
 pretrained weights, the other ranks bring the architecture only (uninitialised storage, as
 accelerate's comments expect of them, or parameters on the meta device), and the weights reach
 every rank's shards by broadcast. The sharded parameters equal the checkpoint, no rank's memory
-grows by more than its shards plus three parameters in flight (accelerate's loop allocates the
+grows by more than its shards plus a few parameters in flight (accelerate's loop allocates the
 next parameter's receive buffer before it drops the last one, and gloo's worker thread may still
-hold a third's temporaries), and training matches PyTorch FSDP2 with the same option step by
+hold earlier ones' temporaries), and training matches PyTorch FSDP2 with the same option step by
 step. CPU, gloo, 2 ranks."""
 
 from __future__ import annotations
@@ -78,7 +78,8 @@ def test_cpu_ram_efficient_loading_matches_fsdp2(meta: bool) -> None:
     from safetensors.torch import load_file
 
     with tempfile.TemporaryDirectory() as path:
-        _hf.save_tiny_llama(path, seed=3, num_hidden_layers=6)  # parameters small beside the model
+        # Parameters small beside the model: the parameters in flight stay far below the whole model.
+        _hf.save_tiny_llama(path, seed=3, num_hidden_layers=16)
         checkpoint = load_file(f"{path}/model.safetensors")
         ours = run_on_ranks(_load_and_train, 2, path, True, meta, 3, timeout=180)
         theirs = run_on_ranks(_load_and_train, 2, path, False, meta, 3, timeout=180)
@@ -93,7 +94,8 @@ def test_cpu_ram_efficient_loading_matches_fsdp2(meta: bool) -> None:
         mine = {k: v for k, v in ours[rank].items() if k in ("peak", "model_bytes", "largest", "shard_bytes")}
         assert mine["shard_bytes"] <= mine["model_bytes"] / 2 + 1024, mine
         # gloo frees a collective's temporaries on its worker thread, after the call returned:
-        # on a loaded host a third parameter can still be in flight
-        assert mine["peak"] <= mine["shard_bytes"] + 3 * mine["largest"] + 1024, mine
+        # on a loaded host more parameters can still be in flight (four seen, beside another
+        # suite on 2 cores)
+        assert mine["peak"] <= mine["shard_bytes"] + 6 * mine["largest"] + 1024, mine
         assert mine["peak"] < 0.7 * mine["model_bytes"], mine
     assert ours[0]["losses"][0] != ours[0]["losses"][-1]
