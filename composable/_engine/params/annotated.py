@@ -78,7 +78,7 @@ def to_storage(api: str, fqn: str, param: torch.Tensor, spmd_dims: SpmdDims | No
             "'dp_mesh_dims' (DataParallelMeshDims(shard=..., replicate=...)) naming its data-parallel dims"
         )
     storage = spmd_dims.mesh
-    named_axes = [(n, spmd.MeshAxis.of(storage.get_group(n))) for n in storage.mesh_dim_names]  # type: ignore[union-attr]
+    named_axes = [(n, spmd.MeshAxis.of(storage.get_group(n))) for n in spmd_dims.mesh.mesh_dim_names]
     storage_axes = tuple(axis for _, axis in named_axes)
     init_type = spmd.get_local_type(param)
     spec = get_partition_spec(param)

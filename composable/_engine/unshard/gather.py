@@ -179,7 +179,8 @@ def free_storages(params: list["ManagedParam"], streams: CommStreams | None) -> 
         else:
             mp.free_unsharded()
     if deferred:
-        streams.defer_free(deferred)  # type: ignore[union-attr]  # only direct gathers (CUDA) set the flag
+        assert streams is not None  # only direct gathers (CUDA, with their streams) set the flag
+        streams.defer_free(deferred)
 
 
 def finish_gather(
@@ -198,12 +199,13 @@ def finish_gather(
         for mp in params:
             streams.reclaim(mp.unsharded_padded)  # allocated for a direct gather, free deferred
     output = pending.output
+    assert output is not None  # only a direct gather (returned above) has none
     if pending.riders is not None:  # the rows end in the riders' bytes
-        rows = output.view(world, -1)  # type: ignore[union-attr]
+        rows = output.view(world, -1)
         region = rows.shape[1] - pending.tail
         pending.riders.copy_out(_tail_bytes(rows, region, pending.riders))
         output = rows.narrow(1, 0, region)
     if params:
-        copy_out_params(output, world, params, device)  # type: ignore[arg-type]
+        copy_out_params(output, world, params, device)
     if streams is not None:
         streams.after_copy_out((pending.output, pending.input, pending.source))
