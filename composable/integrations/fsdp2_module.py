@@ -170,7 +170,7 @@ class ComposableFSDPModule(FSDPModule):
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # Skip FSDPModule._apply (it needs FSDP2's own state); composable's hooks adopt the result.
         # The next class after FSDPModule is the module's own (an nn.Module), unknown to the checker.
-        return super(FSDPModule, self)._apply(*args, **kwargs)  # type: ignore[misc]
+        return super(FSDPModule, self)._apply(*args, **kwargs)  # type: ignore[misc]  # torch's FSDPModule: a bare mixin
 
 
 def _reject_torch_pipeline_stage(caller: FrameType, module: nn.Module) -> None:

@@ -63,7 +63,7 @@ def cast_into(locals_: list[torch.Tensor], scales: list[torch.Tensor], slots: li
     if not locals_:
         return
     bound = torch.finfo(slots[0].dtype).max
-    hps = [local._tensor for local in locals_]  # type: ignore[attr-defined]
+    hps = [local._tensor for local in locals_]  # type: ignore[attr-defined]  # torchao's float8 weight (untyped)
     with torch.no_grad():
         if slots[0].is_cuda and _KERNEL["usable"] and float8_kernel.supported(hps, scales, slots):
             try:

@@ -189,14 +189,14 @@ def _check_extension(api: str, mp: ManagedParam, layout: DataParallelLayout, opt
 
 
 def _placement(
-    api: str, fqn: str, param: torch.Tensor, layout: DataParallelLayout, whole: DeviceMesh, options: GroupOptions
+    api: str, fqn: str, param: nn.Parameter, layout: DataParallelLayout, whole: DeviceMesh, options: GroupOptions
 ) -> tuple[MeshInfo | None, int]:
     """(the mesh_info of the parameter's own mesh, or None for the module's; the dim it is
     sharded on) as `options.shard_placement_fn` asks (None: Shard(0) on the module's mesh)."""
     fn = options.shard_placement_fn
     if fn is None or not layout.sharded:
         return None, 0
-    placement, own = placement_of(api, fqn, fn(param), layout, whole)  # type: ignore[arg-type]
+    placement, own = placement_of(api, fqn, fn(param), layout, whole)
     if placement is None or param.dim() == 0:
         return own, 0
     if not isinstance(placement, Shard) or type(placement) is not Shard:

@@ -18,7 +18,7 @@ try:  # torch >= 2.13: FSDP2's own class, so one shard_placement_fn serves both 
 except ImportError:  # older torch: the same fields
 
     @dataclass
-    class ShardPlacementResult:  # type: ignore[no-redef]  # typed as the installed torch's class; for an older torch
+    class ShardPlacementResult:  # type: ignore[no-redef]  # typed as torch's class; the stand-in for an older torch
         """The placement (`Shard(d)` or None for `Shard(0)`) and the mesh information
         (anything with a `mesh`: the data-parallel mesh, shard dim last) of one parameter."""
 

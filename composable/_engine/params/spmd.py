@@ -31,7 +31,7 @@ try:  # the class torch's FSDP2 takes (torch >= 2.13): one object works with bot
 except ImportError:  # older torch: the same dataclass, same meaning
 
     @dataclass
-    class DataParallelMeshDims:  # type: ignore[no-redef]  # typed as the installed torch's class; for an older torch
+    class DataParallelMeshDims:  # type: ignore[no-redef]  # typed as torch's class; the stand-in for an older torch
         """Which dims of a full SPMD mesh are data parallel: `shard` (FSDP shards over them,
         several are flattened into one) and `replicate` (HSDP / DDP replicate over them)."""
 

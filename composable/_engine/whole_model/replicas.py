@@ -14,6 +14,7 @@ model is materialised and initialised later, identically on every rank: the user
 from __future__ import annotations
 
 import hashlib
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,8 @@ def check_same_model(
         if len(set(digests)) > 1:
             gathered: list[list[Entry] | None] = [None] * len(digests)
             dist.all_gather_object(gathered, entries, group=group)
-            raise ValueError(_first_mismatch(api, gathered, group))  # type: ignore[arg-type]
+            filled = cast("list[list[Entry]]", gathered)  # all_gather_object filled every rank's slot
+            raise ValueError(_first_mismatch(api, filled, group))
     return buffers
 
 
