@@ -14,7 +14,7 @@ from ..meshes.layout import DataParallelLayout
 from .spmd import SpmdDims, resolve_dp_mesh_dims
 
 try:  # torch >= 2.13: FSDP2's own class, so one shard_placement_fn serves both libraries
-    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult as ShardPlacementResult
 except ImportError:  # older torch: the same fields
 
     @dataclass

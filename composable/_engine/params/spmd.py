@@ -27,7 +27,7 @@ from ..meshes.layout import DataParallelLayout, LayoutKind
 from .param import DTensorSpecLite, ManagedParam, ParamLayout
 
 try:  # the class torch's FSDP2 takes (torch >= 2.13): one object works with both libraries
-    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.fsdp import DataParallelMeshDims as DataParallelMeshDims
 except ImportError:  # older torch: the same dataclass, same meaning
 
     @dataclass
