@@ -105,7 +105,7 @@ def checkpoint(
         with state._disabled():
             return live(*args, **kwargs)
 
-    def pre_hook(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+    def pre_hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         state.in_graph = False
         if not state.enabled or not torch.is_grad_enabled():
             return
@@ -124,7 +124,7 @@ def checkpoint(
             next(generator)
         state._generator = generator
 
-    def post_hook(mod: nn.Module, args: tuple, output: Any) -> None:
+    def post_hook(mod: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         generator, state._generator = state._generator, None
         if generator is None:
             return

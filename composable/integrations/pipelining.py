@@ -103,7 +103,7 @@ class ComposablePipelineStage(PipelineStage):
 
     # -- what the schedule calls ------------------------------------------------------------
     def backward_maybe_with_nosync(
-        self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
+        self, backward_type: str, bwd_kwargs: dict[str, Any], last_backward: bool = False
     ) -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]] | None]:
         self._accumulate_locally()
         with self._unsharded_registered(backward_type):

@@ -106,7 +106,8 @@ def _cast_each(hps: list[torch.Tensor], scales: list[torch.Tensor], slots: list[
 _COMPILE_OPTIONS: tuple[dict[str, Any], ...] = ({"combo_kernels": True}, {})
 _FUSED: dict[str, Any] = {}
 _KERNEL = {"usable": True}  # the one-launch kernel; False once it failed (no Triton, say)
-_COMPILED_LAYOUTS: set[tuple] = set()  # group layouts the compiled cast has run (graph capture may use it)
+# Group layouts ((shape, dtype, float8 dtype) per weight) the compiled cast has run (graph capture may use it).
+_COMPILED_LAYOUTS: set[tuple[tuple[torch.Size, torch.dtype, torch.dtype], ...]] = set()
 
 
 def _fused_cast() -> Callable[..., None] | None:

@@ -106,7 +106,7 @@ class ParamGroup:
 
     _SHARED_ON_COPY = ("streams", "all_gather_comm")  # runtime handles: a deep copy of the model shares them
 
-    def __deepcopy__(self, memo: dict) -> "ParamGroup":
+    def __deepcopy__(self, memo: dict[int, Any]) -> "ParamGroup":
         new = ParamGroup.__new__(ParamGroup)
         memo[id(self)] = new
         for name, value in vars(self).items():

@@ -45,7 +45,9 @@ def run_eagerly(fn: Callable[P, R]) -> Callable[P, R]:
     return torch._dynamo.disable(fn, recursive=True)
 
 
-def attach_post_backward(state: BackwardHooks, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def attach_post_backward(
+    state: BackwardHooks, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     tensors = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
     if not tensors:
         return args, kwargs

@@ -56,7 +56,7 @@ class Annotation:
     """What an annotated parameter needs after it became a DTensor on the storage mesh."""
 
     partition_spec: Any  # spmd_types.PartitionSpec | None
-    restore_type: dict  # per typechecking-mesh axis: the local type restored at compute
+    restore_type: dict[object, object]  # per typechecking-mesh axis: the local type restored at compute
     grad_spec: DTensorSpecLite  # on the storage mesh: the backward types' placements
 
 
@@ -141,7 +141,9 @@ def to_storage(api: str, fqn: str, param: torch.Tensor, spmd_dims: SpmdDims | No
     return stored, Annotation(spec, restore, DTensorSpecLite(storage, grad_placements, stored.shape))
 
 
-def _same_ranks(spmd: Any, flatten: Callable, lhs: tuple, rhs: tuple) -> bool:
+def _same_ranks(
+    spmd: Any, flatten: Callable[[tuple[object, ...]], object], lhs: tuple[object, ...], rhs: tuple[object, ...]
+) -> bool:
     """Whether two sets of mesh axes span the same ranks in the same order."""
     left, right = spmd.normalize_mesh(frozenset(lhs)), spmd.normalize_mesh(frozenset(rhs))
     if not left or not right:

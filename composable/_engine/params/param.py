@@ -29,7 +29,7 @@ import functools
 import math
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn as nn
@@ -96,6 +96,17 @@ class ParamLayout:
         return sizes, _contiguous_stride(sizes)
 
 
+# An all-gather extension parameter's views, cached to spare host work per gather (each made
+# once per all-gather outputs). The batched float8 path's: (output, this rank's slot of it
+# shaped as the shard, byte views of both, the rank).
+ExtensionViews = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]
+# The byte path's: (the outputs they view, the rank, the inputs' byte sizes, the outputs as
+# bytes, this rank's slot of each).
+ByteViews = tuple[list[torch.Tensor], int, tuple[int, ...], list[torch.Tensor], list[torch.Tensor]]
+# `fsdp_post_all_gather`'s: (the outputs they view, the inputs' shapes after dim 0, the outputs so shaped).
+ShapedOutputs = tuple[list[torch.Tensor], tuple[tuple[int, ...], ...], tuple[torch.Tensor, ...]]
+
+
 @dataclass
 class ManagedParam:
     """A parameter managed by one parameter group.
@@ -111,7 +122,7 @@ class ManagedParam:
     requires_grad: bool  # at the call; `wants_grad` is the live value (users may freeze later)
     spec: "DTensorSpecLite | None" = None  # how the sharded parameter presents itself
     tp: "DTensorSpecLite | None" = None  # tensor-parallel spec of the unsharded parameter, if any
-    dp_dims: frozenset = frozenset()  # dp_mesh_dims: dims of `tp`'s mesh the group reduces over (spmd.py)
+    dp_dims: frozenset[int] = frozenset()  # dp_mesh_dims: dims of `tp`'s mesh the group reduces over (spmd.py)
     # spmd_types-annotated parameter (annotated.py): computes as a plain tensor; its gradient is
     # read as `annotation.grad_spec` (the backward types' placements on `tp`'s mesh).
     annotation: "Annotation | None" = None
@@ -130,11 +141,15 @@ class ManagedParam:
     bucket_index: int | None = None  # replicate: which all-reduce bucket the gradient goes in
     hooked_param: nn.Parameter | None = None  # replicate: the unsharded parameter with our grad hook
     extension: bool = False  # the local shard implements FSDP2's all-gather extension (extension.py)
-    extension_outputs: list = field(default_factory=list)  # its all-gather outputs, 1D (made once, freed between uses)
-    extension_inner: list = field(default_factory=list)  # its unsharded inner tensors (freed between uses)
-    extension_views: tuple = ()  # (output, its float8 slot, byte views of both): float8_cast's batched path
-    extension_byte_views: tuple = ()  # the byte path's views of the outputs (extension_batch.py), made once per outputs
-    extension_shaped: tuple = ()  # the outputs shaped for `fsdp_post_all_gather` (extension.py), made once per outputs
+    extension_outputs: list[torch.Tensor] = field(
+        default_factory=list
+    )  # its all-gather outputs, 1D (made once, freed between uses)
+    extension_inner: list[torch.Tensor] = field(
+        default_factory=list
+    )  # its unsharded inner tensors (freed between uses)
+    extension_views: ExtensionViews | tuple[()] = ()  # float8_cast's batched path: see `ExtensionViews`
+    extension_byte_views: ByteViews | tuple[()] = ()  # the byte path's views of the outputs (extension_batch.py)
+    extension_shaped: ShapedOutputs | tuple[()] = ()  # the outputs shaped for `fsdp_post_all_gather` (extension.py)
     # (dtype, device) -> the offset-free stand-in of a sharded gradient: see `make_sharded_grad`.
     grad_standins: dict[tuple[torch.dtype, torch.device], torch.Tensor] = field(default_factory=dict, repr=False)
 
@@ -312,7 +327,7 @@ class ManagedParam:
     def is_unsharded_allocated(self) -> bool:
         return self.unsharded_padded is not None and self.unsharded_padded.untyped_storage().size() > 0
 
-    def __deepcopy__(self, memo: dict) -> "ManagedParam":
+    def __deepcopy__(self, memo: dict[int, Any]) -> "ManagedParam":
         """`copy.deepcopy(model)` copies this too. The copy re-creates its unsharded parameter
         at its first unshard where a copy would be wrong: freed storage (resized to 0: reading
         it crashes), and an unsharded parameter that is a view of the flat shard (replicated
@@ -357,7 +372,7 @@ class DTensorSpecLite:
     mesh: DeviceMesh
     placements: tuple[Placement, ...]
     shape: torch.Size
-    _specs: dict = field(default_factory=dict, compare=False, repr=False)  # dtype -> DTensorSpec
+    _specs: dict[torch.dtype, DTensorSpec] = field(default_factory=dict, compare=False, repr=False)
 
     def wrap(self, local: torch.Tensor) -> DTensor:
         """`local` as this spec's DTensor, without a copy and without autograd.

@@ -36,13 +36,13 @@ def _ranks(group: dist.ProcessGroup | None) -> list[int]:
     return [] if group is None else dist.get_process_group_ranks(group)
 
 
-def mesh_key(mesh: DeviceMesh) -> tuple:
+def mesh_key(mesh: DeviceMesh) -> tuple[tuple[int, ...], ...]:
     """What makes two data-parallel meshes the same for a group: the ranks of the shard dim (the
     last) and of each replicate dim, as FSDP2 groups parameters by their process groups."""
     return tuple(tuple(_ranks(mesh.get_group(d))) for d in range(mesh.ndim))
 
 
-def layout_key(layout: DataParallelLayout) -> tuple:
+def layout_key(layout: DataParallelLayout) -> tuple[tuple[int, ...], ...]:
     return (*(tuple(_ranks(g)) for g in layout.replicate_groups), tuple(_ranks(layout.shard_group)))
 
 

@@ -19,6 +19,7 @@ from typing import cast
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -233,7 +234,7 @@ def grad_to_local(grad: torch.Tensor, unsharded: DTensorSpecLite | None, dp_indi
 
 
 def make_spmd_param(
-    fqn: str, slots: list, param: DTensor, layout: DataParallelLayout, spmd: SpmdDims, dim: int
+    fqn: str, slots: list[tuple[nn.Module, str]], param: DTensor, layout: DataParallelLayout, spmd: SpmdDims, dim: int
 ) -> ManagedParam:
     """Layout and specs of one parameter on the whole mesh: its local tensor is split on `dim`
     over the shard world; the unsharded parameter keeps the original spec."""

@@ -42,14 +42,14 @@ from ..comm.streams import current_stream, stream_context
 from ..dtypes import float8_cast
 from ..dtypes.policies import MixedPrecisionPolicy
 from ..optimizer.optim_state import track_for_optimizers
-from ..params.param import ManagedParam, _contiguous_stride
+from ..params.param import ExtensionViews, ManagedParam, _contiguous_stride
 from ..params.wrappers import local_tensor
 
 HOOKS = ("fsdp_pre_all_gather", "fsdp_post_all_gather")
 
 # Meshes handed to `fsdp_pre_all_gather`: the shard mesh of each group's mesh, found once.
 # Keyed by identity (equal meshes of earlier process groups must not answer), held weakly.
-_SHARD_MESHES: dict[int, tuple[weakref.ref, DeviceMesh]] = {}
+_SHARD_MESHES: dict[int, tuple[weakref.ref[DeviceMesh], DeviceMesh]] = {}
 
 
 class _Extension(Protocol):
@@ -288,7 +288,7 @@ def _start_batched(
     return batch.pending
 
 
-def _views(mp: ManagedParam, out: torch.Tensor, local: torch.Tensor, rank: int) -> tuple:
+def _views(mp: ManagedParam, out: torch.Tensor, local: torch.Tensor, rank: int) -> ExtensionViews:
     """(output, this rank's slot of it shaped as the shard, byte views of both), made once per
     output object: the batched path's per-gather host work is the cast and the collective."""
     views = mp.extension_views

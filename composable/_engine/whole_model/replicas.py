@@ -94,7 +94,7 @@ def _first_mismatch(api: str, gathered: list[list[Entry]], group: dist.ProcessGr
         show_meta = len({v[2] for v in present}) > 1
         show_grad = len({v[3] for v in present}) > 1
 
-        def describe(v: tuple | None) -> str:
+        def describe(v: tuple[tuple[int, ...], str, bool, bool] | None) -> str:
             if v is None:
                 return "missing"
             return (
