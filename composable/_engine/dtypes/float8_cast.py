@@ -22,7 +22,7 @@ gather, which makes the unsharded parameters) takes the per-parameter path.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 
@@ -118,7 +118,7 @@ def _fused_cast() -> Callable[..., None] | None:
         _FUSED["fn"] = torch.compile(
             _cast_each, fullgraph=True, options=_COMPILE_OPTIONS[_FUSED.setdefault("tried", 0)]
         )
-    return _FUSED["fn"]
+    return cast("Callable[..., None] | None", _FUSED["fn"])  # torch.compile's result (typed Any) or None
 
 
 def _disable_fused(error: Exception) -> None:

@@ -24,7 +24,7 @@ import contextlib
 import functools
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, ParamSpec, TypeVar
+from typing import Any, Callable, ParamSpec, TypeVar, cast
 
 import torch
 import torch.nn as nn
@@ -147,7 +147,7 @@ def _same_ranks(
     """Whether two sets of mesh axes span the same ranks in the same order."""
     left, right = spmd.normalize_mesh(frozenset(lhs)), spmd.normalize_mesh(frozenset(rhs))
     if not left or not right:
-        return left == right
+        return bool(left == right)  # frozensets of axes (spmd_types, untyped here)
     return flatten(tuple(left)) == flatten(tuple(right))
 
 
@@ -208,4 +208,4 @@ def resumed() -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
     from spmd_types.checker import typecheck
 
-    return typecheck()
+    return cast("contextlib.AbstractContextManager[None]", typecheck())  # spmd_types is untyped here

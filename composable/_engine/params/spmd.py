@@ -214,7 +214,7 @@ def concatenate(meshes: list[DeviceMesh]) -> DeviceMesh:
     """One mesh whose dims are the given 1D sub-meshes of one root mesh, in order."""
     concat = getattr(DeviceMesh, "_concatenate", None)
     if concat is not None:
-        return concat(meshes)
+        return cast(DeviceMesh, concat(meshes))  # torch's private classmethod, found by name
     root = meshes[0]._get_root_mesh()  # older torch: slice the root by (flattened) dim names
     return root[tuple(dim_names(m)[0] for m in meshes)]
 
