@@ -51,7 +51,8 @@ def attach_post_backward(
     tensors = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
     if not tensors:
         return args, kwargs
-    replaced = dict(zip(map(id, tensors), PostBackward.apply(state, *tensors)))
+    outputs = PostBackward.apply(state, *tensors)  # type: ignore[no-untyped-call]  # torch's Function.apply is untyped
+    replaced = dict(zip(map(id, tensors), outputs))
     mapped = map_tensors(lambda t: replaced.get(id(t), t), (args, kwargs))
     return cast("tuple[tuple[Any, ...], dict[str, Any]]", mapped)  # the structure it was given
 
