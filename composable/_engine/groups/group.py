@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -369,8 +369,7 @@ class ParamGroup:
         if self._unsharded_aliases_shard:
             self._point_unsharded_at(self.flat_shard)
         elif not self.layout.sharded:
-            assert self._replica_flat is not None  # `_refill_replica` made it at the unshard
-            self._point_unsharded_at(self._replica_flat)
+            self._point_unsharded_at(cast(torch.Tensor, self._replica_flat))  # made by `_refill_replica`
         else:
             world, dtypes, pending = self.layout.shard_world, self.config.param_dtypes, self._pending_gather
             assert pending is not None  # a sharded group's unshard started its gather

@@ -29,7 +29,7 @@ import functools
 import math
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn as nn
@@ -40,9 +40,6 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from ..comm import collectives as comm
 from ..meshes.shard_dims import full_to_regions, regions_to_full
 from .wrappers import new_dtensor, offset_free
-
-if TYPE_CHECKING:  # annotated.py builds on this module
-    from .annotated import Annotation
 
 
 @dataclass
@@ -96,15 +93,17 @@ class ParamLayout:
         return sizes, _contiguous_stride(sizes)
 
 
-# An all-gather extension parameter's views, cached to spare host work per gather (each made
-# once per all-gather outputs). The batched float8 path's: (output, this rank's slot of it
-# shaped as the shard, byte views of both, the rank).
-ExtensionViews = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]
-# The byte path's: (the outputs they view, the rank, the inputs' byte sizes, the outputs as
-# bytes, this rank's slot of each).
-ByteViews = tuple[list[torch.Tensor], int, tuple[int, ...], list[torch.Tensor], list[torch.Tensor]]
-# `fsdp_post_all_gather`'s: (the outputs they view, the inputs' shapes after dim 0, the outputs so shaped).
-ShapedOutputs = tuple[list[torch.Tensor], tuple[tuple[int, ...], ...], tuple[torch.Tensor, ...]]
+# An all-gather extension parameter's views, made once per outputs (their makers say what each holds).
+ExtensionViews = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]  # extension._views
+ByteViews = tuple[list[torch.Tensor], int, tuple[int, ...], list[torch.Tensor], list[torch.Tensor]]  # _byte_views
+ShapedOutputs = tuple[list[torch.Tensor], tuple[tuple[int, ...], ...], tuple[torch.Tensor, ...]]  # _shaped_outputs
+
+
+class AnnotationLike(Protocol):
+    """What the engine reads of an spmd_types-annotated parameter's `annotated.Annotation`."""
+
+    @property
+    def grad_spec(self) -> DTensorSpecLite: ...
 
 
 @dataclass
@@ -125,7 +124,7 @@ class ManagedParam:
     dp_dims: frozenset[int] = frozenset()  # dp_mesh_dims: dims of `tp`'s mesh the group reduces over (spmd.py)
     # spmd_types-annotated parameter (annotated.py): computes as a plain tensor; its gradient is
     # read as `annotation.grad_spec` (the backward types' placements on `tp`'s mesh).
-    annotation: "Annotation | None" = None
+    annotation: "AnnotationLike | None" = None  # an annotated.Annotation (that module builds on this one)
     sharded_param: nn.Parameter | None = None  # DTensor parameter the optimizer sees
     unsharded_param: nn.Parameter | None = None  # plain parameter the module computes with
     unsharded_padded: torch.Tensor | None = None  # 1D padded storage behind unsharded_param
@@ -405,25 +404,6 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
         stride.append(acc)
         acc *= max(size, 1)
     return tuple(reversed(stride))
-
-
-def copy_out_params(gathered: torch.Tensor, world: int, params: list[ManagedParam], device: torch.device) -> None:
-    """Fill the unsharded parameters from the rank-major all-gather output `gathered`: one
-    fused copy into the padded storages; parameters sharded on a dim > 0 go through a
-    rank-major staging buffer into their natural (contiguous) layout."""
-    for mp in params:
-        mp.alloc_unsharded(world, gathered.dtype, device)
-    staged = {
-        id(mp): torch.empty(world * mp.layout.region_numel, dtype=gathered.dtype, device=gathered.device)
-        for mp in params
-        if mp.layout.dim != 0
-    }
-    # `alloc_unsharded` above made every padded storage.
-    targets = [staged.get(id(mp), cast(torch.Tensor, mp.unsharded_padded)) for mp in params]
-    comm.copy_out(gathered, world, [mp.layout.region_numel for mp in params], targets)
-    for mp in params:
-        if mp.layout.dim != 0:
-            mp.fill_from_rank_major(staged[id(mp)], world)
 
 
 def raise_still_on_meta(api: str, params: list[ManagedParam], rank: int) -> None:
