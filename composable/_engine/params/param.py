@@ -140,12 +140,9 @@ class ManagedParam:
     bucket_index: int | None = None  # replicate: which all-reduce bucket the gradient goes in
     hooked_param: nn.Parameter | None = None  # replicate: the unsharded parameter with our grad hook
     extension: bool = False  # the local shard implements FSDP2's all-gather extension (extension.py)
-    extension_outputs: list[torch.Tensor] = field(
-        default_factory=list
-    )  # its all-gather outputs, 1D (made once, freed between uses)
-    extension_inner: list[torch.Tensor] = field(
-        default_factory=list
-    )  # its unsharded inner tensors (freed between uses)
+    # Its all-gather outputs, 1D, and its unsharded inner tensors (each made once, freed between uses).
+    extension_outputs: list[torch.Tensor] = field(default_factory=list)
+    extension_inner: list[torch.Tensor] = field(default_factory=list)
     extension_views: ExtensionViews | tuple[()] = ()  # float8_cast's batched path: see `ExtensionViews`
     extension_byte_views: ByteViews | tuple[()] = ()  # the byte path's views of the outputs (extension_batch.py)
     extension_shaped: ShapedOutputs | tuple[()] = ()  # the outputs shaped for `fsdp_post_all_gather` (extension.py)
