@@ -32,17 +32,16 @@ from typing import cast
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Placement, Replicate
+
+# Private; a subclass of Shard before torch 2.12, a separate placement after. (The engine
+# imports it too, so every torch composable imports on has it.)
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._foreach_utils import (
     _device_has_foreach_support,
     _group_tensors_by_device_and_dtype,
     _has_foreach_support,
 )
-
-try:  # private; a subclass of Shard before torch 2.12, a separate placement after
-    from torch.distributed.tensor.placement_types import _StridedShard
-except ImportError:  # pragma: no cover - very old torch
-    _StridedShard = ()  # type: ignore[assignment,misc]
 
 __all__ = ["clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm"]
 
@@ -350,8 +349,8 @@ def _use_foreach(ts: list[torch.Tensor], device: torch.device, foreach: bool | N
     return bool(foreach)
 
 
-def _is_shard(pl: object) -> bool:
-    return bool(pl.is_shard()) or isinstance(pl, _StridedShard)  # type: ignore[attr-defined]
+def _is_shard(pl: Placement) -> bool:
+    return bool(pl.is_shard()) or isinstance(pl, _StridedShard)
 
 
 def _comm_device(device_type: str) -> torch.device:

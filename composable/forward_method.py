@@ -76,7 +76,8 @@ def _install_torch_entry_point() -> None:
     @functools.wraps(original)
     def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         if not _managed(module):
-            return original(module, method_name)
+            original(module, method_name)
+            return
         if getattr(getattr(module, method_name, None), _WRAPPED_ATTR, False):
             return None  # already registered: the hooks run once
         return register_forward_method(module, method_name)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import torch
 import torch.utils._pytree as pytree
@@ -93,7 +93,8 @@ class GraphedStep(Generic[T]):
         assert self.graph is not None
         self.graph.replay()
         self.calls += 1
-        return pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), self._output)
+        out = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), self._output)
+        return cast(T, out)  # the captured output's structure; torch's pytree types it as Any
 
     def _eager(self, args: tuple[Any, ...], kwargs: dict[str, Any], record: bool) -> T:
         """One eager step on the side stream (CUDA's rule for work before a capture)."""

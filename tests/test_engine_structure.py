@@ -1,6 +1,7 @@
 """The package's shape: dependencies point one way (front ends -> engine -> collectives), no
 import cycle between files nor between packages, and the engine's steps show by name in profiles;
-the examples' packages likewise (models at the bottom, no cycle, every file named).
+the examples' packages likewise (models at the bottom, no cycle, every file named); every
+`# type: ignore` says why.
 
 The import graph is read from the source with `ast` (every `import`/`from ... import`,
 including those under `if TYPE_CHECKING:`), so this runs without importing anything.
@@ -10,8 +11,10 @@ from __future__ import annotations
 
 import ast
 import functools
+import io
 import os
 import re
+import tokenize
 from pathlib import Path
 
 import torch
@@ -204,6 +207,36 @@ def test_no_file_over_420_lines() -> None:
     files = [*ROOT.rglob("*.py"), *Path(__file__).resolve().parents[1].joinpath("examples").rglob("*.py")]
     long = {str(p.relative_to(ROOT.parent)): n for p in files if (n := len(p.read_text().splitlines())) > 420}
     assert not long, long
+
+
+_TYPE_IGNORE = re.compile(r"#\s*type:\s*ignore\b(\[[^\]]*\])?")
+
+
+def _bare_ignores(source: str) -> list[int]:
+    """The lines of `source` whose `# type: ignore` lacks an error code or a reason after it
+    (`# type: ignore[code]  # what torch's typing gets wrong`). Read from the comment tokens, so
+    the words inside a string do not count."""
+    bare = []
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        found = _TYPE_IGNORE.search(token.string) if token.type == tokenize.COMMENT else None
+        if found is not None and (found.group(1) is None or not re.match(r"\s*#\s*\S", token.string[found.end() :])):
+            bare.append(token.start[0])
+    return bare
+
+
+def test_type_ignores_give_their_reason() -> None:
+    """An ignore stays only where torch's (or an extra's) typing is wrong or missing; its reason
+    on the line is what lets a reader check that it still is."""
+    assert _bare_ignores("x = f()  # type: ignore[attr-defined]  # torch's stub lacks it\n") == []
+    assert _bare_ignores("x = f()  # type: ignore[attr-defined]\n") == [1]
+    assert _bare_ignores("x = 1\ny = f()  # type: ignore  # no code\n") == [2]
+    assert _bare_ignores('s = "# type: ignore"\n') == []
+    bare = {
+        f"{path.relative_to(ROOT.parent)}:{line}"
+        for path in sorted(ROOT.rglob("*.py"))
+        for line in _bare_ignores(path.read_text())
+    }
+    assert not bare, f"type: ignore without an error code or a reason after it: {sorted(bare)}"
 
 
 def test_steps_show_by_name_in_profiles() -> None:

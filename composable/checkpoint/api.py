@@ -28,6 +28,7 @@ from torch.utils.checkpoint import _checkpoint_without_reentrant_generator, noop
 from .._engine.hooks.autograd import run_eagerly
 from .._engine.hooks.compile_boundary import keep_hooks_outside_graphs
 from .._engine.hooks.contract import (
+    answers_state,
     check_bool,
     check_module,
     check_not_applied,
@@ -45,6 +46,12 @@ _GENERATOR_PARAMS = list(inspect.signature(_checkpoint_without_reentrant_generat
 _DETERMINISM_CHECKS = tuple(getattr(torch.utils.checkpoint, "_allowed_determinism_checks_to_fns", ("default", "none")))
 
 
+def _state(module: nn.Module) -> CheckpointState | None:
+    """The state `checkpoint` installed on exactly `module`, or None (`TypeError` for a non-module)."""
+    return state_of("checkpoint", module)
+
+
+@answers_state(_state)
 def checkpoint(
     module: nn.Module,
     *,
@@ -98,7 +105,7 @@ def checkpoint(
         with state._disabled():
             return live(*args, **kwargs)
 
-    def pre_hook(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+    def pre_hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         state.in_graph = False
         if not state.enabled or not torch.is_grad_enabled():
             return
@@ -117,7 +124,7 @@ def checkpoint(
             next(generator)
         state._generator = generator
 
-    def post_hook(mod: nn.Module, args: tuple, output: Any) -> None:
+    def post_hook(mod: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         generator, state._generator = state._generator, None
         if generator is None:
             return
@@ -134,11 +141,3 @@ def checkpoint(
     module.register_forward_hook(run_eagerly(post_hook), prepend=True, always_call=True)
     install_state(module, api, state)
     return module
-
-
-def _state(module: nn.Module) -> CheckpointState | None:
-    """The state `checkpoint` installed on exactly `module`, or None (`TypeError` for a non-module)."""
-    return state_of("checkpoint", module)
-
-
-checkpoint.state = _state  # type: ignore[attr-defined]

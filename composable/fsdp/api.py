@@ -117,18 +117,22 @@ def fully_shard(
         )
     if policy is not None:
         matches = _check_policy(policy)
+        sub_strategy = None if spmd is not None else strategy
         for m in modules:
             _auto_wrap(
                 m,
                 matches,
-                mesh=mesh,
-                reshard_after_forward=reshard_after_forward,
-                strategy=None if spmd is not None else strategy,
-                mp_policy=mp_policy,
-                offload_policy=offload_policy,
-                ignored_params=ignored,
-                shard_placement_fn=shard_placement_fn,
-                dp_mesh_dims=dp_mesh_dims,
+                lambda sub: fully_shard(
+                    sub,
+                    mesh=mesh,
+                    reshard_after_forward=reshard_after_forward,
+                    strategy=sub_strategy,
+                    mp_policy=mp_policy,
+                    offload_policy=offload_policy,
+                    ignored_params=ignored,
+                    shard_placement_fn=shard_placement_fn,
+                    dp_mesh_dims=dp_mesh_dims,
+                ),
             )
 
     options = GroupOptions(
@@ -223,12 +227,13 @@ def _check_policy(policy: object) -> Callable[[nn.Module], bool]:
     )
 
 
-def _auto_wrap(root: nn.Module, matches: Callable[[nn.Module], bool], **options: object) -> None:
-    """Apply fully_shard to every matching proper submodule, children before parents."""
+def _auto_wrap(root: nn.Module, matches: Callable[[nn.Module], bool], apply: Callable[[nn.Module], object]) -> None:
+    """`apply` fully_shard (with the root's options) to every matching proper submodule,
+    children before parents."""
     # Subtrees an API already manages (applied earlier, e.g. `replicate` on a child) are
     # skipped whole: their parameters are taken.
     managed = {id(m) for owner in root.modules() if owner is not root and owning_api(owner) for m in owner.modules()}
     targets = [m for m in root.modules() if m is not root and id(m) not in managed and matches(m)]
     for sub in reversed(targets):  # pre-order reversed: descendants before ancestors
         if owning_api(sub) is None:
-            fully_shard(sub, **options)  # type: ignore[arg-type]
+            apply(sub)

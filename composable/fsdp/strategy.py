@@ -32,9 +32,8 @@ def resolve_strategy(
     the argument and the value."""
     if strategy is not None and not isinstance(strategy, ShardingStrategy):
         raise TypeError(f"fully_shard: 'strategy' must be a ShardingStrategy or None, got {strategy!r}")
-    if reshard_after_forward is not None:
-        check_reshard_type("fully_shard", reshard_after_forward)
-    reshards = None if reshard_after_forward is None else _reshards(reshard_after_forward)  # type: ignore[arg-type]
+    reshard = None if reshard_after_forward is None else check_reshard_type("fully_shard", reshard_after_forward)
+    reshards = None if reshard is None else _reshards(reshard)
     if strategy is None:
         if mesh_ndim == 2:
             strategy = ShardingStrategy.HYBRID_SHARD
@@ -56,19 +55,20 @@ def resolve_strategy(
         ShardingStrategy.NO_SHARD: False,
         ShardingStrategy.HYBRID_SHARD: None,  # either works: HSDP with or without resharding
     }[strategy]
-    if reshard_after_forward is None:
+    if reshard is None:
         return strategy, True if implied is None else implied, True
     if implied is not None and reshards != implied:
         raise ValueError(
             f"fully_shard: reshard_after_forward={reshard_after_forward} contradicts strategy={strategy.name} (which implies {implied})"
         )
-    return strategy, reshard_after_forward, False  # type: ignore[return-value]
+    return strategy, reshard, False
 
 
-def check_reshard_type(api: str, value: object) -> None:
-    """`TypeError` naming `api` unless `value` is a bool or an int."""
+def check_reshard_type(api: str, value: object) -> bool | int:
+    """`value` itself; `TypeError` naming `api` unless it is a bool or an int."""
     if not isinstance(value, (bool, int)):
         raise TypeError(f"{api}: 'reshard_after_forward' must be a bool or an int, got {value!r}")
+    return value
 
 
 def _reshards(value: bool | int) -> bool:

@@ -96,7 +96,7 @@ def _amax_from_local_shards(weights: list[DTensor]) -> torch.Tensor | None:
         return None
     plain = []
     for weight in weights:
-        data = weight._local_tensor._tensor  # type: ignore[attr-defined]  # torchao's float8 weight wrapper
+        data = weight._local_tensor._tensor  # type: ignore[attr-defined]  # torchao's float8 weight (untyped)
         if weight.device_mesh is not mesh or weight.placements != placements or data.numel() == 0:
             return None
         plain.append(data)

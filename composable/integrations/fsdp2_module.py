@@ -31,6 +31,7 @@ from torch.distributed.fsdp import FSDPModule
 import composable
 from composable import fully_shard
 from composable._engine.dtypes.policies import check_policies
+from composable._engine.hooks.contract import answers_state
 
 __all__ = [
     "AlreadyShardedError",
@@ -169,7 +170,7 @@ class ComposableFSDPModule(FSDPModule):
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # Skip FSDPModule._apply (it needs FSDP2's own state); composable's hooks adopt the result.
         # The next class after FSDPModule is the module's own (an nn.Module), unknown to the checker.
-        return super(FSDPModule, self)._apply(*args, **kwargs)  # type: ignore[misc]
+        return super(FSDPModule, self)._apply(*args, **kwargs)  # type: ignore[misc]  # torch's FSDPModule: a bare mixin
 
 
 def _reject_torch_pipeline_stage(caller: FrameType, module: nn.Module) -> None:
@@ -276,6 +277,7 @@ def _policies(mp_policy: Any, offload_policy: Any) -> tuple[composable.MixedPrec
     return mp, offload
 
 
+@answers_state(fully_shard.state)  # as FSDP2's `fully_shard.state`
 def fsdp2_fully_shard(
     module: nn.Module | list[nn.Module],
     *,
@@ -319,9 +321,6 @@ def fsdp2_fully_shard(
     for m in result if isinstance(result, (list, tuple)) else [result]:
         as_fsdp_module(m)
     return result
-
-
-fsdp2_fully_shard.state = fully_shard.state  # type: ignore[attr-defined]  # as FSDP2's `fully_shard.state`
 
 
 def _check_not_sharded(module: nn.Module) -> None:

@@ -103,7 +103,7 @@ class ComposablePipelineStage(PipelineStage):
 
     # -- what the schedule calls ------------------------------------------------------------
     def backward_maybe_with_nosync(
-        self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
+        self, backward_type: str, bwd_kwargs: dict[str, Any], last_backward: bool = False
     ) -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]] | None]:
         self._accumulate_locally()
         with self._unsharded_registered(backward_type):
@@ -199,7 +199,8 @@ def clip_pipeline_grad_norm_(
     rank clips with the norm of the whole model. Returns that norm (a plain tensor, the same on
     every rank)."""
     params = [p for p in parameters if p.grad is not None]
-    norm = get_total_norm([p.grad for p in params], norm_type, error_if_nonfinite)  # type: ignore[misc]
+    grads = [g for p in params if (g := p.grad) is not None]  # every one of them (typed by the test)
+    norm = get_total_norm(grads, norm_type, error_if_nonfinite)
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         norm = norm.clone()
         if math.isinf(norm_type):

@@ -221,7 +221,7 @@ def pipeline_llama(
                     f"got {getattr(parallelize_fn, '__module__', '?')}.{getattr(parallelize_fn, '__name__', '?')}, "
                     "which applied PyTorch's FSDP2"
                 )
-    return result
+    return cast("tuple[Any, list[nn.Module], bool, bool]", result)  # torchtitan's, untyped here
 
 
 def register_llama3(name: str = "llama3_composable") -> str:

@@ -111,7 +111,7 @@ def _parallelize_with_composable(parallelize_fn: Callable[..., nn.Module]) -> Ca
         with sharding_with_composable():
             return parallelize_fn(*args, **kwargs)
 
-    parallelize._composable_parallelize = True  # type: ignore[attr-defined]
+    setattr(parallelize, "_composable_parallelize", True)
     return parallelize
 
 

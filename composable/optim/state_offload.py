@@ -141,7 +141,7 @@ class OptimizerStateOffload:
         self._own_step = optimizer.__dict__.get("step")  # an instance's own step (a scheduler's wrapper), if any
         setattr(optimizer, _OFFLOAD_ATTR, self)
         # Bound to the optimizer, as `step` is: an LR scheduler re-binds `optimizer.step.__func__`.
-        optimizer.step = types.MethodType(_offloaded_step, optimizer)  # type: ignore[method-assign]
+        setattr(optimizer, "step", types.MethodType(_offloaded_step, optimizer))  # the instance's own step
         self._hooks = [
             optimizer.register_state_dict_pre_hook(lambda *_: self.wait()),
             optimizer.register_load_state_dict_pre_hook(lambda *_: self._forget_host()),
@@ -362,7 +362,7 @@ class OptimizerStateOffload:
         if self._own_step is None:
             del self.optimizer.__dict__["step"]  # the class's step again
         else:
-            self.optimizer.step = self._own_step  # type: ignore[method-assign]
+            setattr(self.optimizer, "step", self._own_step)
         del self.optimizer.__dict__[_OFFLOAD_ATTR]
         del self.optimizer.__dict__[STATE_ON_HOST_ATTR]
 

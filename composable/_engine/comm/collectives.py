@@ -25,8 +25,13 @@ from torch._C._distributed_c10d import AllgatherOptions as _AllgatherOptions
 from torch._C._distributed_c10d import _resolve_process_group
 from torch._subclasses.fake_tensor import is_fake
 
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch leaves their results unannotated: a Work with `async_op`, else None.
+_all_gather_single: Callable[..., dist.Work | None] = (
+    getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+)
+_reduce_scatter_single: Callable[..., dist.Work | None] = (
+    getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+)
 
 
 class Done:
@@ -59,7 +64,7 @@ def all_gather(
         _gather_over_one_rank(output, input)
         return Done()
     if custom is not None:
-        return custom(output, input, group, async_op=async_op)
+        return cast("dist.Work | None", custom(output, input, group, async_op=async_op))  # FSDP2's AllGather
     return _all_gather_single(output, input, group=group, async_op=async_op)
 
 
@@ -114,12 +119,13 @@ def reduce_scatter(
         output.copy_(input)
         return Done()
     if custom is not None:
-        return custom(output, input, group, _op(average), async_op=async_op)
+        return cast("dist.Work | None", custom(output, input, group, _op(average), async_op=async_op))  # FSDP2's
     return _reduce_scatter_single(output, input, op=_op(average), group=group, async_op=async_op)
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, average: bool, async_op: bool) -> dist.Work | None:
-    return dist.all_reduce(tensor, op=_op(average), group=group, async_op=async_op)
+    work = dist.all_reduce(tensor, op=_op(average), group=group, async_op=async_op)
+    return cast("dist.Work | None", work)  # torch leaves the result unannotated
 
 
 def all_reduce_async(tensor: torch.Tensor, group: dist.ProcessGroup, average: bool) -> dist.Work:

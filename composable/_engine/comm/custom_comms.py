@@ -19,10 +19,10 @@ try:  # FSDP2's interface: a user's custom collective subclasses these
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 except ImportError:  # pragma: no cover - every supported torch has them
 
-    class AllGather:  # type: ignore[no-redef]
+    class AllGather:  # type: ignore[no-redef]  # typed as torch's class; the stand-in for an older torch
         pass
 
-    class ReduceScatter:  # type: ignore[no-redef]
+    class ReduceScatter:  # type: ignore[no-redef]  # typed as torch's class; the stand-in for an older torch
         pass
 
 

@@ -34,7 +34,7 @@ class CommStreams:
         self._deferred: list[tuple[torch.cuda.Event, list[torch.Tensor]]] = []  # see `defer_free`
         self.post_optim_event: torch.Event | None = None  # see `start_of_iteration`
 
-    def __deepcopy__(self, memo: dict) -> "CommStreams":
+    def __deepcopy__(self, memo: dict[int, Any]) -> "CommStreams":
         """One per device, shared: a deep-copied model uses the same streams (CUDA streams
         cannot be copied, and a second set would only serialise less)."""
         return self

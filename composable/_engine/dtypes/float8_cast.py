@@ -22,7 +22,7 @@ gather, which makes the unsharded parameters) takes the per-parameter path.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 
@@ -63,7 +63,7 @@ def cast_into(locals_: list[torch.Tensor], scales: list[torch.Tensor], slots: li
     if not locals_:
         return
     bound = torch.finfo(slots[0].dtype).max
-    hps = [local._tensor for local in locals_]  # type: ignore[attr-defined]
+    hps = [local._tensor for local in locals_]  # type: ignore[attr-defined]  # torchao's float8 weight (untyped)
     with torch.no_grad():
         if slots[0].is_cuda and _KERNEL["usable"] and float8_kernel.supported(hps, scales, slots):
             try:
@@ -106,7 +106,8 @@ def _cast_each(hps: list[torch.Tensor], scales: list[torch.Tensor], slots: list[
 _COMPILE_OPTIONS: tuple[dict[str, Any], ...] = ({"combo_kernels": True}, {})
 _FUSED: dict[str, Any] = {}
 _KERNEL = {"usable": True}  # the one-launch kernel; False once it failed (no Triton, say)
-_COMPILED_LAYOUTS: set[tuple] = set()  # group layouts the compiled cast has run (graph capture may use it)
+# Group layouts ((shape, dtype, float8 dtype) per weight) the compiled cast has run (graph capture may use it).
+_COMPILED_LAYOUTS: set[tuple[tuple[torch.Size, torch.dtype, torch.dtype], ...]] = set()
 
 
 def _fused_cast() -> Callable[..., None] | None:
@@ -117,7 +118,7 @@ def _fused_cast() -> Callable[..., None] | None:
         _FUSED["fn"] = torch.compile(
             _cast_each, fullgraph=True, options=_COMPILE_OPTIONS[_FUSED.setdefault("tried", 0)]
         )
-    return _FUSED["fn"]
+    return cast("Callable[..., None] | None", _FUSED["fn"])  # torch.compile's result (typed Any) or None
 
 
 def _disable_fused(error: Exception) -> None:

@@ -30,9 +30,11 @@ _BLOCK = 2048  # elements per program and loop step: 16 per thread at 4 warps
 _MAX_PROGRAMS = 1024  # per weight; larger weights loop (a grid-stride loop)
 _MAX_TABLES = 256  # distinct address sets remembered outside graph captures
 _ARENA_ROWS = 8192  # weights' rows uploadable inside graph captures, over the process's life (256 KiB)
-_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_TABLES: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}  # (stream, the rows' numbers) -> table
 _CAPTURED_TABLES: list[tuple[torch.Tensor, torch.Tensor]] = []  # referenced by captured graphs: kept
-_WARM: set[tuple] = set()  # (device, source dtype, float8 dtype) launched outside a capture
+_WARM: set[tuple[torch.device, torch.dtype, torch.dtype]] = (
+    set()
+)  # (device, source dtype, float8 dtype) launched outside a capture
 _STATE: dict[str, Any] = {}
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from ..comm.profiling import labelled
 from ..comm.streams import CommStreams
@@ -78,7 +78,7 @@ class BucketedReducer(GradReducer):
         parameter usage differs still issue the same collectives in the same order. Runs per
         parameter per step: kept short."""
         buckets = self._buckets if self._buckets is not None else self.buckets()
-        bucket = buckets[mp.bucket_index]  # type: ignore[index]
+        bucket = buckets[cast(int, mp.bucket_index)]  # `buckets()` numbered every parameter
         if bucket.launched:
             return  # a late accumulation (parameter used twice): `flush_buckets` reduces it
         bucket.waiting -= 1

@@ -70,7 +70,7 @@ def _keeps_upcast(mp: "ManagedParam") -> bool:
     if mp.tp is None:
         return False
     if mp.annotation is not None:
-        placements = mp.annotation.grad_spec.placements  # type: ignore[attr-defined]
+        placements = mp.annotation.grad_spec.placements
         return any(p.is_partial() for i, p in enumerate(placements) if i not in mp.dp_dims)
     return any(isinstance(p, Replicate) for i, p in enumerate(mp.tp.placements) if i not in mp.dp_dims)
 

@@ -117,8 +117,9 @@ class GradReducer:
                 and not mp.grad_is_unreduced
                 and type(g) is torch.Tensor
                 and mp.annotation is None
+                and up is not None  # it is (it has a gradient): said for the type checker
             ):
-                up.grad = None  # type: ignore[union-attr]  # the common case, kept short: it runs per parameter per step
+                up.grad = None  # the common case, kept short: it runs per parameter per step
                 grads.append(g)
                 present.append(True)
                 continue
@@ -134,7 +135,7 @@ class GradReducer:
             if (
                 mp.annotation is not None and g is not None and not isinstance(g, DTensor)
             ):  # spmd_types: a plain gradient of its backward types
-                g = mp.annotation.grad_spec.wrap(g)  # type: ignore[attr-defined]
+                g = mp.annotation.grad_spec.wrap(g)
             if isinstance(g, DTensor):  # tensor parallel: complete pending TP reductions, go local
                 g = grad_to_local(g, mp.tp, mp.dp_dims)
             present.append(g is not None)

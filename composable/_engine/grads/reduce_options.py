@@ -31,7 +31,7 @@ class ReduceOptions:
     # User objects and process groups are shared by a deep copy of the model, not copied.
     _SHARED_ON_COPY = ("all_reduce_hook", "all_reduce_hook_stream", "reduce_scatter_comm", "reduce_scatter_group")
 
-    def __deepcopy__(self, memo: dict) -> "ReduceOptions":
+    def __deepcopy__(self, memo: dict[int, Any]) -> "ReduceOptions":
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         for name, value in vars(self).items():

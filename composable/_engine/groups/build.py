@@ -29,6 +29,9 @@ from ..whole_model.late_params import watch_subtree
 from ..whole_model.replicas import check_same_model, sync_replicas
 from .group import GroupConfig, ParamGroup
 
+# One parameter of a group being made: (fqn, its slots, the parameter, its sharded dim).
+Member = tuple[str, list[tuple[nn.Module, str]], nn.Parameter, int]
+
 
 @dataclass(frozen=True)
 class GroupOptions:
@@ -87,12 +90,12 @@ def build_groups(
         return []
     layout = DataParallelLayout.make(mesh, options.sharded) if options.spmd is None else options.spmd.layout()
     # One group per mesh (shard_placement_fn's ShardPlacementResults), in order of first use, as FSDP2.
-    parts: dict[tuple, tuple[DataParallelLayout, SpmdDims | None, list[tuple[str, list, nn.Parameter, int]]]] = {}
+    parts: dict[tuple[object, ...], tuple[DataParallelLayout, SpmdDims | None, list[Member]]] = {}
     whole = mesh if options.spmd is None else options.spmd.mesh
     spmd_of: dict[int, SpmdDims] = {}
     by_param = {id(p): src for p, src in zip(originals, sources)}
     notes: dict[int, Annotation] = {}  # spmd_types-annotated parameters, by their storage DTensor
-    key: tuple  # ("module",), or the mesh's and its layout's
+    key: tuple[object, ...]  # ("module",), or the mesh's and its layout's
     for fqn, slots, p in claimed:
         info, dim = _placement(api, fqn, p, layout, whole, options)
         if info is None:
@@ -126,7 +129,7 @@ def _make_group(
     api: str,
     layout: DataParallelLayout,
     spmd: SpmdDims | None,
-    members: list[tuple[str, list, nn.Parameter, int]],
+    members: list[Member],
     sources: dict[int, torch.Tensor],
     notes: dict[int, Annotation],
     device: torch.device,
@@ -189,14 +192,14 @@ def _check_extension(api: str, mp: ManagedParam, layout: DataParallelLayout, opt
 
 
 def _placement(
-    api: str, fqn: str, param: torch.Tensor, layout: DataParallelLayout, whole: DeviceMesh, options: GroupOptions
+    api: str, fqn: str, param: nn.Parameter, layout: DataParallelLayout, whole: DeviceMesh, options: GroupOptions
 ) -> tuple[MeshInfo | None, int]:
     """(the mesh_info of the parameter's own mesh, or None for the module's; the dim it is
     sharded on) as `options.shard_placement_fn` asks (None: Shard(0) on the module's mesh)."""
     fn = options.shard_placement_fn
     if fn is None or not layout.sharded:
         return None, 0
-    placement, own = placement_of(api, fqn, fn(param), layout, whole)  # type: ignore[arg-type]
+    placement, own = placement_of(api, fqn, fn(param), layout, whole)
     if placement is None or param.dim() == 0:
         return own, 0
     if not isinstance(placement, Shard) or type(placement) is not Shard:
@@ -237,7 +240,7 @@ def make_managed_param(
 
 def tp_parent_placements(
     fqn: str, param: DTensor, layout: DataParallelLayout, dim: int = 0, api: str = "fully_shard"
-) -> tuple[DeviceMesh, tuple]:
+) -> tuple[DeviceMesh, tuple[Placement, ...]]:
     """The parent mesh of the data-parallel mesh and the TP mesh of `param` ((dp, tp), HSDP's
     (replicate, shard, tp), (dp, cp, tp) ...) and the sharded parameter's placements on it, as
     FSDP2 makes them: `Replicate()` on a replicate dim (every dp dim when nothing is sharded),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -106,7 +106,7 @@ class ParamGroup:
 
     _SHARED_ON_COPY = ("streams", "all_gather_comm")  # runtime handles: a deep copy of the model shares them
 
-    def __deepcopy__(self, memo: dict) -> "ParamGroup":
+    def __deepcopy__(self, memo: dict[int, Any]) -> "ParamGroup":
         new = ParamGroup.__new__(ParamGroup)
         memo[id(self)] = new
         for name, value in vars(self).items():
@@ -255,7 +255,7 @@ class ParamGroup:
     def _shard_versions(self) -> tuple[int, ...]:
         """Version counters that change whenever the sharded parameters do (an optimizer's step
         bumps them even where its kernels do not: optim_state.py)."""
-        return (self.flat_shard._version, *(mp.sharded_param._version for mp in self.params))  # type: ignore[union-attr]
+        return (self.flat_shard._version, *(mp.sharded._version for mp in self.params))
 
     def reshard_to(self, size: int) -> None:
         """End of forward with `reshard_after_forward=size`: keep only this rank's 1/`size` of
@@ -369,10 +369,11 @@ class ParamGroup:
         if self._unsharded_aliases_shard:
             self._point_unsharded_at(self.flat_shard)
         elif not self.layout.sharded:
-            self._point_unsharded_at(self._replica_flat)  # type: ignore[arg-type]
+            self._point_unsharded_at(cast(torch.Tensor, self._replica_flat))  # made by `_refill_replica`
         else:
-            world, dtypes = self.layout.shard_world, self.config.param_dtypes
-            finish_gather_mixed(self._pending_gather, self.flat_params, dtypes, world, self.config.device, self.streams)  # type: ignore[arg-type]
+            world, dtypes, pending = self.layout.shard_world, self.config.param_dtypes, self._pending_gather
+            assert pending is not None  # a sharded group's unshard started its gather
+            finish_gather_mixed(pending, self.flat_params, dtypes, world, self.config.device, self.streams)
             extension.finish_gathers(self.extension_params, self._extension_gathers, world, self.dtypes.param_dtype)
             self._extension_gathers = []
         self._pending_gather = None

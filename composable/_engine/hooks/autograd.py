@@ -5,7 +5,7 @@ tensors a forward takes and returns."""
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, ParamSpec, Protocol, TypeVar
+from typing import Any, Callable, ParamSpec, Protocol, TypeVar, cast
 
 import torch
 from torch.distributed.utils import _apply_to_tensors
@@ -42,15 +42,19 @@ class PostBackward(torch.autograd.Function):
 
 def run_eagerly(fn: Callable[P, R]) -> Callable[P, R]:
     """`fn` kept out of torch.compile's graphs: dynamo runs it as Python instead of tracing it."""
-    return torch._dynamo.disable(fn, recursive=True)
+    return cast("Callable[P, R]", torch._dynamo.disable(fn, recursive=True))  # torch types the wrapper as Any
 
 
-def attach_post_backward(state: BackwardHooks, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def attach_post_backward(
+    state: BackwardHooks, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     tensors = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
     if not tensors:
         return args, kwargs
-    replaced = dict(zip(map(id, tensors), PostBackward.apply(state, *tensors)))
-    return map_tensors(lambda t: replaced.get(id(t), t), (args, kwargs))
+    outputs = PostBackward.apply(state, *tensors)  # type: ignore[no-untyped-call]  # torch's Function.apply is untyped
+    replaced = dict(zip(map(id, tensors), outputs))
+    mapped = map_tensors(lambda t: replaced.get(id(t), t), (args, kwargs))
+    return cast("tuple[tuple[Any, ...], dict[str, Any]]", mapped)  # the structure it was given
 
 
 def attach_pre_backward(state: BackwardHooks, output: Any) -> Any:

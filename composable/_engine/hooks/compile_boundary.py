@@ -46,7 +46,7 @@ def _traceable_forward(stock: Callable[..., Any]) -> Callable[..., Any]:
 
         name = f"forward_of_{stock.__qualname__.replace('.', '_')}"
         fresh = with_own_code(forward, name, f"traceable {stock.__qualname__}")
-        fresh.__wrapped__ = stock  # type: ignore[attr-defined]
+        setattr(fresh, "__wrapped__", stock)
         _TRACEABLE[stock] = fresh
     return _TRACEABLE[stock]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -106,5 +107,5 @@ class DataParallelLayout:
 
     # Process groups and meshes are handles to shared runtime objects: a deep copy of the
     # model (`copy.deepcopy`) shares the layout instead of copying them.
-    def __deepcopy__(self, memo: dict) -> "DataParallelLayout":
+    def __deepcopy__(self, memo: dict[int, Any]) -> "DataParallelLayout":
         return self

@@ -64,7 +64,7 @@ def distinct_streams(groups: Iterable[ParamGroup]) -> list[CommStreams]:
     return list(found.values())
 
 
-class GradientReductionHandle(_HandleBase):
+class GradientReductionHandle(_HandleBase):  # type: ignore[misc]  # torch 2.15's class, absent from older stubs
     """What `finalize_backward(async_op=True)` returns: `wait()` waits for the launched gradient
     reductions, accumulates them into the sharded gradients and ends the backward iteration.
     Call it before reading the gradients or running the tree again. A second `wait()` does

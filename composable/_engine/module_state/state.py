@@ -194,7 +194,9 @@ class ModuleState:
     @run_eagerly
     @labelled("composable::pre_forward")
     @untyped
-    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _pre_forward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if self._in_backward():
             # Activation checkpointing re-runs the forward inside backward: gather if needed
             # and keep the parameters until this module's own post_backward reshards them.
@@ -250,7 +252,7 @@ class ModuleState:
     @run_eagerly
     @labelled("composable::post_forward")
     @untyped
-    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+    def _post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if self._in_backward():
             return output
         backward_follows = torch.is_grad_enabled() and any_requires_grad(output)
@@ -320,7 +322,7 @@ class ModuleState:
         states = self.root_context.states if self.root_context is not None else []
         return finalize.distinct_streams(group for state in states for group in state.groups)
 
-    def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _cast_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         dtype = self.mp_policy.param_dtype
         if dtype is None or not self.mp_policy.cast_forward_inputs:
             return args, kwargs

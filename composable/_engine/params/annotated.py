@@ -24,7 +24,7 @@ import contextlib
 import functools
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, ParamSpec, TypeVar
+from typing import Any, Callable, ParamSpec, TypeVar, cast
 
 import torch
 import torch.nn as nn
@@ -56,7 +56,7 @@ class Annotation:
     """What an annotated parameter needs after it became a DTensor on the storage mesh."""
 
     partition_spec: Any  # spmd_types.PartitionSpec | None
-    restore_type: dict  # per typechecking-mesh axis: the local type restored at compute
+    restore_type: dict[object, object]  # per typechecking-mesh axis: the local type restored at compute
     grad_spec: DTensorSpecLite  # on the storage mesh: the backward types' placements
 
 
@@ -78,7 +78,7 @@ def to_storage(api: str, fqn: str, param: torch.Tensor, spmd_dims: SpmdDims | No
             "'dp_mesh_dims' (DataParallelMeshDims(shard=..., replicate=...)) naming its data-parallel dims"
         )
     storage = spmd_dims.mesh
-    named_axes = [(n, spmd.MeshAxis.of(storage.get_group(n))) for n in storage.mesh_dim_names]  # type: ignore[union-attr]
+    named_axes = [(n, spmd.MeshAxis.of(storage.get_group(n))) for n in spmd_dims.mesh.mesh_dim_names]
     storage_axes = tuple(axis for _, axis in named_axes)
     init_type = spmd.get_local_type(param)
     spec = get_partition_spec(param)
@@ -141,11 +141,13 @@ def to_storage(api: str, fqn: str, param: torch.Tensor, spmd_dims: SpmdDims | No
     return stored, Annotation(spec, restore, DTensorSpecLite(storage, grad_placements, stored.shape))
 
 
-def _same_ranks(spmd: Any, flatten: Callable, lhs: tuple, rhs: tuple) -> bool:
+def _same_ranks(
+    spmd: Any, flatten: Callable[[tuple[object, ...]], object], lhs: tuple[object, ...], rhs: tuple[object, ...]
+) -> bool:
     """Whether two sets of mesh axes span the same ranks in the same order."""
     left, right = spmd.normalize_mesh(frozenset(lhs)), spmd.normalize_mesh(frozenset(rhs))
     if not left or not right:
-        return left == right
+        return bool(left == right)  # frozensets of axes (spmd_types, untyped here)
     return flatten(tuple(left)) == flatten(tuple(right))
 
 
@@ -206,4 +208,4 @@ def resumed() -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
     from spmd_types.checker import typecheck
 
-    return typecheck()
+    return cast("contextlib.AbstractContextManager[None]", typecheck())  # spmd_types is untyped here

@@ -29,7 +29,7 @@ import functools
 import math
 import weakref
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn as nn
@@ -90,7 +90,20 @@ class ParamLayout:
     @functools.cached_property
     def _local_geometry(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         sizes = tuple(self.local_shape())
-        return sizes, _contiguous_stride(sizes)  # type: ignore[arg-type]
+        return sizes, _contiguous_stride(sizes)
+
+
+# An all-gather extension parameter's views, made once per outputs (their makers say what each holds).
+ExtensionViews = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]  # extension._views
+ByteViews = tuple[list[torch.Tensor], int, tuple[int, ...], list[torch.Tensor], list[torch.Tensor]]  # _byte_views
+ShapedOutputs = tuple[list[torch.Tensor], tuple[tuple[int, ...], ...], tuple[torch.Tensor, ...]]  # _shaped_outputs
+
+
+class AnnotationLike(Protocol):
+    """What the engine reads of an spmd_types-annotated parameter's `annotated.Annotation`."""
+
+    @property
+    def grad_spec(self) -> DTensorSpecLite: ...
 
 
 @dataclass
@@ -108,10 +121,10 @@ class ManagedParam:
     requires_grad: bool  # at the call; `wants_grad` is the live value (users may freeze later)
     spec: "DTensorSpecLite | None" = None  # how the sharded parameter presents itself
     tp: "DTensorSpecLite | None" = None  # tensor-parallel spec of the unsharded parameter, if any
-    dp_dims: frozenset = frozenset()  # dp_mesh_dims: dims of `tp`'s mesh the group reduces over (spmd.py)
+    dp_dims: frozenset[int] = frozenset()  # dp_mesh_dims: dims of `tp`'s mesh the group reduces over (spmd.py)
     # spmd_types-annotated parameter (annotated.py): computes as a plain tensor; its gradient is
     # read as `annotation.grad_spec` (the backward types' placements on `tp`'s mesh).
-    annotation: "object | None" = None  # an annotated.Annotation (that module builds on this one)
+    annotation: "AnnotationLike | None" = None  # an annotated.Annotation (that module builds on this one)
     sharded_param: nn.Parameter | None = None  # DTensor parameter the optimizer sees
     unsharded_param: nn.Parameter | None = None  # plain parameter the module computes with
     unsharded_padded: torch.Tensor | None = None  # 1D padded storage behind unsharded_param
@@ -123,16 +136,18 @@ class ManagedParam:
     grad_is_unreduced: bool = False  # replicated no-sync: the visible `.grad` holds local sums
     # Sharded no-sync: (weak reference to the visible sharded `.grad`, its versions) when the
     # sums were stashed; a replaced, cleared or modified `.grad` (zero_grad) discards them.
-    grad_marker: tuple | None = None
+    grad_marker: tuple[weakref.ref[DTensor], int, int] | None = None
     bucket_index: int | None = None  # replicate: which all-reduce bucket the gradient goes in
     hooked_param: nn.Parameter | None = None  # replicate: the unsharded parameter with our grad hook
     extension: bool = False  # the local shard implements FSDP2's all-gather extension (extension.py)
-    extension_outputs: list = field(default_factory=list)  # its all-gather outputs, 1D (made once, freed between uses)
-    extension_inner: list = field(default_factory=list)  # its unsharded inner tensors (freed between uses)
-    extension_views: tuple = ()  # (output, its float8 slot, byte views of both): float8_cast's batched path
-    extension_byte_views: tuple = ()  # the byte path's views of the outputs (extension_batch.py), made once per outputs
-    extension_shaped: tuple = ()  # the outputs shaped for `fsdp_post_all_gather` (extension.py), made once per outputs
-    grad_standins: dict = field(default_factory=dict, repr=False)  # see `make_sharded_grad`
+    # Its all-gather outputs, 1D, and its unsharded inner tensors (each made once, freed between uses).
+    extension_outputs: list[torch.Tensor] = field(default_factory=list)
+    extension_inner: list[torch.Tensor] = field(default_factory=list)
+    extension_views: ExtensionViews | tuple[()] = ()  # float8_cast's batched path: see `ExtensionViews`
+    extension_byte_views: ByteViews | tuple[()] = ()  # the byte path's views of the outputs (extension_batch.py)
+    extension_shaped: ShapedOutputs | tuple[()] = ()  # the outputs shaped for `fsdp_post_all_gather` (extension.py)
+    # (dtype, device) -> the offset-free stand-in of a sharded gradient: see `make_sharded_grad`.
+    grad_standins: dict[tuple[torch.dtype, torch.device], torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def wants_grad(self) -> bool:
@@ -172,8 +187,9 @@ class ManagedParam:
 
     def grad_was_discarded(self) -> bool:
         """Whether the visible `.grad` was replaced, cleared or modified since `mark_visible_grad`."""
-        ref, version, local_version = self.grad_marker  # type: ignore[misc]
-        grad = self.sharded.grad
+        assert self.grad_marker is not None  # callers ask only with a marker set
+        ref, version, local_version = self.grad_marker
+        grad = cast("DTensor | None", self.sharded.grad)  # as `make_sharded_grad` made it (or None)
         return (
             grad is None
             or grad is not ref()
@@ -200,8 +216,9 @@ class ManagedParam:
 
     def make_sharded_param(self, local: torch.Tensor) -> nn.Parameter:
         """Wrap `local` (a view of the flat sharded buffer) as the sharded DTensor parameter."""
-        param = nn.Parameter(self.spec.wrap(offset_free(local)), requires_grad=self.requires_grad)  # type: ignore[union-attr]
-        param._local_tensor = local  # type: ignore[attr-defined]
+        assert self.spec is not None  # every managed parameter is made with its spec (build.py, spmd.py)
+        param = nn.Parameter(self.spec.wrap(offset_free(local)), requires_grad=self.requires_grad)
+        cast(DTensor, param)._local_tensor = local  # a parameter around a DTensor is that DTensor
         return param
 
     def make_sharded_grad(self, local: torch.Tensor) -> DTensor:
@@ -210,17 +227,19 @@ class ManagedParam:
         standin = local
         if local.storage_offset() != 0:
             key = (local.dtype, local.device)
-            standin = self.grad_standins.get(key)  # type: ignore[assignment]
-            if standin is None or standin.shape != local.shape:
-                standin = self.grad_standins[key] = offset_free(local)
+            kept = self.grad_standins.get(key)
+            if kept is None or kept.shape != local.shape:
+                kept = self.grad_standins[key] = offset_free(local)
+            standin = kept
         sp = self.sharded_param
         if sp is not None and sp.dtype == local.dtype:
             # The parameter's own spec object: DTensor ops between the parameter and its
             # gradient (every optimizer step) then skip comparing two equal specs field by
             # field (a few microseconds per parameter per op).
-            grad = new_dtensor(standin, sp._spec)  # type: ignore[attr-defined]
+            grad = new_dtensor(standin, cast(DTensor, sp)._spec)  # the sharded parameter is a DTensor
         else:
-            grad = self.spec.wrap(standin)  # type: ignore[union-attr]
+            assert self.spec is not None  # every managed parameter is made with its spec
+            grad = self.spec.wrap(standin)
         grad._local_tensor = local
         return grad
 
@@ -274,16 +293,18 @@ class ManagedParam:
         all-gather slices (`staging`, `world` regions of local shards), keeping autograd's
         version counter: refilling freed storage is not a mutation autograd should see."""
         target = self.unsharded_padded
-        with comm.refilling(target):  # type: ignore[arg-type]
-            regions_to_full(self.layout, staging, target)  # type: ignore[arg-type]
+        assert target is not None  # `alloc_unsharded` ran first
+        with comm.refilling(target):
+            regions_to_full(self.layout, staging, target)
 
     def rank_major(self, world: int) -> torch.Tensor:
         """The unsharded parameter as `world` padded regions, rank-major (the all-gather
         output's layout): the storage itself for dim 0, a copy otherwise."""
-        lay = self.layout
+        lay, padded = self.layout, self.unsharded_padded
+        assert padded is not None  # asked of an unsharded parameter only
         if lay.dim == 0:
-            return self.unsharded_padded  # type: ignore[return-value]
-        return full_to_regions(lay, self.unsharded_padded, world).view(-1)  # type: ignore[arg-type]
+            return padded
+        return full_to_regions(lay, padded, world).view(-1)
 
     def alias_unsharded(self, flat: torch.Tensor) -> None:
         """Replicated groups: make the unsharded parameter a view of `flat` (the shard itself,
@@ -302,7 +323,7 @@ class ManagedParam:
     def is_unsharded_allocated(self) -> bool:
         return self.unsharded_padded is not None and self.unsharded_padded.untyped_storage().size() > 0
 
-    def __deepcopy__(self, memo: dict) -> "ManagedParam":
+    def __deepcopy__(self, memo: dict[int, Any]) -> "ManagedParam":
         """`copy.deepcopy(model)` copies this too. The copy re-creates its unsharded parameter
         at its first unshard where a copy would be wrong: freed storage (resized to 0: reading
         it crashes), and an unsharded parameter that is a view of the flat shard (replicated
@@ -337,7 +358,7 @@ class ManagedParam:
 
     def registered(self) -> nn.Parameter:
         module, name = self.slots[0]
-        return module._parameters[name]  # type: ignore[return-value]
+        return cast(nn.Parameter, module._parameters[name])  # `register` put a parameter in every slot
 
 
 @dataclass(frozen=True)
@@ -347,7 +368,7 @@ class DTensorSpecLite:
     mesh: DeviceMesh
     placements: tuple[Placement, ...]
     shape: torch.Size
-    _specs: dict = field(default_factory=dict, compare=False, repr=False)  # dtype -> DTensorSpec
+    _specs: dict[torch.dtype, DTensorSpec] = field(default_factory=dict, compare=False, repr=False)
 
     def wrap(self, local: torch.Tensor) -> DTensor:
         """`local` as this spec's DTensor, without a copy and without autograd.
@@ -374,30 +395,12 @@ def is_freed(value: object) -> bool:
     return isinstance(value, torch.Tensor) and value.numel() > 0 and value.untyped_storage().size() == 0
 
 
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     stride, acc = [], 1
     for size in reversed(shape):
         stride.append(acc)
         acc *= max(size, 1)
     return tuple(reversed(stride))
-
-
-def copy_out_params(gathered: torch.Tensor, world: int, params: list[ManagedParam], device: torch.device) -> None:
-    """Fill the unsharded parameters from the rank-major all-gather output `gathered`: one
-    fused copy into the padded storages; parameters sharded on a dim > 0 go through a
-    rank-major staging buffer into their natural (contiguous) layout."""
-    for mp in params:
-        mp.alloc_unsharded(world, gathered.dtype, device)
-    staged = {
-        id(mp): torch.empty(world * mp.layout.region_numel, dtype=gathered.dtype, device=gathered.device)
-        for mp in params
-        if mp.layout.dim != 0
-    }
-    targets = [staged.get(id(mp), mp.unsharded_padded) for mp in params]
-    comm.copy_out(gathered, world, [mp.layout.region_numel for mp in params], targets)  # type: ignore[arg-type]
-    for mp in params:
-        if mp.layout.dim != 0:
-            mp.fill_from_rank_major(staged[id(mp)], world)
 
 
 def raise_still_on_meta(api: str, params: list[ManagedParam], rank: int) -> None:

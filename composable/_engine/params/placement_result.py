@@ -14,11 +14,11 @@ from ..meshes.layout import DataParallelLayout
 from .spmd import SpmdDims, resolve_dp_mesh_dims
 
 try:  # torch >= 2.13: FSDP2's own class, so one shard_placement_fn serves both libraries
-    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult as ShardPlacementResult
 except ImportError:  # older torch: the same fields
 
     @dataclass
-    class ShardPlacementResult:  # type: ignore[no-redef]
+    class ShardPlacementResult:  # type: ignore[no-redef]  # typed as torch's class; the stand-in for an older torch
         """The placement (`Shard(d)` or None for `Shard(0)`) and the mesh information
         (anything with a `mesh`: the data-parallel mesh, shard dim last) of one parameter."""
 
@@ -36,13 +36,13 @@ def _ranks(group: dist.ProcessGroup | None) -> list[int]:
     return [] if group is None else dist.get_process_group_ranks(group)
 
 
-def mesh_key(mesh: DeviceMesh) -> tuple:
+def mesh_key(mesh: DeviceMesh) -> tuple[tuple[int, ...], ...]:
     """What makes two data-parallel meshes the same for a group: the ranks of the shard dim (the
     last) and of each replicate dim, as FSDP2 groups parameters by their process groups."""
     return tuple(tuple(_ranks(mesh.get_group(d))) for d in range(mesh.ndim))
 
 
-def layout_key(layout: DataParallelLayout) -> tuple:
+def layout_key(layout: DataParallelLayout) -> tuple[tuple[int, ...], ...]:
     return (*(tuple(_ranks(g)) for g in layout.replicate_groups), tuple(_ranks(layout.shard_group)))
 
 

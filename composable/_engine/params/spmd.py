@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -26,11 +28,11 @@ from ..meshes.layout import DataParallelLayout, LayoutKind
 from .param import DTensorSpecLite, ManagedParam, ParamLayout
 
 try:  # the class torch's FSDP2 takes (torch >= 2.13): one object works with both libraries
-    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.fsdp import DataParallelMeshDims as DataParallelMeshDims
 except ImportError:  # older torch: the same dataclass, same meaning
 
     @dataclass
-    class DataParallelMeshDims:  # type: ignore[no-redef]
+    class DataParallelMeshDims:  # type: ignore[no-redef]  # typed as torch's class; the stand-in for an older torch
         """Which dims of a full SPMD mesh are data parallel: `shard` (FSDP shards over them,
         several are flattened into one) and `replicate` (HSDP / DDP replicate over them)."""
 
@@ -63,12 +65,16 @@ class SpmdDims:
     replicate_mesh: DeviceMesh | None  # 1D: the replicate dims (flattened when several)
 
     @property
+    def dim_names(self) -> tuple[str, ...]:
+        return dim_names(self.mesh)
+
+    @property
     def shard_indices(self) -> list[int]:
-        return [list(self.mesh.mesh_dim_names).index(n) for n in self.shard_names]  # type: ignore[arg-type]
+        return [self.dim_names.index(n) for n in self.shard_names]
 
     @property
     def dp_indices(self) -> frozenset[int]:
-        names = list(self.mesh.mesh_dim_names)  # type: ignore[arg-type]
+        names = self.dim_names
         return frozenset(names.index(n) for n in self.shard_names + self.replicate_names)
 
     def layout(self) -> DataParallelLayout:
@@ -76,13 +82,20 @@ class SpmdDims:
         the replicate mesh."""
         replicate_groups = () if self.replicate_mesh is None else (self.replicate_mesh.get_group(0),)
         if self.shard_mesh is None:
+            assert self.replicate_mesh is not None  # `dp_mesh_dims` names a shard dim, a replicate dim or both
             kind, shard_group, world, rank, layout_mesh = LayoutKind.REPLICATE, None, 1, 0, self.replicate_mesh
         else:
             shard_group = self.shard_mesh.get_group(0)
             kind = LayoutKind.HSDP if replicate_groups else LayoutKind.SHARD
             world, rank, layout_mesh = dist.get_world_size(shard_group), dist.get_rank(shard_group), self.shard_mesh
         dp_world = world * math.prod(dist.get_world_size(g) for g in replicate_groups)
-        return DataParallelLayout(layout_mesh, kind, shard_group, replicate_groups, world, rank, dp_world)  # type: ignore[arg-type]
+        return DataParallelLayout(layout_mesh, kind, shard_group, replicate_groups, world, rank, dp_world)
+
+
+def dim_names(mesh: DeviceMesh) -> tuple[str, ...]:
+    """The dim names of a mesh `dp_mesh_dims` resolved against (`resolve_dp_mesh_dims` checks
+    it has them), or of one of its named sub-meshes."""
+    return cast("tuple[str, ...]", mesh.mesh_dim_names)
 
 
 def _names(api: str, field: str, value: object) -> tuple[str, ...]:
@@ -156,11 +169,11 @@ def check_spmd_param(api: str, fqn: str, param: torch.Tensor, spmd: SpmdDims) ->
             f"{api}: parameter '{fqn}' is a DTensor on the mesh {param.device_mesh}, not on 'mesh' {spmd.mesh} "
             "(with 'dp_mesh_dims' parameters live on the whole mesh passed)"
         )
-    names = spmd.mesh.mesh_dim_names
+    names = spmd.dim_names
     for i in sorted(spmd.dp_indices):
         if not isinstance(param.placements[i], Replicate):
             raise ValueError(
-                f"{api}: parameter '{fqn}' must be Replicate() on the data-parallel dim {names[i]!r}, "  # type: ignore[index]
+                f"{api}: parameter '{fqn}' must be Replicate() on the data-parallel dim {names[i]!r}, "
                 f"got {param.placements[i]!r} (placements {tuple(param.placements)})"
             )
     return param
@@ -187,7 +200,7 @@ def sharded_placements(param: DTensor, spmd: SpmdDims, dim: int) -> tuple[Device
     # dp_shard x cp: one flattened dim where the first shard dim was, the other dims as they are.
     first = spmd.shard_indices[0]
     meshes, shown = [], []
-    for i, name in enumerate(mesh.mesh_dim_names):  # type: ignore[arg-type]
+    for i, name in enumerate(spmd.dim_names):
         if i == first:
             meshes.append(spmd.shard_mesh)
             shown.append(placements[i])
@@ -201,9 +214,9 @@ def concatenate(meshes: list[DeviceMesh]) -> DeviceMesh:
     """One mesh whose dims are the given 1D sub-meshes of one root mesh, in order."""
     concat = getattr(DeviceMesh, "_concatenate", None)
     if concat is not None:
-        return concat(meshes)
+        return cast(DeviceMesh, concat(meshes))  # torch's private classmethod, found by name
     root = meshes[0]._get_root_mesh()  # older torch: slice the root by (flattened) dim names
-    return root[tuple(m.mesh_dim_names[0] for m in meshes)]  # type: ignore[index]
+    return root[tuple(dim_names(m)[0] for m in meshes)]
 
 
 def grad_to_local(grad: torch.Tensor, unsharded: DTensorSpecLite | None, dp_indices: frozenset[int]) -> torch.Tensor:
@@ -221,7 +234,7 @@ def grad_to_local(grad: torch.Tensor, unsharded: DTensorSpecLite | None, dp_indi
 
 
 def make_spmd_param(
-    fqn: str, slots: list, param: DTensor, layout: DataParallelLayout, spmd: SpmdDims, dim: int
+    fqn: str, slots: list[tuple[nn.Module, str]], param: DTensor, layout: DataParallelLayout, spmd: SpmdDims, dim: int
 ) -> ManagedParam:
     """Layout and specs of one parameter on the whole mesh: its local tensor is split on `dim`
     over the shard world; the unsharded parameter keeps the original spec."""

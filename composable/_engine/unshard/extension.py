@@ -29,7 +29,7 @@ from __future__ import annotations
 import inspect
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, cast
+from typing import Any, Callable, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -42,14 +42,23 @@ from ..comm.streams import current_stream, stream_context
 from ..dtypes import float8_cast
 from ..dtypes.policies import MixedPrecisionPolicy
 from ..optimizer.optim_state import track_for_optimizers
-from ..params.param import ManagedParam, _contiguous_stride
+from ..params.param import ExtensionViews, ManagedParam, _contiguous_stride
 from ..params.wrappers import local_tensor
 
 HOOKS = ("fsdp_pre_all_gather", "fsdp_post_all_gather")
 
 # Meshes handed to `fsdp_pre_all_gather`: the shard mesh of each group's mesh, found once.
 # Keyed by identity (equal meshes of earlier process groups must not answer), held weakly.
-_SHARD_MESHES: dict[int, tuple[weakref.ref, DeviceMesh]] = {}
+_SHARD_MESHES: dict[int, tuple[weakref.ref[DeviceMesh], DeviceMesh]] = {}
+
+
+class _Extension(Protocol):
+    """A local shard that implements the all-gather extension: a tensor subclass with FSDP2's
+    two hooks (their signatures are the subclass's; see the module's docstring)."""
+
+    def fsdp_pre_all_gather(self, *args: Any) -> Any: ...
+
+    def fsdp_post_all_gather(self, *args: Any, **kwargs: Any) -> Any: ...
 
 
 def has_extension(tensor: object) -> bool:
@@ -125,8 +134,8 @@ def shard_rows(api: str, fqn: str, full: torch.Tensor, world: int, rank: int) ->
 
 
 def _adopt(mp: ManagedParam) -> None:
-    track_for_optimizers(mp.sharded_param)  # type: ignore[arg-type]
-    mp.local_registered = mp.sharded_param._local_tensor  # type: ignore[union-attr]
+    track_for_optimizers(mp.sharded)
+    mp.local_registered = mp.sharded._local_tensor
 
 
 def shard_mesh(mesh: DeviceMesh, group: dist.ProcessGroup) -> DeviceMesh:
@@ -164,7 +173,7 @@ _OLD_SIGNATURE: dict[Any, bool] = {}
 
 
 def _pre_all_gather(local: torch.Tensor, mesh: DeviceMesh, mp: ManagedParam, mp_policy: MixedPrecisionPolicy) -> Any:
-    pre = local.fsdp_pre_all_gather  # type: ignore[attr-defined]
+    pre = cast(_Extension, local).fsdp_pre_all_gather  # only extension parameters gather here
     func = getattr(pre, "__func__", pre)  # a bound method's function (one per class), else the callable
     old = _OLD_SIGNATURE.get(func)
     if old is None:
@@ -230,7 +239,7 @@ def prepare_batched(
     through the per-parameter path) or a local shard is not a torchao float8 weight with a
     precomputed scale. Runs on the current stream, whose pool and order own the outputs' memory
     (and wrote the shards and scales): `gather_stream` is ordered after it."""
-    locals_ = [mp.sharded_param._local_tensor for mp in params]  # type: ignore[union-attr]
+    locals_ = [mp.sharded._local_tensor for mp in params]
     scales = float8_cast.precomputed_scales(locals_)
     if scales is None:
         return None
@@ -279,7 +288,7 @@ def _start_batched(
     return batch.pending
 
 
-def _views(mp: ManagedParam, out: torch.Tensor, local: torch.Tensor, rank: int) -> tuple:
+def _views(mp: ManagedParam, out: torch.Tensor, local: torch.Tensor, rank: int) -> ExtensionViews:
     """(output, this rank's slot of it shaped as the shard, byte views of both), made once per
     output object: the batched path's per-gather host work is the cast and the collective."""
     views = mp.extension_views
@@ -312,10 +321,11 @@ def finish_gathers(
         if gather.after is not None:
             gather.after()
         outputs = _shaped_outputs(mp, gather.input_shapes)
-        local = mp.sharded_param._local_tensor  # type: ignore[union-attr]
+        local = mp.sharded._local_tensor
+        post = cast(_Extension, local).fsdp_post_all_gather  # only extension parameters gather here
         param_dtype = post_dtype(local, policy_dtype)
         if gather.fresh:
-            unsharded, inner = local.fsdp_post_all_gather(outputs, gather.metadata, param_dtype)
+            unsharded, inner = post(outputs, gather.metadata, param_dtype)
             # On a mesh beyond the data-parallel one (dp_mesh_dims) the module computes with a
             # DTensor of the original spec around it, as FSDP2 does; refills go through that
             # DTensor (`out=`), which torchao's float8 weights take.
@@ -325,8 +335,8 @@ def finish_gathers(
         else:
             for tensor in mp.extension_inner:
                 _alloc(tensor)
-            with comm.refilling(mp.unsharded_param, *mp.extension_inner):  # type: ignore[arg-type]
-                local.fsdp_post_all_gather(outputs, gather.metadata, param_dtype, out=mp.unsharded_param)
+            with comm.refilling(mp.unsharded, *mp.extension_inner):
+                post(outputs, gather.metadata, param_dtype, out=mp.unsharded_param)
         # The collectives wrote into storage the unsharded parameter may hold (inner tensors).
         torch._C._autograd._unsafe_set_version_counter(tuple(mp.extension_outputs), gather.versions)
 
@@ -357,12 +367,12 @@ def _finish_batched(
     outputs: list[torch.Tensor] = []
     versions: list[int] = []
     for mp, gather in zip(params, pending):
-        unsharded = mp.unsharded_param
-        if getattr(local_tensor(unsharded), "_scale", None) is not gather.metadata[0]:  # type: ignore[arg-type]
+        unsharded = mp.unsharded
+        if getattr(local_tensor(unsharded), "_scale", None) is not gather.metadata[0]:
             data = mp.extension_outputs[0].view(-1, *gather.input_shapes[0][1:])
-            local = mp.sharded_param._local_tensor  # type: ignore[union-attr]
-            with comm.refilling(unsharded):  # type: ignore[arg-type]
-                local.fsdp_post_all_gather(
+            local = mp.sharded._local_tensor
+            with comm.refilling(unsharded):
+                cast(_Extension, local).fsdp_post_all_gather(
                     (data,),
                     gather.metadata,
                     post_dtype(local, policy_dtype),
@@ -386,7 +396,7 @@ def adopt_swapped(params: list[ManagedParam]) -> None:
     `load_state_dict(assign=True)`) while resharded: the next gather starts from scratch (a
     fresh unsharded parameter; the old one may have another dtype)."""
     for mp in params:
-        if mp.sharded_param._local_tensor is not mp.local_registered:  # type: ignore[union-attr]
+        if mp.sharded._local_tensor is not mp.local_registered:
             _adopt(mp)
             mp.unsharded_param = None
             mp.extension_outputs = []

@@ -47,7 +47,9 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(-1).view(torch.uint8)
 
 
-def _byte_views(mp: ManagedParam, tensors: list[torch.Tensor], rank: int) -> tuple[list, list]:
+def _byte_views(
+    mp: ManagedParam, tensors: list[torch.Tensor], rank: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """`mp`'s all-gather outputs as bytes and this rank's slot of each (as long as its input),
     made once per outputs: the views stay valid across `extension.free` (storage resized in
     place), and a QLoRA block gathers a score of inner tensors per unshard."""

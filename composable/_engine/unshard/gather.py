@@ -30,7 +30,6 @@ import torch.distributed as dist
 
 from ..comm import collectives as comm
 from ..comm.streams import CommStreams, current_stream, stream_context
-from ..params.param import copy_out_params
 
 if TYPE_CHECKING:
     from ..params.param import ManagedParam
@@ -179,7 +178,8 @@ def free_storages(params: list["ManagedParam"], streams: CommStreams | None) -> 
         else:
             mp.free_unsharded()
     if deferred:
-        streams.defer_free(deferred)  # type: ignore[union-attr]  # only direct gathers (CUDA) set the flag
+        assert streams is not None  # only direct gathers (CUDA, with their streams) set the flag
+        streams.defer_free(deferred)
 
 
 def finish_gather(
@@ -198,12 +198,32 @@ def finish_gather(
         for mp in params:
             streams.reclaim(mp.unsharded_padded)  # allocated for a direct gather, free deferred
     output = pending.output
+    assert output is not None  # only a direct gather (returned above) has none
     if pending.riders is not None:  # the rows end in the riders' bytes
-        rows = output.view(world, -1)  # type: ignore[union-attr]
+        rows = output.view(world, -1)
         region = rows.shape[1] - pending.tail
         pending.riders.copy_out(_tail_bytes(rows, region, pending.riders))
         output = rows.narrow(1, 0, region)
     if params:
-        copy_out_params(output, world, params, device)  # type: ignore[arg-type]
+        copy_out_params(output, world, params, device)
     if streams is not None:
         streams.after_copy_out((pending.output, pending.input, pending.source))
+
+
+def copy_out_params(gathered: torch.Tensor, world: int, params: list[ManagedParam], device: torch.device) -> None:
+    """Fill the unsharded parameters from the rank-major all-gather output `gathered`: one
+    fused copy into the padded storages; parameters sharded on a dim > 0 go through a
+    rank-major staging buffer into their natural (contiguous) layout."""
+    for mp in params:
+        mp.alloc_unsharded(world, gathered.dtype, device)
+    staged = {
+        id(mp): torch.empty(world * mp.layout.region_numel, dtype=gathered.dtype, device=gathered.device)
+        for mp in params
+        if mp.layout.dim != 0
+    }
+    # `alloc_unsharded` above made every padded storage.
+    targets = [staged.get(id(mp), cast(torch.Tensor, mp.unsharded_padded)) for mp in params]
+    comm.copy_out(gathered, world, [mp.layout.region_numel for mp in params], targets)
+    for mp in params:
+        if mp.layout.dim != 0:
+            mp.fill_from_rank_major(staged[id(mp)], world)

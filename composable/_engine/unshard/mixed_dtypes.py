@@ -11,7 +11,7 @@ dtype and are reduced together in the group's reduce dtype.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence, cast
 
 import torch
 import torch.nn as nn
@@ -73,7 +73,8 @@ def finish_gather_mixed(
         current_stream(device).wait_event(work)
     elif work is not None:
         work.wait()
-    rows = pending.output.view(world, -1)  # type: ignore[union-attr]
+    assert pending.output is not None  # a gather in the parameters' own dtypes is a flat one
+    rows = pending.output.view(world, -1)
     for mp, dtype in zip(params, dtypes):
         if streams is not None:
             streams.reclaim(mp.unsharded_padded)
@@ -81,8 +82,9 @@ def finish_gather_mixed(
         lay = mp.layout
         regions = rows.narrow(1, lay.offset, lay.region_numel)
         if lay.dim == 0:
-            with comm.refilling(mp.unsharded_padded):  # type: ignore[arg-type]
-                mp.unsharded_padded.view(world, -1).copy_(regions)  # type: ignore[union-attr]
+            padded = cast(torch.Tensor, mp.unsharded_padded)  # made by `alloc_unsharded` above
+            with comm.refilling(padded):
+                padded.view(world, -1).copy_(regions)
         else:
             mp.fill_from_rank_major(regions.to(dtype).reshape(-1), world)
     if streams is not None:

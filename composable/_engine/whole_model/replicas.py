@@ -14,6 +14,7 @@ model is materialised and initialised later, identically on every rank: the user
 from __future__ import annotations
 
 import hashlib
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,8 @@ def check_same_model(
         if len(set(digests)) > 1:
             gathered: list[list[Entry] | None] = [None] * len(digests)
             dist.all_gather_object(gathered, entries, group=group)
-            raise ValueError(_first_mismatch(api, gathered, group))  # type: ignore[arg-type]
+            filled = cast("list[list[Entry]]", gathered)  # all_gather_object filled every rank's slot
+            raise ValueError(_first_mismatch(api, filled, group))
     return buffers
 
 
@@ -92,7 +94,7 @@ def _first_mismatch(api: str, gathered: list[list[Entry]], group: dist.ProcessGr
         show_meta = len({v[2] for v in present}) > 1
         show_grad = len({v[3] for v in present}) > 1
 
-        def describe(v: tuple | None) -> str:
+        def describe(v: tuple[tuple[int, ...], str, bool, bool] | None) -> str:
             if v is None:
                 return "missing"
             return (
