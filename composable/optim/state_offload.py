@@ -64,7 +64,11 @@ def offload_optimizer_state(
     backward, as backward leaves that module (when the next module's backward starts), on the
     copy stream; the step then waits only for what is left. The copies read no gradient, so
     the step's math (clipping and a GradScaler's checks included) is unchanged; the copied
-    state waits on the device until the step (a backward without a step keeps it there).
+    state waits on the device until the step (a backward without a step keeps it there). So
+    at the end of backward the device holds the parameters, their gradients and all of the
+    state: the memory backward's activations held, where they outweigh the state; where they
+    do not (activation checkpointing), that is the step's peak, and without the prefetch it
+    holds two buckets of state instead.
 
     `optimizer.state_dict()` holds the host tensors (DTensors sharded as their parameters for
     sharded parameters: DCP saves and loads them as any optimizer state), after the last step's
