@@ -14,7 +14,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from estimator import estimate_cli as estimate
 from estimator.estimate_comm import build_layout, estimate_comm
-from estimator.estimate_memory import activation_bytes_per_token, estimate_memory, n_params, sizes
+from estimator.estimate_memory import STATE_BUCKET_BYTES, activation_bytes_per_token, estimate_memory, n_params, sizes
 from estimator.estimate_setup import Setup, UsageError
 from models.model import ModelConfig, Transformer, get_config, lm_loss
 
@@ -60,6 +60,16 @@ def test_offload_choices_move_what_they_say() -> None:
     with pytest.raises(UsageError, match="--cpu-offload applies to fully_shard layouts, not --parallel replicate"):
         Setup(cfg, 2, "replicate", offload="host")
     assert estimate_memory(Setup(cfg, 2, "replicate", offload="optimizer-state")).optimizer == 0
+
+
+def test_state_offload_holds_the_prefetched_state_at_the_step() -> None:
+    """optimizer-state under fully_shard: without activation checkpointing the main job copies the
+    whole state in during backward, and the step holds all of it; with it, two buckets stream."""
+    cfg, short = get_config("1b"), dict(batch_size=1, seq_len=256)  # the state outweighs the activations
+    prefetched = estimate_memory(Setup(cfg, 2, "fsdp", offload="optimizer-state", **short))
+    streamed = estimate_memory(Setup(cfg, 2, "fsdp", offload="optimizer-state", activation_checkpointing=True, **short))
+    assert prefetched.peak_at == streamed.peak_at == "optimizer step"
+    assert prefetched.buffers - streamed.buffers == prefetched.held_optimizer - 2 * STATE_BUCKET_BYTES
 
 
 @pytest.mark.parametrize(

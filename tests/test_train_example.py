@@ -232,7 +232,8 @@ def test_progress_bar_in_a_log_is_written_once_when_it_closes() -> None:
         ["--activation-checkpointing"],
         ["--cpu-offload"],
         ["--cpu-offload", "compute-shard-on-device"],
-        ["--cpu-offload", "optimizer-state"],
+        ["--cpu-offload", "optimizer-state"],  # its copies in during backward
+        ["--cpu-offload", "optimizer-state", "--activation-checkpointing"],  # streamed at the step
         ["--max-norm", "0.05"],  # clipping active on every step
     ],
     ids=lambda f: " ".join(f),

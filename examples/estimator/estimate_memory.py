@@ -155,8 +155,11 @@ def estimate_memory(s: Setup) -> MemoryEstimate:
     on_host = s.offload in PARAMS_ON_HOST
     gpu = 0.0 if on_host else 1.0  # the sharded parameters and gradients on the GPU
     opt_gpu = 0.0 if s.offload else 1.0
-    # What the GPU holds of the state while it steps (optimizer-state: two buckets streamed through).
-    stepping = min(opt, 2 * STATE_BUCKET_BYTES) if s.offload == "optimizer-state" else 0.0
+    # What the GPU holds of the state while it steps (optimizer-state: two buckets streamed through;
+    # under fully_shard without activation checkpointing the main job copies all of it in during
+    # backward, and it waits on the GPU for the step).
+    prefetched = s.parallel != "replicate" and not s.activation_checkpointing
+    stepping = (opt if prefetched else min(opt, 2 * STATE_BUCKET_BYTES)) if s.offload == "optimizer-state" else 0.0
     compute_copy = z.local * c if s.offload == "compute-shard-on-device" else 0.0
     per_block_grad = z.block_local * FP32 / L  # one block's sharded gradient
     saved = act["block_ckpt"] if s.activation_checkpointing else act["block"]

@@ -143,9 +143,12 @@ def build(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> Bu
     optimizer = build_graph_optimizer(model, args, device) if graphs else build_optimizer(model, args, fused)
     if args.cpu_offload == "optimizer-state":  # its state on the host between steps, stepped on the GPU
         # Its copies in during backward where fully_shard manages the blocks (0.97x no offload's
-        # speed against 0.79x, BENCHMARKS.md "CPU offload"); replicate's model has no such module.
+        # speed against 0.79x, BENCHMARKS.md "CPU offload"), into the memory backward's activations
+        # leave; with activation checkpointing those are small beside the state, and holding all of
+        # it at the step would undo the saving. replicate's model has no module to follow.
         sharded = any(fully_shard.state(m) is not None for m in model.modules())
-        offload_optimizer_state(optimizer, prefetch_in_backward=model if sharded else None)
+        prefetch = model if sharded and not args.activation_checkpointing else None
+        offload_optimizer_state(optimizer, prefetch_in_backward=prefetch)
     scaler = ShardedGradScaler(enabled=args.mp == "fp16")
     return Built(model, n_params, pipeline, optimizer, scaler, graphs, graphs_why, lighthouse)
 
