@@ -6,7 +6,8 @@ Sizes per rank, for `Setup` (estimate_setup.py); c = bytes of the compute (param
   optimizer state: fp32 tensors of the same size (AdamW: 2). With CPU offload (`host`) all
   three live on the host and count 0 on the GPU; `compute-shard-on-device` also keeps the
   shards in the compute dtype on the GPU (c bytes); `optimizer-state` moves only the state
-  to the host, and the optimizer step holds two buckets of it on the GPU.
+  to the host, and the optimizer step holds two buckets of it on the GPU (all of it under
+  fully_shard without activation checkpointing: the main job copies it in during backward).
 - buffers: unsharded parameters (c bytes) of the groups gathered at that moment, their
   unsharded gradients (c), gradient-reduction inputs (fp32), `replicate`'s persistent
   replica (c, only when c differs from the parameter dtype) and its buckets.
