@@ -163,7 +163,7 @@ def _module_settings(module: nn.Module) -> tuple[tuple[str, Any], ...]:
         for s in ("forward_prefetch", "backward_prefetch"):
             items.append((f"{api} {s}", tuple(id(x) for x in getattr(state, s, None) or ())))
         for group in state.groups:  # per-parameter meshes: each group's reducer has its own settings
-            items += [(f"{api} {s}", getattr(group.reducer, s, None)) for s in _REDUCER_SETTINGS]
+            items += [(f"{api} {s}", getattr(group.reducer.options, s)) for s in _REDUCER_SETTINGS]
     return tuple(items)
 
 

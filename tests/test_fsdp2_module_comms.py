@@ -197,7 +197,7 @@ def _separate_group(rank: int, world: int) -> None:
         m.set_custom_reduce_scatter(reduce)
     model.set_separate_reduce_scatter_group()
     shared = fully_shard.state(model).groups[0].layout.shard_group
-    own = {id(fully_shard.state(m).groups[0].reducer.reduce_scatter_group) for m in _modules(model)}
+    own = {id(fully_shard.state(m).groups[0].reducer.options.reduce_scatter_group) for m in _modules(model)}
     assert len(own) == 1  # one new group for the one set of ranks
     opts = (sgd(model), sgd(ref))
     step(model, ref, opts, 0, rank, world)
@@ -220,7 +220,7 @@ def _pg_alloc(rank: int, world: int) -> None:
     for m in _modules(model):
         m.set_allocate_memory_from_process_group_for_comm(True)
         group = fully_shard.state(m).groups[0]
-        for kind, comm in (("gather", group.all_gather_comm), ("reduce", group.reducer.reduce_scatter_comm)):
+        for kind, comm in (("gather", group.all_gather_comm), ("reduce", group.reducer.options.reduce_scatter_comm)):
             assert isinstance(
                 comm, (custom_comms.ProcessGroupAllocAllGather, custom_comms.ProcessGroupAllocReduceScatter)
             )
@@ -257,7 +257,7 @@ def _symm_mem(rank: int, world: int) -> None:
         m.set_symm_mem_for_comm()
         group = fully_shard.state(m).groups[0]
         assert isinstance(group.all_gather_comm, custom_comms.SymmMemAllGather)
-        assert isinstance(group.reducer.reduce_scatter_comm, custom_comms.SymmMemReduceScatter)
+        assert isinstance(group.reducer.options.reduce_scatter_comm, custom_comms.SymmMemReduceScatter)
     opts = (sgd(model), sgd(ref))
     for s in range(3):
         step(model, ref, opts, s, rank, world, "cuda")

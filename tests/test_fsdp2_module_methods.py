@@ -230,7 +230,7 @@ def _unused_params(rank: int, world: int) -> None:
         model.use_extra = rank == 0  # `extra` gets a gradient on rank 0 only; `unused` nowhere
     theirs.set_reduce_scatter_unused_params(True)  # FSDP2 needs it: ranks reduce the same parameters
     fully_shard.state(mine).set_reduce_scatter_unused_params(True)
-    assert fully_shard.state(mine.body).groups[0].reducer.reduce_unused  # recurse=True
+    assert fully_shard.state(mine.body).groups[0].reducer.options.reduce_unused  # recurse=True
     opts = [sgd(m) for m in (theirs, mine, default)]
     for s in range(2):
         losses = [loss_of(m, batch_for(s, world, rank)) for m in (theirs, mine, default)]
@@ -249,8 +249,8 @@ def _unused_params(rank: int, world: int) -> None:
             opt.step()
             opt.zero_grad()
     fully_shard.state(mine).set_reduce_scatter_unused_params(False, recurse=False)
-    assert not fully_shard.state(mine).groups[0].reducer.reduce_unused
-    assert fully_shard.state(mine.body).groups[0].reducer.reduce_unused
+    assert not fully_shard.state(mine).groups[0].reducer.options.reduce_unused
+    assert fully_shard.state(mine.body).groups[0].reducer.options.reduce_unused
 
 
 @pytest.mark.skipif(
@@ -273,10 +273,10 @@ def _max_input_buffers(rank: int, world: int, device: str = "cpu", cap: int = 3)
     with pytest.raises(ValueError, match="'max_input_buffers' must be >= 1, got 0"):
         model.set_reduce_scatter_max_input_buffers(0)
     model.body.set_reduce_scatter_max_input_buffers(2, recurse=False)
-    assert fully_shard.state(model).groups[0].reducer.max_input_buffers == 1
+    assert fully_shard.state(model).groups[0].reducer.options.max_input_buffers == 1
     model.set_reduce_scatter_max_input_buffers(cap)
     reducers = [fully_shard.state(m).groups[0].reducer for m in (model, model.emb, model.body, model.body2)]
-    assert [r.max_input_buffers for r in reducers] == [cap] * 4
+    assert [r.options.max_input_buffers for r in reducers] == [cap] * 4
     streams = reducers[0].streams
     in_flight: list[int] = []
     if streams is not None:  # CUDA: how many reduce-scatter inputs are alive after each one

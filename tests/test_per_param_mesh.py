@@ -264,7 +264,7 @@ def _knobs(rank: int, world: int) -> None:
     # Each group its own process group's allocator.
     state.set_allocate_memory_from_process_group_for_comm(True)
     assert all(g.all_gather_comm._group is g.layout.shard_group for g in groups)
-    assert all(g.reducer.reduce_scatter_comm._group is g.layout.shard_group for g in groups)
+    assert all(g.reducer.options.reduce_scatter_comm._group is g.layout.shard_group for g in groups)
     state.set_allocate_memory_from_process_group_for_comm(False)
     gather, reduce, hook = _UnusedComm(), _UnusedComm(), lambda grads: None
     state.set_custom_all_gather(gather)
@@ -281,10 +281,19 @@ def _knobs(rank: int, world: int) -> None:
     as_fsdp_module(block[0])
     for g in groups:
         r = g.reducer
-        assert g.all_gather_comm is gather and r.reduce_scatter_comm is reduce and g.keep_unsharded_storage
-        assert r.force_sum and r.reduce_unused and r.max_input_buffers == 2 and not r.requires_all_reduce
-        assert r.divide_factor == 3.0 and r.all_reduce_hook is hook and r.all_reduce_hook_stream is None
-        assert r.reduce_scatter_group is None and g.streams is None and r.streams is None  # CPU: no streams
+        assert g.all_gather_comm is gather and r.options.reduce_scatter_comm is reduce and g.keep_unsharded_storage
+        assert (
+            r.options.force_sum
+            and r.options.reduce_unused
+            and r.options.max_input_buffers == 2
+            and not r.options.requires_all_reduce
+        )
+        assert (
+            r.options.divide_factor == 3.0
+            and r.options.all_reduce_hook is hook
+            and r.options.all_reduce_hook_stream is None
+        )
+        assert r.options.reduce_scatter_group is None and g.streams is None and r.streams is None  # CPU: no streams
         assert g.shows_unsharded_between_passes
     assert all(g.layout.sharded and g.layout.replicate_groups == () for g in groups)
     restore_class(block[0])
@@ -343,7 +352,7 @@ def _prefetch_and_int_reshard(rank: int, world: int) -> None:
     state.set_allocate_memory_from_process_group_for_comm(True)
     for group in state.groups:
         assert group.all_gather_comm._group is group.layout.shard_group
-        assert group.reducer.reduce_scatter_comm._group is group.layout.shard_group
+        assert group.reducer.options.reduce_scatter_comm._group is group.layout.shard_group
     model(torch.randn(3, 6)).sum().backward()
 
 

@@ -83,7 +83,7 @@ class FSDPState(ModuleState):
         check_bool("set_requires_all_reduce", "requires_all_reduce", requires_all_reduce)
         for state in self._fsdp_states(recurse):
             for group in state.groups:
-                group.reducer.requires_all_reduce = requires_all_reduce
+                group.reducer.options.requires_all_reduce = requires_all_reduce
 
     def _fsdp_states(self, recurse: bool) -> list["FSDPState"]:
         """This module's fully_shard state and, with `recurse`, every one below it."""
@@ -136,7 +136,7 @@ class FSDPState(ModuleState):
         if not (factor > 0 and math.isfinite(factor)):
             raise ValueError(f"{api}: 'factor' must be a finite number > 0, got {factor!r}")
         for group in self.groups:
-            group.reducer.divide_factor = float(factor)
+            group.reducer.options.divide_factor = float(factor)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """False: the end of the next backwards leaves gradient reductions in flight (they
@@ -208,7 +208,7 @@ class FSDPState(ModuleState):
         api = "set_custom_reduce_scatter"
         check_comm(api, comm)
         for group in self._sharded_groups(api):
-            group.reducer.reduce_scatter_comm = comm
+            group.reducer.options.reduce_scatter_comm = comm
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """True: the all-gather output and the reduce-scatter buffers come from the process
@@ -250,8 +250,8 @@ class FSDPState(ModuleState):
                 f"{api}: 'stream' cannot be set when using HSDP (the hook runs on its all-reduce's stream)"
             )
         for group in groups:
-            group.reducer.all_reduce_hook = hook
-            group.reducer.all_reduce_hook_stream = stream
+            group.reducer.options.all_reduce_hook = hook
+            group.reducer.options.all_reduce_hook_stream = stream
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """True: the collectives only ever sum (ReduceOp.SUM, never AVG), the averaging (or
@@ -259,7 +259,7 @@ class FSDPState(ModuleState):
         symmetric-memory collectives need. gloo always sums; NCCL in fp32 averages otherwise."""
         check_bool("set_force_sum_reduction_for_comms", "enable", enable)
         for group in self.groups:
-            group.reducer.force_sum = enable
+            group.reducer.options.force_sum = enable
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
         """True: every parameter that requires grad takes part in the reduction with a zero
@@ -271,7 +271,7 @@ class FSDPState(ModuleState):
         check_bool(api, "recurse", recurse)
         for state in self._fsdp_states(recurse):
             for group in state.groups:
-                group.reducer.reduce_unused = reduce_scatter_unused_params
+                group.reducer.options.reduce_unused = reduce_scatter_unused_params
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """CUDA: how many reduce-scatter input buffers may be in flight (1, the default: the
@@ -287,13 +287,13 @@ class FSDPState(ModuleState):
         groups = [group for state in self._fsdp_states(recurse) for group in state.groups]
         for group in groups:  # checked for every group before any changes
             if max_input_buffers > 1 and isinstance(
-                group.reducer.reduce_scatter_comm, custom_comms.SymmMemReduceScatter
+                group.reducer.options.reduce_scatter_comm, custom_comms.SymmMemReduceScatter
             ):
                 raise ValueError(
                     f"{api}: a symmetric-memory reduce-scatter keeps one input buffer, got {max_input_buffers}"
                 )
         for group in groups:
-            group.reducer.max_input_buffers = max_input_buffers
+            group.reducer.options.max_input_buffers = max_input_buffers
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         """True: reduce-scatter on a process group of its own over the same ranks (one per set
@@ -307,14 +307,14 @@ class FSDPState(ModuleState):
         for group in self._separable_groups(api, enable, recurse):
             reducer = group.reducer
             if not enable:
-                reducer.reduce_scatter_group = None
+                reducer.options.reduce_scatter_group = None
                 continue
             ranks = tuple(dist.get_process_group_ranks(group.layout.shard_group))
             if ranks not in made:
-                made[ranks] = reducer.reduce_scatter_group or dist.new_group(
+                made[ranks] = reducer.options.reduce_scatter_group or dist.new_group(
                     list(ranks), use_local_synchronization=True, group_desc="composable_reduce_scatter"
                 )
-            reducer.reduce_scatter_group = made[ranks]
+            reducer.options.reduce_scatter_group = made[ranks]
 
     def _separable_groups(self, api: str, enable: bool, recurse: bool) -> list[ParamGroup]:
         """The sharded groups `set_separate_reduce_scatter_group` changes. A module on several

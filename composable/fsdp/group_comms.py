@@ -32,7 +32,7 @@ def _shard_group(group: "ParamGroup") -> dist.ProcessGroup:
 def _refuse_custom(api: str, group: "ParamGroup", gather_cls: type, reduce_cls: type) -> None:
     for current, own in (
         (group.all_gather_comm, gather_cls),
-        (group.reducer.reduce_scatter_comm, reduce_cls),
+        (group.reducer.options.reduce_scatter_comm, reduce_cls),
     ):
         if current is not None and not isinstance(current, own):
             raise RuntimeError(
@@ -48,7 +48,9 @@ def allocate_from_process_group(api: str, group: "ParamGroup", enable: bool) -> 
     _refuse_custom(api, group, gather_cls, reduce_cls)
     group.all_gather_comm = gather_cls(_shard_group(group)) if enable else None
     reducer = group.reducer
-    reducer.reduce_scatter_comm = reduce_cls(reducer.reduce_scatter_group or _shard_group(group)) if enable else None
+    reducer.options.reduce_scatter_comm = (
+        reduce_cls(reducer.options.reduce_scatter_group or _shard_group(group)) if enable else None
+    )
 
 
 def use_symm_mem(api: str, group: "ParamGroup", backend: str) -> None:
@@ -62,12 +64,12 @@ def use_symm_mem(api: str, group: "ParamGroup", backend: str) -> None:
         )
     _refuse_custom(api, group, custom_comms.SymmMemAllGather, custom_comms.SymmMemReduceScatter)
     reducer = group.reducer
-    if reducer.force_sum and reducer.max_input_buffers > 1:
+    if reducer.options.force_sum and reducer.options.max_input_buffers > 1:
         raise ValueError(
             f"{api}: a symmetric-memory reduce-scatter keeps one input buffer; "
-            f"set_reduce_scatter_max_input_buffers is {reducer.max_input_buffers}"
+            f"set_reduce_scatter_max_input_buffers is {reducer.options.max_input_buffers}"
         )
     group.all_gather_comm = custom_comms.SymmMemAllGather(shard_group, backend)
-    if reducer.force_sum:
-        rs_group = reducer.reduce_scatter_group or shard_group
-        reducer.reduce_scatter_comm = custom_comms.SymmMemReduceScatter(rs_group, backend)
+    if reducer.options.force_sum:
+        rs_group = reducer.options.reduce_scatter_group or shard_group
+        reducer.options.reduce_scatter_comm = custom_comms.SymmMemReduceScatter(rs_group, backend)

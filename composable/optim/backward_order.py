@@ -20,13 +20,14 @@ from torch.utils.hooks import RemovableHandle
 def when_backward_leaves(modules: list[nn.Module], callback: Callable[[nn.Module], None]) -> list[RemovableHandle]:
     """Call `callback(module)` during each backward when it has left `module`, one of `modules`:
     when the backward of another of `modules`, not inside it, starts after that module's
-    started, in the same backward (a module holding others is never called). Forward hooks on `modules` mark their outputs; a forward inside backward
-    (activation checkpointing's recomputation) marks nothing. Returns the hooks' handles."""
+    started, in the same backward (a module holding others is never called). Forward hooks on
+    `modules` mark their outputs; a forward inside backward (activation checkpointing's
+    recomputation) marks nothing. Returns the hooks' handles."""
     started: list[int] = []  # [this backward's graph task, then the modules whose backward started]
     by_id = {id(m): m for m in modules}
     # A module holding another (a root around its blocks) starts its backward first and is left
     # last: the start of an inner module's backward says nothing of it.
-    inner = {id(m): {id(c) for c in m.modules() if c is not m and id(c) in by_id} for m in modules}
+    inner = {id(m): {id(c) for c in held} for m, held in zip(modules, modules_inside(modules))}
 
     def on_backward_start(module: nn.Module) -> None:
         task = torch._C._current_graph_task_id()
@@ -44,3 +45,9 @@ def when_backward_leaves(modules: list[nn.Module], callback: Callable[[nn.Module
             torch.autograd.graph.register_multi_grad_hook(tensors, lambda _grads: on_backward_start(module), mode="any")
 
     return [module.register_forward_hook(on_forward) for module in modules]
+
+
+def modules_inside(modules: list[nn.Module]) -> list[list[nn.Module]]:
+    """For each of `modules`, the others of `modules` nested inside it."""
+    ids = {id(m) for m in modules}
+    return [[c for c in m.modules() if c is not m and id(c) in ids] for m in modules]

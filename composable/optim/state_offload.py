@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from .._engine.optimizer.optim_state import STATE_ON_HOST_ATTR
 from .._engine.params.wrappers import local_tensor, new_dtensor
 from ..fsdp import fully_shard
-from .backward_order import when_backward_leaves
+from .backward_order import modules_inside, when_backward_leaves
 from .muon import Muon
 
 _API = "composable.optim.offload_optimizer_state"
@@ -304,10 +304,9 @@ class OptimizerStateOffload:
         """Copy the state of each module's parameters in as backward leaves the module.
         `modules`: those `fully_shard` manages; each owns its parameters outside the nested ones."""
         stepped = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
-        sharded = {id(m) for m in modules}
         owned: dict[int, list[torch.Tensor]] = {}
-        for module in modules:
-            nested = {id(p) for c in module.modules() if c is not module and id(c) in sharded for p in c.parameters()}
+        for module, held in zip(modules, modules_inside(modules)):
+            nested = {id(p) for c in held for p in c.parameters()}
             owned[id(module)] = [p for p in module.parameters() if id(p) in stepped and id(p) not in nested]
         self._module_hooks += when_backward_leaves(modules, lambda module: self._prefetch(owned[id(module)]))
 

@@ -35,7 +35,7 @@ class ReplicateState(ModuleState):
         if not callable(hook):
             raise TypeError(f"set_all_reduce_hook: 'hook' must be callable, got {type(hook).__name__}")
         for group in self.groups:
-            group.reducer.all_reduce_hook = hook
+            group.reducer.options.all_reduce_hook = hook
 
     def _after_unshard(self) -> None:
         # Unsharded parameters are created lazily (and again after a dtype change), so the

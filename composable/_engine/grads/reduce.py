@@ -28,7 +28,7 @@ from ..meshes.shard_dims import full_to_regions
 from ..params.spmd import grad_to_local
 from .grad_dtype import GroupDtypes
 from .no_sync import NoSyncSums
-from .reduce_options import ForwardedOption, ReduceOptions
+from .reduce_options import ReduceOptions
 from .reduction import MISSING, Reduction, had_a_gradient_somewhere, region_offsets
 
 if TYPE_CHECKING:
@@ -59,17 +59,6 @@ class GradReducer:
         self._collectives_average: dict[torch.dtype, bool] = {}
         self.options = ReduceOptions()
         self.no_sync_sums = NoSyncSums(params, spec.layout, spec.dtypes)
-
-    # FSDP2's options, set and read under their own names (`reduce_options.py`).
-    divide_factor = ForwardedOption()
-    requires_all_reduce = ForwardedOption()
-    force_sum = ForwardedOption()
-    reduce_unused = ForwardedOption()
-    all_reduce_hook = ForwardedOption()
-    all_reduce_hook_stream = ForwardedOption()
-    reduce_scatter_comm = ForwardedOption()
-    reduce_scatter_group = ForwardedOption()
-    max_input_buffers = ForwardedOption()
 
     def _grad_params(self) -> list["ManagedParam"]:
         return [mp for mp in self.params if mp.wants_grad]

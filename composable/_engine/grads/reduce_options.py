@@ -1,5 +1,5 @@
-"""FSDP2's options for a group's gradient reduction: what `composable/fsdp/` sets (through the
-`GradReducer` that holds them, under the same names), with the defaults as class attributes,
+"""FSDP2's options for a group's gradient reduction: what `composable/fsdp/` sets (as the
+`options` of the group's `GradReducer`), with the defaults as class attributes,
 so a reducer that never had one set pays one attribute read per reduction and nothing more;
 and running the user's hook on the reduced gradients.
 """
@@ -51,17 +51,3 @@ class ReduceOptions:
         with stream_context(stream):
             hook(grads)
         streams.reduce.wait_stream(stream)
-
-
-class ForwardedOption:
-    """A `ReduceOptions` field shown on the object that holds them as `options`, under its own
-    name: FSDP2's methods and the per-mesh knobs set `reducer.force_sum` and kin."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, obj: Any, owner: type | None = None) -> Any:
-        return self if obj is None else getattr(obj.options, self.name)
-
-    def __set__(self, obj: Any, value: Any) -> None:
-        setattr(obj.options, self.name, value)

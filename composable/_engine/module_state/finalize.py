@@ -228,7 +228,7 @@ class BackwardEnd:
             unsharded = any(group.has_unsharded_grads() for group in state.groups)
             to_reduce = state.requires_gradient_sync and (pending or unsharded)
             for reducer in (group.reducer for group in state.groups):  # per-parameter meshes: partial sums of each
-                deferred = to_reduce and not getattr(reducer, "requires_all_reduce", True)
+                deferred = to_reduce and not reducer.options.requires_all_reduce
                 if getattr(reducer, "_partial", None) is not None or deferred:
                     raise RuntimeError(
                         f"{api}: manual backward finalization does not support HSDP's deferred replica all-reduce "
