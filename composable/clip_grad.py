@@ -43,6 +43,8 @@ from torch.utils._foreach_utils import (
     _has_foreach_support,
 )
 
+from ._engine.optimizer.optim_state import first_stepped_in_backward
+
 __all__ = ["clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm"]
 
 _TensorOrTensors = torch.Tensor | Iterable[torch.Tensor]
@@ -91,8 +93,9 @@ def clip_grad_norm_(
 
     Raises:
         TypeError/ValueError: a bad ``max_norm``, ``norm_type`` or ``foreach``.
-        RuntimeError: ``error_if_nonfinite`` and a non-finite norm, or ``foreach=True`` on a
-            device without foreach kernels.
+        RuntimeError: ``error_if_nonfinite`` and a non-finite norm, ``foreach=True`` on a
+            device without foreach kernels, or a parameter already stepped in this backward
+            (``composable.optim.step_in_backward``).
     """
     max_norm_f = _check_max_norm(max_norm)
     p = _check_norm_type(norm_type)
@@ -107,6 +110,11 @@ def clip_grad_norm_(
                 "`parameters` is an empty generator, no gradient clipping will occur.",
                 stacklevel=2,
             )
+    if (stepped := first_stepped_in_backward(params)) is not None:
+        raise RuntimeError(
+            f"composable.clip_grad_norm_: a parameter (shape {tuple(stepped.shape)}) was already stepped in this backward "
+            "by composable.optim.step_in_backward; clipping must precede the step: clip without step_in_backward"
+        )
     # The collectives are planned from the parameters, not from their gradients: a rank whose
     # gradients are missing (all None, say after a branch it did not take) must still join
     # every all_reduce the other ranks issue, or they block for ever.

@@ -20,9 +20,6 @@ or neither) give bit for bit what one `optimizer.step()` over every parameter gi
 
 from __future__ import annotations
 
-import collections
-import copy
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from .._engine.optimizer.optim_state import STATE_ON_HOST_ATTR
 from .._engine.params.wrappers import local_tensor, new_dtensor
 from ..fsdp import fully_shard
+from ._step_in_parts import StepInParts
 from .backward_order import modules_inside, when_backward_leaves
 from .muon import Muon
 
@@ -125,13 +123,8 @@ class OptimizerStateOffload:
     def __init__(self, optimizer: torch.optim.Optimizer, bucket_bytes: int) -> None:
         self.optimizer = optimizer
         self.bucket_bytes = bucket_bytes
-        # Shares `state` and `defaults`; its param_groups are set per bucket. Its own (empty)
-        # hook dicts: the user's hooks on `optimizer` run once per step, not once per bucket.
-        self._shadow = copy.copy(optimizer)
-        self._shadow.__dict__.pop("step", None)  # an LR scheduler's wrapper of the user's step: the class's
-        self._shadow._optimizer_step_pre_hooks = collections.OrderedDict()
-        self._shadow._optimizer_step_post_hooks = collections.OrderedDict()
-        for holder in (optimizer, self._shadow):
+        self._parts = StepInParts(optimizer, _OFFLOAD_ATTR, self)  # the buckets are its parts
+        for holder in (optimizer, self._parts.shadow):
             setattr(holder, STATE_ON_HOST_ATTR, True)
         # id(param) -> {state key: host tensor}: the host memory each state tensor lives in.
         self._host: dict[int, dict[str, torch.Tensor]] = {}
@@ -142,10 +135,6 @@ class OptimizerStateOffload:
         self._prefetched: dict[int, dict[str, torch.Tensor]] = {}
         self._prefetch_done: torch.cuda.Event | None = None  # the last of those copies
         self._module_hooks: list[Any] = []
-        self._own_step = optimizer.__dict__.get("step")  # an instance's own step (a scheduler's wrapper), if any
-        setattr(optimizer, _OFFLOAD_ATTR, self)
-        # Bound to the optimizer, as `step` is: an LR scheduler re-binds `optimizer.step.__func__`.
-        setattr(optimizer, "step", types.MethodType(_offloaded_step, optimizer))  # the instance's own step
         self._hooks = [
             optimizer.register_state_dict_pre_hook(lambda *_: self.wait()),
             optimizer.register_load_state_dict_pre_hook(lambda *_: self._forget_host()),
@@ -157,18 +146,13 @@ class OptimizerStateOffload:
         if closure is not None:
             raise ValueError(f"{_API}: optimizer.step(closure) is not supported: the state streams through in buckets")
         opt = self.optimizer
-        for pre_hook in opt._optimizer_step_pre_hooks.values():
-            result = pre_hook(opt, (), {})
-            if result is not None:
-                raise RuntimeError(
-                    f"{_API}: an optimizer step pre-hook that changes the step's arguments is not supported"
-                )
+        self._parts.run_pre_hooks(_API)
         # A GradScaler hands a fused optimizer its scale and inf flag as attributes for one step.
         for name in _AMP_ATTRS:
             if hasattr(opt, name):
-                setattr(self._shadow, name, getattr(opt, name))
+                setattr(self._parts.shadow, name, getattr(opt, name))
             else:
-                self._shadow.__dict__.pop(name, None)
+                self._parts.shadow.__dict__.pop(name, None)
         self._take_prefetched()
         buckets = self._buckets()
         streams = self._streams_for(buckets)
@@ -178,8 +162,7 @@ class OptimizerStateOffload:
                 torch.cuda.current_stream().wait_event(incoming)
             # The next bucket's state crosses the link while this one steps.
             following = self._copy_in(buckets[i + 1], streams) if i + 1 < len(buckets) else None
-            self._shadow.param_groups = bucket
-            self._shadow.step()
+            self._parts.step_part(bucket)
             self._copy_out(bucket, streams)
             incoming = following
         if streams is not None:
@@ -188,8 +171,7 @@ class OptimizerStateOffload:
             # memory than the earlier buckets' copies out write, and does not wait for them.
             self._out_done = torch.cuda.Event()
             self._out_done.record(streams[1])
-        for post_hook in opt._optimizer_step_post_hooks.values():
-            post_hook(opt, (), {})
+        self._parts.run_post_hooks()
 
     def _buckets(self) -> list[list[dict[str, Any]]]:
         """The parameters with gradients, in param-group order, as lists of param groups (each
@@ -362,16 +344,8 @@ class OptimizerStateOffload:
         self._prefetched.clear()
         for hook in self._hooks + self._module_hooks:
             hook.remove()
-        if self._own_step is None:
-            del self.optimizer.__dict__["step"]  # the class's step again
-        else:
-            setattr(self.optimizer, "step", self._own_step)
-        del self.optimizer.__dict__[_OFFLOAD_ATTR]
+        self._parts.restore()
         del self.optimizer.__dict__[STATE_ON_HOST_ATTR]
-
-
-def _offloaded_step(optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> None:
-    optimizer.__dict__[_OFFLOAD_ATTR].step(closure)
 
 
 def _sharded_modules(model: nn.Module) -> list[nn.Module]:

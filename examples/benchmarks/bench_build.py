@@ -39,7 +39,15 @@ GRAPHED_RUNS = ("floor_graphed", "fully_shard_graphed", "replicate_graphed")
 # optimizer step on the host); opt-in, measured beside the same contenders without it.
 # fully_shard_offload_on_device also keeps each group's bf16 shard on the GPU between steps
 # (`CPUOffloadPolicy(compute_shard_on_device=True)`).
-OFFLOAD_RUNS = ("fully_shard_offload", "fully_shard_offload_on_device", "fsdp2_offload")
+# *_step_in_backward: each group's host step during backward (`composable.optim.step_in_backward`,
+# applied by benchmark.py).
+OFFLOAD_RUNS = (
+    "fully_shard_offload",
+    "fully_shard_offload_on_device",
+    "fully_shard_offload_step_in_backward",
+    "fully_shard_offload_on_device_step_in_backward",
+    "fsdp2_offload",
+)
 # fully_shard with only the optimizer state on the host, stepped on the GPU in buckets
 # (`composable.optim.offload_optimizer_state`, applied by benchmark.py); *_prefetch: the state's
 # copies in during backward (`prefetch_in_backward=model`).
@@ -153,9 +161,10 @@ def build(
     if allowed is not None and run not in allowed:
         raise ValueError(f"build: run {run!r} does not run on --mesh {mesh.kind}; runs there: {allowed}")
     offload = run in OFFLOAD_RUNS
-    on_device = run.endswith("_on_device")
+    on_device = run.removesuffix("_step_in_backward").endswith("_on_device")
     run = (
-        run.removesuffix("_graphed")
+        run.removesuffix("_step_in_backward")
+        .removesuffix("_graphed")
         .removesuffix("_on_device")
         .removesuffix("_prefetch")
         .removesuffix("_state_offload")

@@ -40,6 +40,12 @@ RATIOS = (
     ("fully_shard_state_offload_prefetch", "fsdp2_offload"),
     ("fully_shard_state_offload_prefetch", "fully_shard"),
     ("fully_shard_state_offload_prefetch", "fully_shard_state_offload"),
+    ("fully_shard_offload_step_in_backward", "fsdp2_offload"),
+    ("fully_shard_offload_step_in_backward", "fully_shard"),
+    ("fully_shard_offload_step_in_backward", "fully_shard_offload"),
+    ("fully_shard_offload_on_device_step_in_backward", "fsdp2_offload"),
+    ("fully_shard_offload_on_device_step_in_backward", "fully_shard"),
+    ("fully_shard_offload_on_device_step_in_backward", "fully_shard_offload_on_device"),
     ("fsdp2_offload", "fsdp2"),
 )
 

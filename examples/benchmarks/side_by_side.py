@@ -66,7 +66,7 @@ from benchmarks.bench_mesh import (
 )
 from benchmarks.bench_optim import build_optimizer
 from benchmarks.bench_report import report, write_trace
-from composable.optim import offload_optimizer_state
+from composable.optim import offload_optimizer_state, step_in_backward
 from models.model import get_config, lm_loss, model_flops_per_token  # noqa: F401 (get_config: the tests')
 from trainer.launch import host_threads_for_offload, init_torchrun_rank
 
@@ -202,6 +202,7 @@ def time_run(
     opt = build_optimizer(c.model, args.optimizer, 1e-4, graphed)
     prefetch = c.model if run.endswith("_prefetch") else None
     state_offload = offload_optimizer_state(opt, prefetch_in_backward=prefetch) if run in STATE_OFFLOAD_RUNS else None
+    in_backward = step_in_backward(opt, c.model) if run.endswith("_step_in_backward") else None
     step_fn = make_step(c, opt, graphed, args.warmup)
     g = tokens_generator(mesh, device)  # the tp ranks of a group train on the same tokens
     tokens = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), device=device, generator=g)
@@ -240,10 +241,11 @@ def time_run(
         "host_rss_gib": _host_rss_bytes() / 2**30,
         "loss": float(loss),
     }
-    if state_offload is not None:
-        state_offload.close()
+    for replaced_step in (state_offload, in_backward):
+        if replaced_step is not None:
+            replaced_step.close()
     teardown(c.model, opt)
-    del c, opt, loss, step_fn, state_offload
+    del c, opt, loss, step_fn, state_offload, in_backward
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -245,6 +245,8 @@ class GradReducer:
                 red.event = streams.reduce.record_event()
                 streams.after_reduce(red.event, flat_in)
         self._assign_early(red)
+        if self.options.host_grads_hook is not None and self.spec.offload:
+            self.hand_over_on_host(red)
         self.pending.append(red)
 
     def _launch_all_reduce(
@@ -317,6 +319,38 @@ class GradReducer:
                 sp.grad = mp.make_sharded_grad(mp.layout.local_at(out, off))
                 assigned[i] = True
 
+    def hand_over_on_host(self, red: Reduction) -> None:
+        """Offload with a host-grads hook: point the sharded gradients at `red`'s host copy now,
+        during backward, and hand them to the hook (so their host step can start while backward
+        goes on). Only a complete reduction (not HSDP's deferred replica sum) with every gradient
+        present on this rank; a parameter that already has a gradient keeps it, to be summed at
+        the end of backward, and is named to the hook as kept. CPU: the reduction is waited for
+        here (its output is already on the host)."""
+        hook = self.options.host_grads_hook
+        if hook is None or not red.all_reduced or not all(red.present):
+            return
+        orig = self.spec.dtypes.orig
+        if red.host_output is None:
+            if red.output.device.type != "cpu":
+                return  # pageable offload from CUDA: copied at the end of backward, as without a hook
+            for work in red.works:
+                work.wait()
+            red.works.clear()
+            self._average(red)
+            red.host_output = red.output if red.output.dtype == orig else red.output.to(orig)
+        handed: list[torch.Tensor] = []
+        kept: list[torch.Tensor] = []
+        red.assigned = [False] * len(red.params)
+        for i, (mp, off) in enumerate(zip(red.params, red.offsets)):
+            sp = mp.sharded
+            if sp.grad is None:
+                sp.grad = mp.make_sharded_grad(mp.layout.local_at(red.host_output, off))
+                red.assigned[i] = True
+                handed.append(sp)
+            else:
+                kept.append(sp)
+        hook(handed, kept, red.event if red.output.device.type == "cuda" else None)
+
     def finish(self) -> None:
         """Wait for launched reductions and accumulate them into the sharded gradients."""
         for red in self.pending:  # all first, then the results (one wait on the host)
@@ -331,6 +365,8 @@ class GradReducer:
             self._average(red)
             out = red.output
             if all(red.assigned) and red.assigned:
+                if red.host_output is not None and red.event is not None:
+                    red.event.synchronize()  # handed over on the host: complete when backward ends
                 continue
             present_anywhere = red.present
             if not all(red.present):

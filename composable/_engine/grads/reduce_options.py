@@ -14,6 +14,11 @@ import torch.distributed as dist
 
 from ..comm.streams import CommStreams, stream_context
 
+# (handed, kept, ready): the sharded parameters whose `.grad` now holds their reduced gradient in
+# host memory (valid once `ready`, a CUDA event, has completed; None: already), and those of the
+# same reduction whose gradient is summed into an earlier one at the end of backward instead.
+HostGradsHook = Callable[[list[torch.Tensor], list[torch.Tensor], "torch.cuda.Event | None"], None]
+
 
 class ReduceOptions:
     """One group's reduction options; unset ones are the class defaults."""
@@ -27,9 +32,18 @@ class ReduceOptions:
     reduce_scatter_comm: Any = None  # set_custom_reduce_scatter (an FSDP2 `ReduceScatter`) and kin
     reduce_scatter_group: dist.ProcessGroup | None = None  # set_separate_reduce_scatter_group
     max_input_buffers = 1  # set_reduce_scatter_max_input_buffers (CUDA)
+    # Offloaded groups: given each reduction's sharded gradients as they reach host memory,
+    # during backward (`GradReducer.hand_over_on_host`); composable.optim.step_in_backward sets it.
+    host_grads_hook: "HostGradsHook | None" = None
 
     # User objects and process groups are shared by a deep copy of the model, not copied.
-    _SHARED_ON_COPY = ("all_reduce_hook", "all_reduce_hook_stream", "reduce_scatter_comm", "reduce_scatter_group")
+    _SHARED_ON_COPY = (
+        "all_reduce_hook",
+        "all_reduce_hook_stream",
+        "reduce_scatter_comm",
+        "reduce_scatter_group",
+        "host_grads_hook",
+    )
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "ReduceOptions":
         new = type(self).__new__(type(self))

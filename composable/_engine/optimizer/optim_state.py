@@ -37,6 +37,9 @@ STEP_KEY = "step"
 # Set on an optimizer whose state `composable.optim.offload_optimizer_state` keeps on the host
 # (and on the copy of it that steps each bucket): graphed_step refuses to capture its step.
 STATE_ON_HOST_ATTR = "_composable_state_on_host"
+# The ids of the parameters `composable.optim.step_in_backward` stepped during this backward,
+# until `optimizer.step()`: clipping their gradients now would come after their steps.
+_stepped_in_backward: set[int] = set()
 
 # Set on the sharded parameters this package makes. An attribute, not a registry: weak
 # references to parameters would forbid `torch.utils.swap_tensors` (`module.to_empty`).
@@ -60,6 +63,21 @@ def _dtensor_has_rule(op: torch._ops.OpOverload) -> bool:
 
 
 DTENSOR_HAS_FOREACH_ADD_TENSOR = _dtensor_has_rule(torch.ops.aten._foreach_add_.Tensor)
+
+
+def mark_stepped_in_backward(params: list[torch.Tensor], stepped: bool) -> None:
+    """Record `params` as stepped during this backward (True) or no longer (False)."""
+    if stepped:
+        _stepped_in_backward.update(id(p) for p in params)
+    else:
+        _stepped_in_backward.difference_update(id(p) for p in params)
+
+
+def first_stepped_in_backward(params: list[torch.Tensor]) -> torch.Tensor | None:
+    """The first of `params` stepped during this backward, if any (free when none is)."""
+    if not _stepped_in_backward:
+        return None
+    return next((p for p in params if id(p) in _stepped_in_backward), None)
 
 
 def install_step_hook() -> None:

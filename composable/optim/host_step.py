@@ -1,0 +1,181 @@
+"""`step_in_backward`: the host optimizer step of CPU-offloaded parameters, run during backward.
+
+With `CPUOffloadPolicy` the optimizer steps on the host after backward, and the GPUs wait for it:
+a few hundred milliseconds for a billion parameters on a host's cores. But a group's step needs
+only its own gradients, and those are in host memory as soon as its reduction lands, while
+backward goes on with the earlier layers. Here each offloaded group's parameters are stepped
+then, on a worker thread, by the user's optimizer's own code (`StepInParts`), so the host's
+arithmetic hides behind the GPU's backward; `optimizer.step()` waits for what is left (the groups
+backward reaches last: the first blocks and the root's own parameters) and steps the parameters
+no reduction handed over (not offloaded, HSDP's deferred replica sum, accumulated gradients).
+
+What cannot be exact once a parameter has moved is refused, not approximated: clipping after
+backward (`composable.clip_grad_norm_` names it), a GradScaler's unscale and inf check (fp16 is
+refused here), gradients accumulated over several backwards without `no_sync` (the second
+reduction of a parameter before `optimizer.step()` raises during backward).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .._engine.optimizer.optim_state import STATE_ON_HOST_ATTR, mark_stepped_in_backward
+from ..fsdp import fully_shard
+from ._step_in_parts import StepInParts
+from .muon import Muon
+
+_API = "composable.optim.step_in_backward"
+_OWNER_ATTR = "_composable_step_in_backward"  # on the optimizer: its HostStepInBackward
+
+
+def step_in_backward(optimizer: torch.optim.Optimizer, model: nn.Module) -> "HostStepInBackward":
+    """Step `optimizer`'s CPU-offloaded parameters during backward, each group's as soon as its
+    reduced gradients are in host memory.
+
+    `model` holds modules under `fully_shard(..., offload_policy=CPUOffloadPolicy())`; each of
+    their parameter groups hands its sharded gradients over as its reduce-scatter lands (on CUDA,
+    once their copy to pinned host memory is done), and a worker thread steps those parameters
+    with `optimizer`'s own code and state, while backward goes on. `optimizer.step()`, called
+    after backward as usual, waits for those steps, then steps the parameters that were not
+    handed over, and runs the user's step hooks once. For optimizers that step each parameter on
+    its own (SGD, Adam, AdamW: fused, foreach or neither) every number equals the plain step's.
+    The hyperparameters (`lr`, ...) are read as each group steps: set them before backward. Call
+    this before making an LR scheduler: both replace `optimizer.step`.
+
+    Gradient accumulation: under `no_sync` (or `set_requires_gradient_sync(False)`) for all but
+    the last micro-batch, whose backward reduces and steps. Gradient clipping cannot follow a
+    step that already ran: `composable.clip_grad_norm_` over parameters stepped in this backward
+    raises; clip without this function (the host step then runs after backward).
+
+    Returns the `HostStepInBackward` (`close()`: the hooks removed, the plain step back).
+
+    Raises:
+        TypeError: `optimizer` is not a `torch.optim.Optimizer` or `model` not an `nn.Module`.
+        ValueError: `optimizer` is a `composable.optim.Muon` (its step communicates), already
+            steps in backward or has its state offloaded (`offload_optimizer_state`), none of
+            its parameters is in a `fully_shard` group of `model` with `CPUOffloadPolicy`, or
+            such a group computes in float16 (a GradScaler needs every gradient before any step).
+        RuntimeError (during backward): a parameter's gradient reduced a second time before
+            `optimizer.step()` (accumulation without `no_sync`).
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"{_API}: 'optimizer' must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{_API}: 'model' must be an nn.Module, got {type(model).__name__}")
+    if isinstance(optimizer, Muon):
+        raise ValueError(
+            f"{_API}: composable.optim.Muon's step sends whole matrices between ranks, which cannot run beside backward"
+        )
+    if _OWNER_ATTR in optimizer.__dict__:
+        raise ValueError(f"{_API}: 'optimizer' already steps in backward; call close() on the first one")
+    if getattr(optimizer, STATE_ON_HOST_ATTR, False):
+        raise ValueError(
+            f"{_API}: 'optimizer' has its state offloaded (offload_optimizer_state), which steps on the GPU; "
+            "step_in_backward steps CPUOffloadPolicy's host parameters"
+        )
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    groups = [
+        group
+        for module in model.modules()
+        if (state := fully_shard.state(module)) is not None
+        for group in state.groups
+        if group.config.offload and any(id(mp.sharded) in stepped for mp in group.params)
+    ]
+    if not groups:
+        raise ValueError(
+            f"{_API}: no parameter of 'optimizer' is in a fully_shard group of 'model' ({type(model).__name__}) "
+            "with CPUOffloadPolicy; only host parameters step in backward"
+        )
+    for group in groups:
+        if torch.float16 in (group.dtypes.unsharded, group.dtypes.orig):
+            raise ValueError(
+                f"{_API}: a fully_shard group of 'model' computes in float16, whose GradScaler needs every "
+                "gradient unscaled and checked before any step; use bfloat16, or step after backward"
+            )
+    names = {id(p): name for name, p in model.named_parameters()}
+    return HostStepInBackward(optimizer, [group.reducer.options for group in groups], names)
+
+
+class HostStepInBackward:
+    """An optimizer whose offloaded parameters step during backward (`step_in_backward`)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, options: list[Any], names: dict[int, str]) -> None:
+        self.optimizer = optimizer
+        self._names = names
+        self._owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        self._parts = StepInParts(optimizer, _OWNER_ATTR, self)
+        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="composable-host-step")
+        self._pending: list[concurrent.futures.Future[None]] = []
+        self._stepped: list[torch.Tensor] = []  # since the last optimizer.step(): stepped or being stepped
+        self._stepped_ids: set[int] = set()
+        # The host's threads as the caller set them: a new thread starts with the process's default.
+        self._threads = torch.get_num_threads()
+        self._options = options
+        for opts in options:
+            opts.host_grads_hook = self._landed
+        self._hooks = [optimizer.register_state_dict_pre_hook(lambda *_: self.wait())]
+
+    def _landed(self, handed: list[torch.Tensor], kept: list[torch.Tensor], ready: torch.cuda.Event | None) -> None:
+        """A reduction's gradients are (or will be, at `ready`) in host memory: step them on the worker."""
+        again = next((p for p in handed + kept if id(p) in self._stepped_ids), None)
+        if again is not None:
+            raise RuntimeError(
+                f"{_API}: the gradient of {self._names.get(id(again), 'a parameter')!r} was reduced a second time "
+                "before optimizer.step(), after its step in backward; accumulate gradients under no_sync"
+            )
+        mine = [p for p in handed if id(p) in self._owned]
+        if not mine:
+            return
+        mark_stepped_in_backward(mine, True)
+        self._stepped_ids.update(id(p) for p in mine)
+        self._stepped += mine
+        self._pending.append(self._worker.submit(self._step_part, mine, ready))
+
+    def _step_part(self, params: list[torch.Tensor], ready: torch.cuda.Event | None) -> None:
+        """On the worker: wait for the gradients' copy to the host, then step `params`."""
+        if torch.get_num_threads() != self._threads:
+            torch.set_num_threads(self._threads)
+        if ready is not None:
+            ready.synchronize()
+        self._parts.step_part(self._parts.part_groups(params))
+
+    def step(self, closure: Callable[[], Any] | None = None) -> None:
+        """`optimizer.step`: the user's pre-hooks, the steps begun in backward finished, the
+        parameters not stepped there stepped, the user's post-hooks."""
+        if closure is not None:
+            raise ValueError(f"{_API}: optimizer.step(closure) is not supported: the parameters step during backward")
+        self._parts.run_pre_hooks(_API)
+        self._threads = torch.get_num_threads()
+        self.wait()
+        rest = [p for group in self.optimizer.param_groups for p in group["params"] if id(p) not in self._stepped_ids]
+        if rest:
+            self._parts.step_part(self._parts.part_groups(rest))
+        self._forget_stepped()
+        self._parts.run_post_hooks()
+
+    def _forget_stepped(self) -> None:
+        mark_stepped_in_backward(self._stepped, False)
+        self._stepped.clear()
+        self._stepped_ids.clear()
+
+    def wait(self) -> None:
+        """Wait for the steps begun in backward (re-raising the first error of one)."""
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()
+
+    def close(self) -> None:
+        """Finish what runs, remove the hooks and give `optimizer` its plain step back."""
+        self.wait()
+        self._forget_stepped()
+        for opts in self._options:
+            opts.host_grads_hook = None
+        for hook in self._hooks:
+            hook.remove()
+        self._worker.shutdown()
+        self._parts.restore()
