@@ -27,6 +27,8 @@ import torch.distributed as dist
 from torch.amp.grad_scaler import GradScaler, _MultiDeviceReplicator
 from torch.distributed.tensor import DTensor
 
+from ._engine.params.wrappers import local_tensor
+
 __all__ = ["ShardedGradScaler"]
 
 _API = "ShardedGradScaler"
@@ -165,7 +167,7 @@ class ShardedGradScaler(GradScaler):
                     grad = param.grad
                     if grad is None:
                         continue
-                    local = grad._local_tensor if isinstance(grad, DTensor) else grad
+                    local = local_tensor(grad)
                     if local.is_sparse:
                         if local.dtype == torch.float16 and not local.is_coalesced():
                             # Duplicate indices are added by coalesce(); in fp16 those sums may

@@ -34,6 +34,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from .._engine.params.wrappers import local_tensor
+
 __all__ = ["LocalMatrix", "map_whole_matrices", "whole_matrices"]
 
 
@@ -103,7 +105,7 @@ def whole_matrices(
             raise ValueError(f"{api}: the tensors' dtypes differ ({', '.join(dtypes)}); pass 'wire_dtype'")
         wire_dtype = tensors[0].dtype
     wire = wire_dtype or torch.float32
-    locals_ = [_Rows((t._local_tensor if isinstance(t, DTensor) else t).to(wire)) for t in tensors]
+    locals_ = [_Rows(local_tensor(t).to(wire)) for t in tensors]
     results = map_whole_matrices(fn, locals_, tensors, wire)
     return [
         DTensor.from_local(r, t.device_mesh, t.placements, shape=t.shape, stride=t.stride(), run_check=False)

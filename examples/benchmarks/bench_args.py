@@ -23,7 +23,7 @@ from benchmarks.bench_build import (
 from benchmarks.bench_float8 import FLOAT8_MISSING, float8_available
 from benchmarks.bench_mesh import MESH_DEFAULT_RUNS, add_mesh_args, mesh_errors
 from benchmarks.bench_optim import OPTIMIZERS
-from models.model import PRESETS, ModelConfig, get_config, width_overrides
+from models.model import PRESETS, ModelConfig, config_from_flags, width_overrides
 from trainer.parallel import MOE_EXPERTS
 
 
@@ -198,12 +198,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
-    """The preset, at `--seq-len`, with the width/depth flags applied."""
-    width = width_overrides(args.preset, args.dim, args.n_heads, args.ffn_dim)
-    moe = {"n_experts": MOE_EXPERTS} if getattr(args, "moe", False) else {}
-    if moe and getattr(args, "moe_capacity_factor", None):
-        moe["moe_capacity_factor"] = args.moe_capacity_factor
-    fused = getattr(args, "fused_projections", None)
-    return get_config(
-        args.preset, max_seq_len=args.seq_len, n_layers=args.n_layers, fused_projections=fused, **width, **moe
+    """The preset at exactly `--seq-len`, with the width/depth flags applied (`--dim` alone also
+    sets the heads and the ffn width); no vocabulary or tied-embedding flags here."""
+    moe = getattr(args, "moe", False)
+    return config_from_flags(
+        args.preset,
+        seq_len=args.seq_len,
+        exact_seq_len=True,
+        derive_width=True,
+        dim=args.dim,
+        n_layers=args.n_layers,
+        n_heads=args.n_heads,
+        ffn_dim=args.ffn_dim,
+        n_experts=MOE_EXPERTS if moe else None,
+        # Read only with --moe; 0 (or none) leaves the preset's 0, no token dropped.
+        moe_capacity_factor=getattr(args, "moe_capacity_factor", None) if moe else None,
+        fused_projections=getattr(args, "fused_projections", None),
     )

@@ -20,13 +20,13 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
 from estimator.estimate_comm import CommEstimate, estimate_comm
 from estimator.estimate_memory import MemoryEstimate, estimate_memory, n_params
 from estimator.estimate_setup import OFFLOADS, OPTIMIZER_STATES, PARALLEL, Setup, UsageError, config_from_hf
 from estimator.estimate_time import DEFAULT_TFLOPS, Links, TimeEstimate, estimate_time, parse_bandwidth
-from models.model import PRESETS, get_config
+from models.model import PRESETS, config_from_flags
 
 GiB = 2**30
 
@@ -112,8 +112,10 @@ def setup_from_args(a: argparse.Namespace) -> Setup:
             if getattr(a, flag) is not None and getattr(a, flag) < 1:
                 raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(a, flag)}")
         try:
-            cfg = get_config(
+            # No MoE or fused-projection flags here; --tie-embeddings absent: the preset's.
+            cfg = config_from_flags(
                 a.preset,
+                seq_len=a.seq_len,
                 dim=a.dim,
                 n_layers=a.n_layers,
                 n_heads=a.n_heads,
@@ -123,7 +125,6 @@ def setup_from_args(a: argparse.Namespace) -> Setup:
             )
         except ValueError as e:
             raise UsageError(str(e).removeprefix("ModelConfig: ")) from None
-    cfg = replace(cfg, max_seq_len=max(cfg.max_seq_len, a.seq_len))
     return Setup(
         cfg,
         a.world_size,

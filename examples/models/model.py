@@ -106,6 +106,45 @@ def width_overrides(preset: str, dim: int | None, n_heads: int | None, ffn_dim: 
     return {k: v for k, v in out.items() if v is not None}
 
 
+def config_from_flags(
+    preset: str,
+    *,
+    seq_len: int | None,
+    exact_seq_len: bool = False,
+    derive_width: bool = False,
+    dim: int | None = None,
+    n_layers: int | None = None,
+    n_heads: int | None = None,
+    ffn_dim: int | None = None,
+    vocab_size: int | None = None,
+    tie_embeddings: bool | None = None,
+    n_experts: int | None = None,
+    moe_capacity_factor: float | None = None,
+    fused_projections: bool | None = None,
+) -> ModelConfig:
+    """The ModelConfig a command line describes: `preset` with each field a flag set (None: the
+    preset's). `derive_width`: `--dim` alone also sets the heads and the ffn width
+    (`width_overrides`). max_seq_len grows to `seq_len` when that is longer; with `exact_seq_len`
+    it is `seq_len`, shorter too. ValueError (from ModelConfig or `get_config`) for a bad shape."""
+    width = {"dim": dim, "n_heads": n_heads, "ffn_dim": ffn_dim}
+    if derive_width:
+        width.update(width_overrides(preset, dim, n_heads, ffn_dim))
+    cfg = get_config(
+        preset,
+        **width,
+        n_layers=n_layers,
+        vocab_size=vocab_size,
+        tie_embeddings=tie_embeddings,
+        n_experts=n_experts,
+        moe_capacity_factor=moe_capacity_factor,
+        fused_projections=fused_projections,
+        max_seq_len=seq_len if exact_seq_len else None,
+    )
+    if seq_len is not None and seq_len > cfg.max_seq_len:
+        cfg = replace(cfg, max_seq_len=seq_len)
+    return cfg
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()

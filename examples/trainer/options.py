@@ -10,7 +10,6 @@ which train.py calls on every rank before it builds anything; `cuda_graph_mode` 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
 import re
@@ -19,7 +18,7 @@ import tempfile
 
 import torch
 
-from models.model import PRESET_LR, ModelConfig, get_config
+from models.model import PRESET_LR, ModelConfig, config_from_flags
 from models.moe import NOT_CAPTURABLE as MOE_NOT_CAPTURABLE
 from trainer import fault_tolerance
 from trainer.data import VOCAB_SIZE, ByteCorpus
@@ -229,8 +228,9 @@ def check_out_dir(out: str) -> str | None:
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
     """The preset with the size flags applied; max_seq_len grows to --seq-len if needed."""
-    cfg = get_config(
+    return config_from_flags(
         args.preset,
+        seq_len=args.seq_len,
         dim=args.dim,
         n_layers=args.n_layers,
         n_heads=args.n_heads,
@@ -241,9 +241,6 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
         moe_capacity_factor=getattr(args, "moe_capacity_factor", None),
         fused_projections=getattr(args, "fused_projections", None),
     )
-    if args.seq_len is not None and args.seq_len > cfg.max_seq_len:
-        cfg = dataclasses.replace(cfg, max_seq_len=args.seq_len)
-    return cfg
 
 
 if __name__ == "__main__":  # cd examples; python -m trainer.options --flags: check a command line without training

@@ -198,12 +198,42 @@ def _train_steps(
 ) -> dict[str, Any] | None:
     """The steps from `start_step` to `--steps`, each appended to `history` (and to `metrics` on
     rank 0), evaluating and checkpointing on schedule; the result of a `--stop-after` stop, else None."""
-    model, optimizer, device, dp_rank, seq_len = built.model, built.optimizer, job.device, job.dp_rank, job.seq_len
-    watchdog, say = job.watchdog, job.say
     rank = dist.get_rank()
-    pipeline = built.pipeline
-    eval_loss = pipeline.forward_loss if pipeline is not None else None
     fault = FAULT.fullmatch(args.fault) if args.fault else None
+    run_step, manager = _step_runner(args, job, built, start_step)
+    bar = ProgressBar(args.steps, start_step, job.verbose)
+    last_val = next((h["val_loss"] for h in reversed(history) if h.get("val_loss") is not None), None)
+    if job.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(job.device)
+    built.model.train()
+    step = start_step
+    while step < args.steps:
+        step = next_step(manager, step)
+        job.watchdog.progress(step, "forward/backward")
+        # --fault (tests): die or stall here.
+        if fault and fault[2] != "EXITHANG" and int(fault[1]) == rank and int(fault[3]) == step:
+            time.sleep(0.2)  # let the heartbeat of this step land first, as it would in a real stall
+            os.kill(os.getpid(), getattr(signal, "SIG" + fault[2]))
+        timed = _timed_step(args, job, built, corpus, run_step, manager, step, tokens_per_step, tally)
+        if timed is None:  # a group died during it: taken again
+            step -= 1
+            continue
+        record, mem = timed
+        last_val = _after_step(args, job, built, corpus, history, metrics, bar, record, mem, last_val, tally)
+        if args.stop_after is not None and step >= args.stop_after:
+            bar.close()
+            return {"history": history, "stopped_at": step, "run_dir": job.run.path, "run_id": job.run.run_id}
+    bar.close()
+    job.watchdog.progress(args.steps, "done")
+    return None
+
+
+def _step_runner(args: argparse.Namespace, job: Job, built: Built, start_step: int) -> tuple[TrainStep, Any]:
+    """(the function that takes one training step on a batch's inputs and targets and returns its
+    loss sum and gradient norm, the torchft Manager or None): the pipeline's step under --pp, else
+    `make_train_step`'s, stepping through the Manager under --fault-tolerant (which joins the
+    quorum at `start_step`); as a CUDA graph (`graphed_step`) when `built.graphs`."""
+    model, optimizer, pipeline = built.model, built.optimizer, built.pipeline
     hsdp_accum = args.parallel == "hsdp" and args.grad_accum > 1
     # --fault-tolerant: the train step steps through the Manager; checkpoints take the optimizer.
     stepper, manager = (
@@ -212,90 +242,113 @@ def _train_steps(
         else (optimizer, None)
     )
     train_step = (
-        pipeline.make_train_step(optimizer, args, device)
+        pipeline.make_train_step(optimizer, args, job.device)
         if pipeline
         else make_train_step(model, stepper, built.scaler, args, hsdp_accum)
     )
     # Two eager steps (lazy init, compilation, NCCL set-up), then captured once and replayed.
-    run_step: TrainStep = graphed_step(train_step, warmup=2) if built.graphs else train_step
-    bar = ProgressBar(args.steps, start_step, job.verbose)
-    last_val = next((h["val_loss"] for h in reversed(history) if h.get("val_loss") is not None), None)
+    return (graphed_step(train_step, warmup=2) if built.graphs else train_step), manager
+
+
+def _timed_step(
+    args: argparse.Namespace,
+    job: Job,
+    built: Built,
+    corpus: ByteCorpus,
+    run_step: TrainStep,
+    manager: Any,
+    step: int,
+    tokens_per_step: int,
+    tally: Tally,
+) -> tuple[dict[str, Any], str] | None:
+    """Step `step` at its scheduled learning rate on its batch, timed to the end of its work on the
+    device: (its history record, with `val_loss` None, and the memory line for the progress bar),
+    its time and tokens added to `tally`. None, and nothing added, when the Manager did not commit
+    it (a group died during it)."""
+    device, seq_len = job.device, job.seq_len
+    t0 = time.perf_counter()
+    lr = lr_at(step, args)
+    set_lr(built.optimizer, lr)  # in place when graphed: the graph reads the lr tensor at every replay
+    # The step's batch depends only on (seed, step, data-parallel rank); micro-batches are
+    # slices of it, so --grad-accum 2 --batch-size 4 sees the data of --batch-size 8.
+    xs, ys = get_batch(
+        corpus.train,
+        args.batch_size * args.grad_accum,
+        seq_len,
+        seed=args.seed,
+        step=step,
+        rank=job.dp_rank,
+        device=device,
+    )
+    loss_sum, norm = run_step(xs, ys)  # tensors: read here, outside a graph
+    grad_norm = None if norm is None else norm.item()
+    train_loss = world_mean(loss_sum)  # also waits for the step to finish
+    if not committed(manager, step):
+        return None
     if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    model.train()
-    step = start_step
-    while step < args.steps:
-        step = next_step(manager, step)
-        watchdog.progress(step, "forward/backward")
-        if (
-            fault and fault[2] != "EXITHANG" and int(fault[1]) == rank and int(fault[3]) == step
-        ):  # tests: die or stall here
-            time.sleep(0.2)  # let the heartbeat of this step land first, as it would in a real stall
-            os.kill(os.getpid(), getattr(signal, "SIG" + fault[2]))
-        t0 = time.perf_counter()
-        lr = lr_at(step, args)
-        set_lr(optimizer, lr)  # in place when graphed: the graph reads the lr tensor at every replay
-        # The step's batch depends only on (seed, step, data-parallel rank); micro-batches are
-        # slices of it, so --grad-accum 2 --batch-size 4 sees the data of --batch-size 8.
-        xs, ys = get_batch(
-            corpus.train,
-            args.batch_size * args.grad_accum,
-            seq_len,
-            seed=args.seed,
-            step=step,
-            rank=dp_rank,
-            device=device,
+        torch.cuda.synchronize(device)
+    dt = time.perf_counter() - t0
+    if tally.first_step_done is None:
+        tally.first_step_done = t0 + dt - job.t_start
+    tally.train_time += dt
+    tally.train_tokens += tokens_per_step
+    mem_gib, mem = memory_string(device)
+    record: dict[str, Any] = {
+        "step": step,
+        "loss": train_loss,
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "tokens_per_s": tokens_per_step / dt,
+        "mem_gib": mem_gib,
+        "time_s": dt,
+        "val_loss": None,
+    }
+    return record, mem
+
+
+def _after_step(
+    args: argparse.Namespace,
+    job: Job,
+    built: Built,
+    corpus: ByteCorpus,
+    history: list[dict[str, Any]],
+    metrics: MetricsLog | None,
+    bar: ProgressBar,
+    record: dict[str, Any],
+    mem: str,
+    last_val: float | None,
+    tally: Tally,
+) -> float | None:
+    """What follows step `record["step"]`: the held-out evaluation when it is due (every
+    --eval-every steps and at the last; its loss into `record`), `record` appended to `history`
+    (and to `metrics`, whose JSON is rewritten on an evaluating or checkpointing step), such a
+    step marked busy in `tally`, the progress bar, and the checkpoint when one is due (every
+    --ckpt-every steps and at the last). Returns the newest held-out loss (`last_val` if none now)."""
+    step, train_loss = record["step"], record["loss"]
+    evaluating = step == args.steps or (args.eval_every and step % args.eval_every == 0)
+    if evaluating:
+        job.watchdog.progress(step, "evaluation")
+        eval_loss = built.pipeline.forward_loss if built.pipeline is not None else None
+        record["val_loss"] = last_val = evaluate(
+            built.model, corpus, args, job.seq_len, job.dp_rank, job.device, eval_loss
         )
-        loss_sum, norm = run_step(xs, ys)  # tensors: read here, outside a graph
-        grad_norm = None if norm is None else norm.item()
-        train_loss = world_mean(loss_sum)  # also waits for the step to finish
-        if not committed(manager, step):  # a group died during it: taken again
-            step -= 1
-            continue
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        dt = time.perf_counter() - t0
-        if tally.first_step_done is None:
-            tally.first_step_done = t0 + dt - job.t_start
-        tally.train_time += dt
-        tally.train_tokens += tokens_per_step
-        mem_gib, mem = memory_string(device)
-        record: dict[str, Any] = {
-            "step": step,
-            "loss": train_loss,
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "tokens_per_s": tokens_per_step / dt,
-            "mem_gib": mem_gib,
-            "time_s": dt,
-            "val_loss": None,
-        }
-        evaluating = step == args.steps or (args.eval_every and step % args.eval_every == 0)
-        if evaluating:
-            watchdog.progress(step, "evaluation")
-            record["val_loss"] = last_val = evaluate(model, corpus, args, seq_len, dp_rank, device, eval_loss)
-            say(f"step {step:>5}: train loss {train_loss:.4f}  val loss {last_val:.4f}")
-        history.append(record)
-        saving = args.ckpt_every and (step % args.ckpt_every == 0 or step == args.steps)
+        job.say(f"step {step:>5}: train loss {train_loss:.4f}  val loss {last_val:.4f}")
+    history.append(record)
+    saving = args.ckpt_every and (step % args.ckpt_every == 0 or step == args.steps)
+    if evaluating or saving:
+        tally.busy_steps.add(step)
+    if metrics is not None:
+        metrics.append(record)
         if evaluating or saving:
-            tally.busy_steps.add(step)
-        if metrics is not None:
-            metrics.append(record)
-            if evaluating or saving:
-                metrics.write_json(history)
-        bar.update(
-            f"loss {train_loss:.3f}"
-            + (f" val {last_val:.3f}" if last_val is not None else "")
-            + f" | {tokens_per_step / dt:,.0f} tok/s | {mem}"
-        )
-        if saving:
-            _save(args, job, built, step, history)
-        if args.stop_after is not None and step >= args.stop_after:
-            bar.close()
-            return {"history": history, "stopped_at": step, "run_dir": job.run.path, "run_id": job.run.run_id}
-    bar.close()
-    watchdog.progress(args.steps, "done")
-    return None
+            metrics.write_json(history)
+    bar.update(
+        f"loss {train_loss:.3f}"
+        + (f" val {last_val:.3f}" if last_val is not None else "")
+        + f" | {record['tokens_per_s']:,.0f} tok/s | {mem}"
+    )
+    if saving:
+        _save(args, job, built, step, history)
+    return last_val
 
 
 def _save(args: argparse.Namespace, job: Job, built: Built, step: int, history: list[dict[str, Any]]) -> None:
