@@ -234,13 +234,14 @@ def test_progress_bar_in_a_log_is_written_once_when_it_closes() -> None:
         ["--cpu-offload", "compute-shard-on-device"],
         ["--cpu-offload", "optimizer-state"],  # its copies in during backward
         ["--cpu-offload", "optimizer-state", "--activation-checkpointing"],  # streamed at the step
+        ["--cpu-offload", "--step-in-backward", "--max-norm", "0"],  # the host step during backward
         ["--max-norm", "0.05"],  # clipping active on every step
     ],
     ids=lambda f: " ".join(f),
 )
 def test_parallelism_flags_train_the_same_model(tmp_path: Path, flags: list[str]) -> None:
     """Every data-parallel layout computes the same math on the same global batch."""
-    extra = ("--max-norm", "0.05") if "--max-norm" in flags else ()
+    extra = ("--max-norm", flags[flags.index("--max-norm") + 1]) if "--max-norm" in flags else ()
     expected = _reference(4, extra)
     got = _losses(
         _run(SMALL + ["--steps", "4", "--eval-every", "0", "--ckpt-every", "0", "--out", str(tmp_path / "run"), *flags])

@@ -274,6 +274,18 @@ def test_nonsense_flag_values_are_refused_with_one_line(
             ["--cpu-offload", "optimizer-state", "--optimizer", "muon"],
             "--cpu-offload optimizer-state steps in buckets, and Muon's step communicates: pass --cpu-offload host",
         ),
+        (
+            ["--step-in-backward", "--max-norm", "0"],
+            "--step-in-backward steps CPUOffloadPolicy's host parameters: pass --cpu-offload host",
+        ),
+        (
+            ["--cpu-offload", "--step-in-backward"],
+            "--step-in-backward steps before the norm to clip with is known: pass --max-norm 0, got 1",
+        ),
+        (
+            ["--cpu-offload", "--step-in-backward", "--max-norm", "0", "--mp", "fp16"],
+            "--step-in-backward takes AdamW, without --mp fp16 (a GradScaler) or --pp (pipeline stages)",
+        ),
     ],
 )
 def test_offload_combinations_refused_with_one_line(

@@ -101,6 +101,12 @@ def _add_layout_flags(p: argparse.ArgumentParser) -> None:
         "(composable.optim.offload_optimizer_state) (default: no offload)",
     )
     p.add_argument(
+        "--step-in-backward",
+        action="store_true",
+        help="with --cpu-offload host or compute-shard-on-device: each group's host optimizer step runs during "
+        "backward, as its gradients reach the host (composable.optim.step_in_backward); needs --max-norm 0",
+    )
+    p.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=None,

@@ -105,6 +105,13 @@ def validate(args: argparse.Namespace) -> str | None:
         return f"--parallel hsdp --tp-size {args.tp_size} with --pp {args.pp}: pipeline stages take --parallel tp"
     if args.cpu_offload == "optimizer-state" and args.optimizer == "muon":
         return "--cpu-offload optimizer-state steps in buckets, and Muon's step communicates: pass --cpu-offload host"
+    if args.step_in_backward:
+        if args.cpu_offload not in PARAMS_ON_HOST:
+            return "--step-in-backward steps CPUOffloadPolicy's host parameters: pass --cpu-offload host"
+        if args.max_norm > 0:
+            return f"--step-in-backward steps before the norm to clip with is known: pass --max-norm 0, got {args.max_norm:g}"
+        if args.mp == "fp16" or args.optimizer == "muon" or args.pp > 1:
+            return "--step-in-backward takes AdamW, without --mp fp16 (a GradScaler) or --pp (pipeline stages)"
     if args.cpu_offload in PARAMS_ON_HOST and args.parallel == "replicate":
         return "--cpu-offload needs --parallel fsdp, hsdp or tp (replicate has no offload policy)"
     if args.cuda_graph == "on":

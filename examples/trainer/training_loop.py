@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from composable import ShardedGradScaler, fully_shard, graphed_step
-from composable.optim import offload_optimizer_state
+from composable.optim import offload_optimizer_state, step_in_backward
 from models.model import ModelConfig, Transformer, count_parameters
 from trainer.checkpointing import checkpoint_dirs, load_newest_intact, save_checkpoint
 from trainer.data import ByteCorpus, get_batch
@@ -149,6 +149,8 @@ def build(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> Bu
         sharded = any(fully_shard.state(m) is not None for m in model.modules())
         prefetch = model if sharded and not args.activation_checkpointing else None
         offload_optimizer_state(optimizer, prefetch_in_backward=prefetch)
+    if args.step_in_backward:  # each group's host step as its gradients land, beside the rest of backward
+        step_in_backward(optimizer, model)
     scaler = ShardedGradScaler(enabled=args.mp == "fp16")
     return Built(model, n_params, pipeline, optimizer, scaler, graphs, graphs_why, lighthouse)
 
