@@ -397,3 +397,33 @@ def _init_on_host(rank: int, world_size: int) -> None:
 @requires_gpus(1)
 def test_offloaded_weights_initialise_as_without_offload() -> None:
     run_on_ranks(_init_on_host, 1, backend="cpu:gloo,cuda:nccl")
+
+
+def _backward_peak(rank: int, world_size: int, n_layers: int) -> int:
+    """The peak GPU memory of one backward above what the device held before its forward, for
+    a stack of `n_layers` 1024 x 1024 layers, each its own pinned-offload fully_shard group."""
+    mesh = init_device_mesh("cuda", (world_size,))
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(n_layers)]).cuda()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model:
+        fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy())
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy())
+    x = torch.randn(16, 1024, device="cuda")
+    model(x).sum().backward()  # the lazy init's allocations first
+    model.zero_grad()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    model(x).sum().backward()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+@requires_gpus(1)
+def test_pinned_offload_frees_each_reduced_gradient_on_the_device_once_copied() -> None:
+    """With pinned offload each group's reduced gradients go to the host as they are reduced; the
+    GPU's copy is freed then, not at the end of backward, so backward's peak does not grow with
+    the number of groups (it grew by 4 MiB, a layer's fp32 gradient, per layer)."""
+    small, large = (run_on_ranks(_backward_peak, 1, n, backend="cpu:gloo,cuda:nccl")[0] for n in (4, 12))
+    assert large - small < 16 * 2**20, f"backward's peak grew by {(large - small) / 2**20:.1f} MiB for 8 more layers"

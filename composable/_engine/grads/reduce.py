@@ -196,8 +196,7 @@ class GradReducer:
         flat_in = comm.chunk_cat(pieces, world, dtype, device, None if custom is None else custom.allocate)
         if pre != 1.0:
             flat_in.div_(pre)
-        # Clear the caller's list too (`launch` holds it): the unsharded gradients are freed
-        # here, before the output is allocated, not when `launch` returns.
+        # Clear the caller's list too (`launch` holds it): the gradients are freed before the output is made.
         grads.clear()
         del pieces
         streams = self.streams
@@ -242,6 +241,8 @@ class GradReducer:
                 self._average(red)
                 if self.spec.pin_host and red.all_reduced:
                     red.host_output = comm.copy_to_pinned_host(out, self.spec.dtypes.orig)
+                    if all(present) and custom is None:  # the host copy is all that is read: free the GPU's
+                        red.output = red.host_output
                 red.event = streams.reduce.record_event()
                 streams.after_reduce(red.event, flat_in)
         self._assign_early(red)
@@ -321,11 +322,10 @@ class GradReducer:
 
     def hand_over_on_host(self, red: Reduction) -> None:
         """Offload with a host-grads hook: point the sharded gradients at `red`'s host copy now,
-        during backward, and hand them to the hook (so their host step can start while backward
-        goes on). Only a complete reduction (not HSDP's deferred replica sum) with every gradient
-        present on this rank; a parameter that already has a gradient keeps it, to be summed at
-        the end of backward, and is named to the hook as kept. CPU: the reduction is waited for
-        here (its output is already on the host)."""
+        during backward, and hand them to the hook (their host step can start while backward goes
+        on). Only a complete reduction (not HSDP's deferred sum) with every gradient present here;
+        a parameter that has a gradient keeps it (summed at the end of backward) and is named to
+        the hook as kept. CPU: the reduction is waited for here (its output is on the host)."""
         hook = self.options.host_grads_hook
         if hook is None or not red.all_reduced or not all(red.present):
             return
@@ -349,7 +349,7 @@ class GradReducer:
                 handed.append(sp)
             else:
                 kept.append(sp)
-        hook(handed, kept, red.event if red.output.device.type == "cuda" else None)
+        hook(handed, kept, red.event)
 
     def finish(self) -> None:
         """Wait for launched reductions and accumulate them into the sharded gradients."""
@@ -357,7 +357,7 @@ class GradReducer:
             for work in red.works:
                 work.wait()
             if red.event is not None:
-                current_stream(red.output.device).wait_event(red.event)
+                current_stream(self.spec.device).wait_event(red.event)
         for red in self.pending:
             if not red.all_reduced:
                 self._partial = red.output if self._partial is None else self._partial.add_(red.output)
