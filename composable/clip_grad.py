@@ -8,17 +8,16 @@ versions. This module computes the norm from the local tensors instead:
 1. group the gradients by ``(mesh, placements)``;
 2. per group, one ``torch._foreach_norm`` over the local tensors gives the group's local
    ``sum |x|^p`` (``max |x|`` for ``inf``);
-3. a group's local value covers only this rank's pieces of its gradients, so it is reduced
-   over exactly the mesh dimensions on which the gradients are *sharded* (``Shard``,
-   ``_StridedShard``); over ``Replicate`` dimensions every rank already holds the same
-   values and summing would count them twice. All groups that need a reduction over the
-   same process group share one tensor: one ``all_reduce`` (SUM, or MAX for ``inf``) per
-   distinct process group, however many parameters or meshes there are;
+3. a group's local value covers only this rank's pieces of its gradients, so it is reduced over
+   exactly the mesh dimensions on which the gradients are *sharded* (``Shard``, ``_StridedShard``);
+   over ``Replicate`` dimensions every rank holds the same values and summing would count them
+   twice. Groups reduced over the same process group share one tensor: one ``all_reduce`` (SUM,
+   or MAX for ``inf``) per distinct process group, however many parameters or meshes there are;
 4. the clip coefficient ``min(max_norm / (total + 1e-6), 1)`` scales every local tensor in
    place, with ``torch._foreach_mul_`` per (device, dtype).
 
-Plain-tensor gradients are taken as replicated (the same on every rank, as after DDP); they
-add to the norm locally and need no communication.
+Plain-tensor gradients are taken as replicated (the same on every rank, as after DDP); they add
+to the norm locally and need no communication.
 """
 
 from __future__ import annotations
@@ -82,20 +81,17 @@ def clip_grad_norm_(
         float64) so that half-precision gradients cannot overflow it. ``tensor(0.)`` when
         there are no gradients.
 
-    Communication: at most one ``all_reduce`` per distinct process group of the mesh
-    dimensions over which some parameter is sharded (none for a size-1 dimension). The
-    collectives are planned from the parameters, not from their gradients, so a rank whose
-    gradients are all ``None`` joins the same collectives as the others (and returns the same
-    total norm).
-    A gradient with a ``Partial`` placement is first redistributed to ``Replicate`` on that
-    dimension (one extra collective for each such gradient; autograd never produces them
-    for parameters of ``fully_shard``/``replicate``).
+    Communication: at most one ``all_reduce`` per distinct process group of the mesh dimensions
+    over which some parameter is sharded (none for a size-1 dimension). The collectives are
+    planned from the parameters, not from their gradients, so a rank whose gradients are all
+    ``None`` joins the same collectives as the others (and returns the same total norm). A
+    gradient with a ``Partial`` placement is first redistributed to ``Replicate`` on that dimension
+    (one extra collective each; autograd never makes them for ``fully_shard``/``replicate``).
 
     Raises:
         TypeError/ValueError: a bad ``max_norm``, ``norm_type`` or ``foreach``.
-        RuntimeError: ``error_if_nonfinite`` and a non-finite norm, ``foreach=True`` on a
-            device without foreach kernels, or a parameter already stepped in this backward
-            (``composable.optim.step_in_backward``).
+        RuntimeError: ``error_if_nonfinite`` and a non-finite norm, ``foreach=True`` on a device
+            without foreach kernels, or a parameter stepped in this backward (``step_in_backward``).
     """
     max_norm_f = _check_max_norm(max_norm)
     p = _check_norm_type(norm_type)
@@ -148,13 +144,15 @@ def _total_norm(
     p: float,
     error_if_nonfinite: bool,
     foreach: bool | None,
+    known_norms: dict[tuple[int, torch.dtype], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The total p-norm of the values of ``entries``, pairs ``(layout, value)``.
 
     ``layout`` (a parameter, or the value itself) decides the group, the accumulation dtype
     and so the collectives; ``value`` (its gradient, or ``None``) only adds to a group's local
     partial value. Every rank passes the same layouts in the same order, so every rank issues
-    the same collectives, whichever values it holds.
+    the same collectives, whichever values it holds. ``known_norms``: norms of local values
+    already computed as `norm_of_local` computes them, by (id of the local tensor, dtype).
     """
     if not entries:
         return torch.tensor(0.0)
@@ -220,7 +218,7 @@ def _total_norm(
                 if ranks not in comm:
                     comm[ranks] = (pg, _comm_device(mesh.device_type))
                 pgs.append(ranks)
-        values.append(_local_value(locals_, p, acc_dtype, foreach, out_device))
+        values.append(_local_value(locals_, p, acc_dtype, foreach, out_device, known_norms))
         needs.append(pgs)
 
     # 3. One all_reduce per process group. Every rank meets the groups in the order of the
@@ -323,24 +321,46 @@ def _local_value(
     acc_dtype: torch.dtype,
     foreach: bool | None,
     device_if_empty: torch.device,
+    known_norms: dict[tuple[int, torch.dtype], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """This rank's ``sum |x|^p`` (``max |x|`` for inf) over ``tensors``, 0-dim, in ``acc_dtype``."""
     if not tensors:
         return torch.zeros((), dtype=acc_dtype, device=device_if_empty)
     parts: list[torch.Tensor] = []
     first_device = tensors[0].device
+    known = known_norms or {}
     for device, ts in _by_device_and_dtype(tensors):
-        if _use_foreach(ts, device, foreach):
+        missing = [t for t in ts if (id(t), acc_dtype) not in known] if known else ts
+        if not missing:
+            computed: list[torch.Tensor] = []
+        elif _use_foreach(missing, device, foreach):
             # dtype=acc_dtype: a half-precision norm would overflow at 65504.
-            norms = torch._foreach_norm(ts, p, dtype=acc_dtype)
+            computed = list(torch._foreach_norm(missing, p, dtype=acc_dtype))
         else:
-            norms = tuple(torch.linalg.vector_norm(t, p, dtype=acc_dtype) for t in ts)
-        stacked = torch.stack(norms)
+            computed = [norm_of_local(t, p, acc_dtype) for t in missing]
+        if known:
+            fresh = iter(computed)
+            computed = [known[(id(t), acc_dtype)] if (id(t), acc_dtype) in known else next(fresh) for t in ts]
+        stacked = torch.stack(computed)
         parts.append((stacked.max() if p == math.inf else stacked.pow(p).sum()).to(first_device))
     if len(parts) == 1:
         return parts[0]
     stacked = torch.stack(parts)
     return stacked.max() if p == math.inf else stacked.sum()
+
+
+def grad_norm_with_known_norms(
+    params: list[torch.Tensor], p: float, known: dict[tuple[int, torch.dtype], torch.Tensor]
+) -> torch.Tensor:
+    """`clip_grad_norm_(params, _, p)`'s total norm, bit for bit, the local norms in `known`
+    (`norm_of_local`'s, by id and dtype) taken as they are."""
+    return _total_norm([(q, q.grad) for q in params], p, False, None, known)
+
+
+def norm_of_local(tensor: torch.Tensor, p: float, acc_dtype: torch.dtype) -> torch.Tensor:
+    """A local tensor's p-norm in ``acc_dtype`` as the total norm takes a host tensor's (the host's foreach norm)."""
+    norm: torch.Tensor = torch.linalg.vector_norm(tensor, p, dtype=acc_dtype)
+    return norm
 
 
 def _by_device_and_dtype(tensors: list[torch.Tensor]) -> list[tuple[torch.device, list[torch.Tensor]]]:

@@ -97,6 +97,57 @@ def test_equals_fsdp2_offload_bit_for_bit(on_device: bool, fused: bool) -> None:
     run_on_ranks(_against_fsdp2, 2, "cpu", on_device, fused)
 
 
+def _clipped_against_fsdp2(rank: int, world_size: int, max_norm: float, fused: bool) -> list[float]:
+    """Ours stepping in backward with `max_norm` against FSDP2's offload with
+    `composable.clip_grad_norm_` between backward and the step: the same total norm, losses,
+    parameters and AdamW state every step, whether the norm clips or not. Returns the norms."""
+    from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffloadPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    ours = _wrap(TinyTransformer(), mesh=mesh, offload_policy=CPUOffloadPolicy())
+    torch.manual_seed(0)
+    theirs = TinyTransformer()
+    for layer in theirs.layers:
+        torch_fully_shard(layer, mesh=mesh, offload_policy=TorchCPUOffloadPolicy(pin_memory=False))
+    torch_fully_shard(theirs, mesh=mesh, offload_policy=TorchCPUOffloadPolicy(pin_memory=False))
+    models = [ours, theirs]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, fused=fused) for m in models]
+    handle = step_in_backward(opts[0], ours, max_norm=max_norm)
+    norms = []
+    for step in range(STEPS + 1):
+        tokens = batch_for(step, world_size, rank)
+        loss = lm_loss(ours, tokens)
+        loss.backward()
+        opts[0].step()
+        opts[0].zero_grad()
+        their_loss = lm_loss(theirs, tokens)
+        their_loss.backward()
+        their_norm = clip_grad_norm_(theirs.parameters(), max_norm)
+        opts[1].step()
+        opts[1].zero_grad()
+        assert torch.equal(loss, their_loss), f"step {step} loss"
+        assert handle.total_norm is not None and torch.equal(handle.total_norm, their_norm), (
+            f"step {step} norm {handle.total_norm} against {their_norm}"
+        )
+        _assert_same(ours, theirs, opts, step)
+        norms.append(float(their_norm))
+    return norms
+
+
+@pytest.mark.parametrize(
+    ("max_norm", "fused", "expected"),
+    [(1e-3, False, "always"), (1e6, True, "never"), (3.7, True, "sometimes")],
+    ids=["always_clips", "never_clips_fused", "clips_sometimes_fused"],
+)
+def test_clipping_equals_clip_grad_norm_bit_for_bit(max_norm: float, fused: bool, expected: str) -> None:
+    norms = run_on_ranks(_clipped_against_fsdp2, 2, max_norm, fused)[0]
+    clipped = [norm > max_norm for norm in norms]
+    seen = "always" if all(clipped) else "never" if not any(clipped) else "sometimes"
+    assert seen == expected, norms
+
+
 def _against_plain(rank: int, world_size: int, hsdp: bool, accumulate: bool) -> None:
     """Ours stepping in backward against our own offload stepping after it, on an HSDP mesh or
     with two micro-batches (the first under no_sync), and with a parameter outside the model
@@ -156,6 +207,12 @@ def _refusals_at_the_call(rank: int, world_size: int) -> None:
         step_in_backward([], model)  # type: ignore[arg-type]  # the wrong call under test
     with pytest.raises(TypeError, match=api + "'model' must be an nn.Module, got str"):
         step_in_backward(opt, "model")  # type: ignore[arg-type]  # the wrong call under test
+    with pytest.raises(ValueError, match=api + "'max_norm' must be a number >= 0 or None, got -1.0"):
+        step_in_backward(opt, model, max_norm=-1.0)
+    with pytest.raises(ValueError, match=api + r"'norm_type' must be a number > 0 \(or inf\), got 0"):
+        step_in_backward(opt, model, max_norm=1.0, norm_type=0)
+    with pytest.raises(ValueError, match=api + "'max_norm' must be a number >= 0 or None, got '1'"):
+        step_in_backward(opt, model, max_norm="1")  # type: ignore[arg-type]  # the wrong call under test
     with pytest.raises(ValueError, match=api + "composable.optim.Muon's step sends whole matrices"):
         step_in_backward(Muon([nn.Parameter(torch.zeros(4, 4))]), model)
     with pytest.raises(ValueError, match=api + r"no parameter of 'optimizer' is in a fully_shard group of 'model' "):

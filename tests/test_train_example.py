@@ -235,6 +235,7 @@ def test_progress_bar_in_a_log_is_written_once_when_it_closes() -> None:
         ["--cpu-offload", "optimizer-state"],  # its copies in during backward
         ["--cpu-offload", "optimizer-state", "--activation-checkpointing"],  # streamed at the step
         ["--cpu-offload", "--step-in-backward", "--max-norm", "0"],  # the host step during backward
+        ["--cpu-offload", "--step-in-backward", "--max-norm", "0.05"],  # ... speculative: clipping every step
         ["--max-norm", "0.05"],  # clipping active on every step
     ],
     ids=lambda f: " ".join(f),

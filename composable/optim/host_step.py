@@ -9,6 +9,13 @@ arithmetic hides behind the GPU's backward; `optimizer.step()` waits for what is
 backward reaches last: the first blocks and the root's own parameters) and steps the parameters
 no reduction handed over (not offloaded, HSDP's deferred replica sum, accumulated gradients).
 
+Clipping (`max_norm`) needs the norm of every gradient before any parameter moves, and that is
+known only when backward ends. So each group steps speculatively, as if no clipping were needed:
+its parameters and state are first copied aside (`StepBackup`) and its gradients' norms taken
+(on the worker too). `optimizer.step()` then has the total norm from those norms, exactly as
+`clip_grad_norm_` computes it; where it clips nothing (most steps once training settles) the
+steps stand, and otherwise they are taken back and taken again with the clipped gradients.
+
 What cannot be exact once a parameter has moved is refused, not approximated: clipping after
 backward (`composable.clip_grad_norm_` names it), a GradScaler's unscale and inf check (fp16 is
 refused here), gradients accumulated over several backwards without `no_sync` (the second
@@ -19,13 +26,16 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
 
 from .._engine.optimizer.optim_state import STATE_ON_HOST_ATTR, mark_stepped_in_backward
+from .._engine.params.wrappers import local_tensor
+from ..clip_grad import clip_grads_with_norm_, grad_norm_with_known_norms, norm_of_local
 from ..fsdp import fully_shard
+from ._step_backup import StepBackup
 from ._step_in_parts import StepInParts
 from .muon import Muon
 
@@ -33,7 +43,9 @@ _API = "composable.optim.step_in_backward"
 _OWNER_ATTR = "_composable_step_in_backward"  # on the optimizer: its HostStepInBackward
 
 
-def step_in_backward(optimizer: torch.optim.Optimizer, model: nn.Module) -> "HostStepInBackward":
+def step_in_backward(
+    optimizer: torch.optim.Optimizer, model: nn.Module, max_norm: float | None = None, norm_type: float = 2.0
+) -> "HostStepInBackward":
     """Step `optimizer`'s CPU-offloaded parameters during backward, each group's as soon as its
     reduced gradients are in host memory.
 
@@ -48,15 +60,24 @@ def step_in_backward(optimizer: torch.optim.Optimizer, model: nn.Module) -> "Hos
     this before making an LR scheduler: both replace `optimizer.step`.
 
     Gradient accumulation: under `no_sync` (or `set_requires_gradient_sync(False)`) for all but
-    the last micro-batch, whose backward reduces and steps. Gradient clipping cannot follow a
-    step that already ran: `composable.clip_grad_norm_` over parameters stepped in this backward
-    raises; clip without this function (the host step then runs after backward).
+    the last micro-batch, whose backward reduces and steps.
 
-    Returns the `HostStepInBackward` (`close()`: the hooks removed, the plain step back).
+    `max_norm`: clip as `composable.clip_grad_norm_(model.parameters(), max_norm, norm_type)`
+    would between backward and `optimizer.step()`, bit for bit, with the same total norm (the
+    handle's `total_norm` after each step). Each group steps speculatively during backward,
+    after its parameters and state are copied aside; `optimizer.step()` takes the steps back and
+    again with the clipped gradients when the norm clips (or is not finite). That costs host
+    memory for one copy of the offloaded parameters and their state, and, on a step that clips,
+    the whole host step after backward. Without `max_norm`, `composable.clip_grad_norm_` over a
+    parameter stepped in this backward raises: a step that ran cannot be clipped.
+
+    Returns the `HostStepInBackward` (`close()`: the hooks removed, the plain step back;
+    `total_norm`: the last step's gradient norm with `max_norm`, else None).
 
     Raises:
         TypeError: `optimizer` is not a `torch.optim.Optimizer` or `model` not an `nn.Module`.
-        ValueError: `optimizer` is a `composable.optim.Muon` (its step communicates), already
+        ValueError: `max_norm` not a number >= 0 or None, `norm_type` not a number > 0 (or inf);
+            `optimizer` is a `composable.optim.Muon` (its step communicates), already
             steps in backward or has its state offloaded (`offload_optimizer_state`), none of
             its parameters is in a `fully_shard` group of `model` with `CPUOffloadPolicy`, or
             such a group computes in float16 (a GradScaler needs every gradient before any step).
@@ -67,6 +88,13 @@ def step_in_backward(optimizer: torch.optim.Optimizer, model: nn.Module) -> "Hos
         raise TypeError(f"{_API}: 'optimizer' must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"{_API}: 'model' must be an nn.Module, got {type(model).__name__}")
+    for name, value, low in (("max_norm", max_norm, 0.0), ("norm_type", norm_type, None)):
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if (value is not None or name == "norm_type") and not (
+            number and (value >= low if low is not None else value > 0)  # type: ignore[operator]  # a number here
+        ):
+            bound = ">= 0 or None" if low is not None else "> 0 (or inf)"
+            raise ValueError(f"{_API}: '{name}' must be a number {bound}, got {value!r}")
     if isinstance(optimizer, Muon):
         raise ValueError(
             f"{_API}: composable.optim.Muon's step sends whole matrices between ranks, which cannot run beside backward"
@@ -98,7 +126,10 @@ def step_in_backward(optimizer: torch.optim.Optimizer, model: nn.Module) -> "Hos
                 "gradient unscaled and checked before any step; use bfloat16, or step after backward"
             )
     names = {id(p): name for name, p in model.named_parameters()}
-    return HostStepInBackward(optimizer, [group.reducer.options for group in groups], names)
+    handle = HostStepInBackward(optimizer, [group.reducer.options for group in groups], names)
+    if max_norm is not None:
+        handle.clip_as(list(model.parameters()), float(max_norm), float(norm_type))
+    return handle
 
 
 class HostStepInBackward:
@@ -119,6 +150,16 @@ class HostStepInBackward:
         for opts in options:
             opts.host_grads_hook = self._landed
         self._hooks = [optimizer.register_state_dict_pre_hook(lambda *_: self.wait())]
+        # Clipping (`clip_as`): the parameters clipped, max_norm, norm_type; the steps' backup and
+        # the local gradients' norms taken on the worker, by (id(local gradient), dtype).
+        self._clip: tuple[list[torch.Tensor], float, float] | None = None
+        self._backup = StepBackup()
+        self._norms: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self.total_norm: torch.Tensor | None = None
+
+    def clip_as(self, params: list[torch.Tensor], max_norm: float, norm_type: float) -> None:
+        """Clip as `clip_grad_norm_(params, max_norm, norm_type)` before each step (see `step_in_backward`)."""
+        self._clip = (params, max_norm, norm_type)
 
     def _landed(self, handed: list[torch.Tensor], kept: list[torch.Tensor], ready: torch.cuda.Event | None) -> None:
         """A reduction's gradients are (or will be, at `ready`) in host memory: step them on the worker."""
@@ -142,6 +183,12 @@ class HostStepInBackward:
             torch.set_num_threads(self._threads)
         if ready is not None:
             ready.synchronize()
+        if self._clip is not None:  # stepped speculatively: the norms, and what the step overwrites
+            p = self._clip[2]
+            for param in params:
+                grad = local_tensor(cast(torch.Tensor, param.grad))
+                self._norms[(id(grad), torch.float32)] = norm_of_local(grad, p, torch.float32)
+            self._backup.save(params, self.optimizer.state)
         self._parts.step_part(self._parts.part_groups(params))
 
     def step(self, closure: Callable[[], Any] | None = None) -> None:
@@ -153,10 +200,27 @@ class HostStepInBackward:
         self._threads = torch.get_num_threads()
         self.wait()
         rest = [p for group in self.optimizer.param_groups for p in group["params"] if id(p) not in self._stepped_ids]
+        if self._clip is not None and self._clips():  # the speculative steps are taken back
+            self._backup.restore(self._stepped, self.optimizer.state)
+            rest += self._stepped
         if rest:
             self._parts.step_part(self._parts.part_groups(rest))
         self._forget_stepped()
         self._parts.run_post_hooks()
+
+    def _clips(self) -> bool:
+        """The total norm (as clip_grad_norm_ takes it); the gradients clipped; whether that
+        changed them (a coefficient below 1, or not a number)."""
+        assert self._clip is not None
+        params, max_norm, p = self._clip
+        total = grad_norm_with_known_norms(params, p, self._norms)
+        self._norms.clear()
+        self.total_norm = total
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        if bool(coef >= 1.0):
+            return False  # clip_grads_with_norm_ would multiply by 1.0: the same values
+        clip_grads_with_norm_(params, max_norm, total)
+        return True
 
     def _forget_stepped(self) -> None:
         mark_stepped_in_backward(self._stepped, False)

@@ -104,7 +104,8 @@ def _add_layout_flags(p: argparse.ArgumentParser) -> None:
         "--step-in-backward",
         action="store_true",
         help="with --cpu-offload host or compute-shard-on-device: each group's host optimizer step runs during "
-        "backward, as its gradients reach the host (composable.optim.step_in_backward); needs --max-norm 0",
+        "backward, as its gradients reach the host (composable.optim.step_in_backward); with --max-norm, "
+        "speculatively: taken back and again when the norm clips",
     )
     p.add_argument(
         "--compile",

@@ -108,10 +108,11 @@ def validate(args: argparse.Namespace) -> str | None:
     if args.step_in_backward:
         if args.cpu_offload not in PARAMS_ON_HOST:
             return "--step-in-backward steps CPUOffloadPolicy's host parameters: pass --cpu-offload host"
-        if args.max_norm > 0:
-            return f"--step-in-backward steps before the norm to clip with is known: pass --max-norm 0, got {args.max_norm:g}"
-        if args.mp == "fp16" or args.optimizer == "muon" or args.pp > 1:
-            return "--step-in-backward takes AdamW, without --mp fp16 (a GradScaler) or --pp (pipeline stages)"
+        if args.mp == "fp16" or args.optimizer == "muon" or args.pp > 1 or args.fault_tolerant:
+            return (
+                "--step-in-backward takes AdamW, without --mp fp16 (a GradScaler), --pp (pipeline stages) "
+                "or --fault-tolerant (its vote to commit comes after backward)"
+            )
     if args.cpu_offload in PARAMS_ON_HOST and args.parallel == "replicate":
         return "--cpu-offload needs --parallel fsdp, hsdp or tp (replicate has no offload policy)"
     if args.cuda_graph == "on":

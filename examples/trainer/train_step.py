@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from composable import ShardedGradScaler, clip_grad_norm_, fully_shard, no_sync
+from composable.optim import HostStepInBackward
 from models.model import lm_loss
 from models.moe import set_aux_grad_scale
 from trainer.schedule import build_optimizer
@@ -44,6 +45,7 @@ def make_train_step(
     scaler: ShardedGradScaler,
     args: argparse.Namespace,
     hsdp_accum: bool,
+    in_backward: HostStepInBackward | None = None,
 ) -> TrainStep:
     """`step(xs, ys) -> (loss_sum, grad_norm)`: one optimizer step over the batch (xs, ys),
     split into `args.grad_accum` micro-batches. `loss_sum` is this rank's mean loss over the
@@ -52,7 +54,10 @@ def make_train_step(
 
     `hsdp_accum` (--parallel hsdp with --grad-accum > 1): the micro-batches keep
     reduce-scattering and only the all-reduce across replicas waits for the last one; else
-    all but the last micro-batch run under `no_sync` (no communication at all)."""
+    all but the last micro-batch run under `no_sync` (no communication at all).
+
+    `in_backward` (--step-in-backward): the optimizer's offloaded groups step during backward,
+    and it clips with --max-norm itself (speculatively), so the step only reads its norm."""
     grad_accum, max_norm = args.grad_accum, args.max_norm  # read once: a graph freezes them anyway
     # MoE layers' load-balancing gradient: scaled as the loss is (a fp16 scaler's scale is a tensor).
     moe = set_aux_grad_scale(model, 1.0 / grad_accum)
@@ -73,11 +78,13 @@ def make_train_step(
                 scaler.scale(loss).backward()
             loss_sum += loss.detach()
         grad_norm = None
-        if max_norm > 0:
+        if max_norm > 0 and in_backward is None:
             scaler.unscale_(optimizer)  # clip the true gradients (no-op unless fp16)
             grad_norm = clip_grad_norm_(model.parameters(), max_norm)
         scaler.step(optimizer)
         scaler.update()
+        if in_backward is not None and max_norm > 0:
+            grad_norm = in_backward.total_norm
         optimizer.zero_grad(set_to_none=True)
         return loss_sum, grad_norm
 

@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from composable import ShardedGradScaler, fully_shard, graphed_step
-from composable.optim import offload_optimizer_state, step_in_backward
+from composable.optim import HostStepInBackward, offload_optimizer_state, step_in_backward
 from models.model import ModelConfig, Transformer, count_parameters
 from trainer.checkpointing import checkpoint_dirs, load_newest_intact, save_checkpoint
 from trainer.data import ByteCorpus, get_batch
@@ -69,6 +69,7 @@ class Built:
     graphs: bool  # the step runs as a CUDA graph
     graphs_why: str
     lighthouse: Any  # the torchft lighthouse address under --fault-tolerant, else None
+    in_backward: HostStepInBackward | None = None  # --step-in-backward: it also clips (--max-norm)
 
 
 @dataclasses.dataclass
@@ -149,10 +150,10 @@ def build(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> Bu
         sharded = any(fully_shard.state(m) is not None for m in model.modules())
         prefetch = model if sharded and not args.activation_checkpointing else None
         offload_optimizer_state(optimizer, prefetch_in_backward=prefetch)
-    if args.step_in_backward:  # each group's host step as its gradients land, beside the rest of backward
-        step_in_backward(optimizer, model)
+    # Each group's host step as its gradients land, beside the rest of backward (clipping: speculative).
+    in_backward = step_in_backward(optimizer, model, args.max_norm or None) if args.step_in_backward else None
     scaler = ShardedGradScaler(enabled=args.mp == "fp16")
-    return Built(model, n_params, pipeline, optimizer, scaler, graphs, graphs_why, lighthouse)
+    return Built(model, n_params, pipeline, optimizer, scaler, graphs, graphs_why, lighthouse, in_backward)
 
 
 def resume(args: argparse.Namespace, job: Job, built: Built) -> tuple[int, list[dict[str, Any]]]:
@@ -246,7 +247,7 @@ def _step_runner(args: argparse.Namespace, job: Job, built: Built, start_step: i
     train_step = (
         pipeline.make_train_step(optimizer, args, job.device)
         if pipeline
-        else make_train_step(model, stepper, built.scaler, args, hsdp_accum)
+        else make_train_step(model, stepper, built.scaler, args, hsdp_accum, built.in_backward)
     )
     # Two eager steps (lazy init, compilation, NCCL set-up), then captured once and replayed.
     return (graphed_step(train_step, warmup=2) if built.graphs else train_step), manager
