@@ -6,6 +6,8 @@ reduction hands over). What cannot be exact is refused in one line each."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn as nn
@@ -14,7 +16,7 @@ from _models import TinyTransformer, batch_for, lm_loss
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from composable import CPUOffloadPolicy, MixedPrecisionPolicy, clip_grad_norm_, fully_shard
+from composable import CPUOffloadPolicy, MixedPrecisionPolicy, clip_grad_norm_, fully_shard, replicate
 from composable.optim import Muon, offload_optimizer_state, step_in_backward
 
 STEPS = 3
@@ -178,6 +180,47 @@ def test_equals_plain_offload(hsdp: bool, accumulate: bool) -> None:
     run_on_ranks(_against_plain, 2, hsdp, accumulate)
 
 
+def _checkpoint_resume(rank: int, world_size: int, path: str) -> None:
+    """A DCP checkpoint taken between steps (get_state_dict waits for the steps begun in backward)
+    resumes bit for bit, clipping included, as the run that never stopped."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    mesh = init_device_mesh("cpu", (world_size,))
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = _wrap(TinyTransformer(), mesh=mesh, offload_policy=CPUOffloadPolicy())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        step_in_backward(opt, model, max_norm=3.7)
+        return model, opt
+
+    def train(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+        lm_loss(model, batch_for(step, world_size, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+
+    model, opt = build()
+    for step in range(2):
+        train(model, opt, step)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    for step in (2, 3):
+        train(model, opt, step)
+    resumed, resumed_opt = build()
+    msd, osd = get_state_dict(resumed, resumed_opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(resumed, resumed_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for step in (2, 3):
+        train(resumed, resumed_opt, step)
+    _assert_same(resumed, model, [resumed_opt, opt], 3)
+
+
+def test_checkpoint_resumes_bit_for_bit(tmp_path: Path) -> None:
+    run_on_ranks(_checkpoint_resume, 2, str(tmp_path))
+
+
 def _refusals_in_the_loop(rank: int, world_size: int) -> None:
     mesh = init_device_mesh("cpu", (world_size,))
     torch.manual_seed(0)
@@ -217,6 +260,9 @@ def _refusals_at_the_call(rank: int, world_size: int) -> None:
         step_in_backward(Muon([nn.Parameter(torch.zeros(4, 4))]), model)
     with pytest.raises(ValueError, match=api + r"no parameter of 'optimizer' is in a fully_shard group of 'model' "):
         step_in_backward(torch.optim.AdamW(plain.parameters()), plain)
+    replicated = replicate(TinyTransformer(), mesh=mesh)  # replicate has no offload policy
+    with pytest.raises(ValueError, match=api + r"no parameter of 'optimizer' is in a fully_shard group of 'model' "):
+        step_in_backward(torch.optim.AdamW(replicated.parameters()), replicated)
     fp16 = _wrap(
         TinyTransformer(),
         mesh=mesh,
