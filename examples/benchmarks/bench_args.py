@@ -28,7 +28,26 @@ from trainer.parallel import MOE_EXPERTS
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The benchmark's flags, checked (one `p.error` line for each wrong combination) and with
+    what they derive filled in (the model's widths, --runs and --compile defaults)."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    _check_and_derive(p, args)
+    return args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The flags: the model, what runs and how, what is written, the mesh."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_model_flags(p)
+    _add_run_flags(p)
+    _add_output_flags(p)
+    add_mesh_args(p)
+    return p
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    """The model measured: the preset, which implementation, and its size flags."""
     p.add_argument("--preset", default="1b", choices=sorted(PRESETS))
     p.add_argument(
         "--model",
@@ -42,6 +61,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--n-heads", type=int, default=None, help="attention heads (default with --dim: the preset's head dim)"
     )
     p.add_argument("--ffn-dim", type=int, default=None, help="feed-forward width (default with --dim: Llama's 8/3 dim)")
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    """What runs and how: batch, steps and rounds, the contenders, compilation and the training recipe."""
     p.add_argument("--batch-size", type=int, default=4, help="local (per-GPU) batch")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--steps", type=int, default=10, help="timed steps per run per round")
@@ -54,8 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help=f"comma list of {', '.join(ALL_RUNS)} (the *_graphed ones: the whole step in a CUDA graph; the *_offload "
         "ones: CPUOffloadPolicy, the shards, gradients and optimizer step on the host; *_offload_on_device: the bf16 "
-        "shards kept on the GPU too; *_state_offload: only the optimizer state on the host, stepped on the GPU; *_prefetch: its copies in "
-        "during backward); "
+        "shards kept on the GPU too; *_step_in_backward: each group's host step during backward; *_state_offload: only "
+        "the optimizer state on the host, stepped on the GPU; *_prefetch: its copies in during backward); "
         f"default {','.join(RUNS)}, on a 2D --mesh {','.join(MESH_DEFAULT_RUNS)}",
     )
     p.add_argument(
@@ -118,6 +141,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="none",
         help="activation checkpointing of every block of every contender: full, or selective (keeps the matmuls)",
     )
+
+
+def _add_output_flags(p: argparse.ArgumentParser) -> None:
+    """What is written besides the table: the JSON, profiles and traces; the CPU-overhead mode."""
     p.add_argument("--out", default=None, help="write results JSON here")
     p.add_argument("--profile", default="", help="comma list of runs to profile (2 extra steps each, first round)")
     p.add_argument(
@@ -126,8 +153,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --profile: write every rank's Chrome trace of each profiled run here (gzipped)",
     )
     p.add_argument("--cpu-overhead", action="store_true", help="measure hook CPU overhead on 64 tiny blocks (no GPU)")
-    add_mesh_args(p)
-    args = p.parse_args(argv)
+
+
+def _check_and_derive(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse a wrong value or combination with one line (`p.error`); fill in the derived values."""
     for flag in ("batch_size", "seq_len", "steps", "rounds"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
@@ -194,7 +223,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     error = None if args.cpu_overhead else mesh_errors(args, cfg.n_heads, cfg.ffn_dim, world, compile_off)
     if error:
         p.error(error)
-    return args
 
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
