@@ -88,13 +88,10 @@ def step_in_backward(
         raise TypeError(f"{_API}: 'optimizer' must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"{_API}: 'model' must be an nn.Module, got {type(model).__name__}")
-    for name, value, low in (("max_norm", max_norm, 0.0), ("norm_type", norm_type, None)):
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if (value is not None or name == "norm_type") and not (
-            number and (value >= low if low is not None else value > 0)  # type: ignore[operator]  # a number here
-        ):
-            bound = ">= 0 or None" if low is not None else "> 0 (or inf)"
-            raise ValueError(f"{_API}: '{name}' must be a number {bound}, got {value!r}")
+    if max_norm is not None and not (_is_number(max_norm) and max_norm >= 0):
+        raise ValueError(f"{_API}: 'max_norm' must be a number >= 0 or None, got {max_norm!r}")
+    if not (_is_number(norm_type) and norm_type > 0):
+        raise ValueError(f"{_API}: 'norm_type' must be a number > 0 (or inf), got {norm_type!r}")
     if isinstance(optimizer, Muon):
         raise ValueError(
             f"{_API}: composable.optim.Muon's step sends whole matrices between ranks, which cannot run beside backward"
@@ -130,6 +127,10 @@ def step_in_backward(
     if max_norm is not None:
         handle.clip_as(list(model.parameters()), float(max_norm), float(norm_type))
     return handle
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 class HostStepInBackward:

@@ -99,7 +99,7 @@ class RankTrace:
 
 
 @dataclass
-class Collective:
+class TracedCollective:
     """The k-th collective of one process group, on every rank (rank order)."""
 
     kind: str
@@ -204,7 +204,7 @@ def parse_rank(trace: dict, default_rank: int, base_ns: int | None = None) -> Ra
     return RankTrace(rank, nccl, ops, gpu)
 
 
-def match(ranks: list[RankTrace]) -> list[Collective]:
+def match(ranks: list[RankTrace]) -> list[TracedCollective]:
     """Collectives by start, each with its kernel on every rank: the k-th kernel of a process
     group on each rank (NCCL runs a communicator's kernels in issue order, the same on every
     rank). A group whose counts differ across ranks is matched over the common prefix, said."""
@@ -223,17 +223,17 @@ def match(ranks: list[RankTrace]) -> list[Collective]:
             if len({k.kind for k in on}) > 1:
                 print(f"process group {pg} collective {i}: kinds differ by rank {[k.kind for k in on]}")
             nbytes = next((k.nbytes for k in on if k.nbytes is not None), None)
-            out.append(Collective(on[0].kind, pg, i, nbytes, list(on)))
+            out.append(TracedCollective(on[0].kind, pg, i, nbytes, list(on)))
     return sorted(out, key=lambda c: min(k.start for k in c.on))
 
 
-def late_launched(c: Collective) -> bool:
+def late_launched(c: TracedCollective) -> bool:
     """Whether the late rank's CPU launched its kernel after the early rank's kernel began."""
     early, late = min(c.on, key=lambda k: k.start), max(c.on, key=lambda k: k.start)
     return late.launch is not None and late.launch > early.start
 
 
-def summarize(colls: list[Collective]) -> dict[str, dict[str, float]]:
+def summarize(colls: list[TracedCollective]) -> dict[str, dict[str, float]]:
     """Per collective kind: the numbers of the summary table (times in us, sizes in bytes)."""
     out = {}
     for kind in sorted({c.kind for c in colls}):
@@ -266,7 +266,7 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def report(ranks: list[RankTrace], top: int) -> list[Collective]:
+def report(ranks: list[RankTrace], top: int) -> list[TracedCollective]:
     colls = match(ranks)
     if not colls:
         print(f"no NCCL kernels in the traces of ranks {[r.rank for r in ranks]} (a CPU run has none)")
@@ -308,7 +308,7 @@ def report(ranks: list[RankTrace], top: int) -> list[Collective]:
     return colls
 
 
-def main(argv: list[str] | None = None) -> list[Collective]:
+def main(argv: list[str] | None = None) -> list[TracedCollective]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("traces", nargs="+", help="one trace per rank of one profiled run")
     p.add_argument("--top", type=int, default=10, help="collectives with the largest skew to list")

@@ -51,7 +51,7 @@ def ring_factor(kind: str, group_size: int) -> float:
 
 
 @dataclass(frozen=True)
-class Collective:
+class PlannedCollective:
     """One collective as issued by rank 0."""
 
     kind: str
@@ -71,7 +71,7 @@ class SizedCommDebugMode(CommDebugMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.records: list[Collective] = []
+        self.records: list[PlannedCollective] = []
         self.phase = "forward"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -83,7 +83,7 @@ class SizedCommDebugMode(CommDebugMode):
             self.records.append(self._describe(func, kind, args, kwargs or {}, out))
         return out
 
-    def _describe(self, func, kind: str, args: tuple, kwargs: dict, out: object) -> Collective:  # type: ignore[no-untyped-def]
+    def _describe(self, func, kind: str, args: tuple, kwargs: dict, out: object) -> PlannedCollective:  # type: ignore[no-untyped-def]
         bound = {**dict(zip([a.name for a in func._schema.arguments], args)), **kwargs}
         ranks: tuple[int, ...] = ()
         for key in ("process_group", "group_name", "group"):
@@ -96,7 +96,7 @@ class SizedCommDebugMode(CommDebugMode):
             return sum(size(x) for x in v) if isinstance(v, (list, tuple)) else 0
 
         payload = max([size(v) for v in bound.values()] + [size(out)])
-        return Collective(kind, self.phase, len(ranks), ranks, payload)
+        return PlannedCollective(kind, self.phase, len(ranks), ranks, payload)
 
 
 def _group_ranks(value: object) -> tuple[int, ...]:
@@ -119,7 +119,7 @@ class CommEstimate:
     """Per-step communication of one rank: per kind, count / payload / sent bytes, and the
     ordered collectives (for the timing model)."""
 
-    collectives: list[Collective] = field(default_factory=list)
+    collectives: list[PlannedCollective] = field(default_factory=list)
     extrapolated: bool = False
     debug_mode_counts: dict[str, int] = field(default_factory=dict)  # CommDebugMode's own
 
@@ -234,10 +234,10 @@ def extrapolate(one: CommEstimate, two: CommEstimate, n_layers: int) -> CommEsti
     (what the 2-layer probe issues beyond the 1-layer one, per phase and kind) repeated.
     Counts follow CommDebugMode's own counts extrapolated the same way."""
     n_extra = n_layers - 2
-    phases: list[Collective] = []
+    phases: list[PlannedCollective] = []
     for phase in ("forward", "backward"):
         own = [c for c in two.collectives if c.phase == phase]
-        extra: list[Collective] = []
+        extra: list[PlannedCollective] = []
         for kind in KINDS:
             a = [c for c in one.collectives if c.phase == phase and c.kind == kind]
             b = [c for c in two.collectives if c.phase == phase and c.kind == kind]
@@ -264,7 +264,9 @@ def extrapolate(one: CommEstimate, two: CommEstimate, n_layers: int) -> CommEsti
     return CommEstimate(phases, True, counts)
 
 
-def _bucket_growth(a: list[Collective], b: list[Collective], n_extra: int, own: list[Collective]) -> list[Collective]:
+def _bucket_growth(
+    a: list[PlannedCollective], b: list[PlannedCollective], n_extra: int, own: list[PlannedCollective]
+) -> list[PlannedCollective]:
     """Buckets whose boundaries moved: the extra blocks add (len(b) - len(a)) buckets each and
     exactly their bytes; with no extra bucket per block, the last bucket of `own` (in place)
     grows instead. Bytes are exact, the bucket count approximate."""

@@ -1,8 +1,8 @@
 """What `estimate.py` estimates for: the model shape and the training setup, validated.
 
 `Setup` is the single description the communication probe (estimate_comm.py), the memory
-model (estimate_memory.py) and the timing model (estimate_time.py) all read; `UsageError`
-carries a one-line message naming the flag and its value.
+model (estimate_memory.py) and the timing model (estimate_time.py) all read; `UsageError` (the
+main job's) carries a one-line message naming the flag and its value.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from composable import MixedPrecisionPolicy
 from models.model import ModelConfig
-from trainer.parallel import PARAMS_ON_HOST
+from trainer.parallel import PARAMS_ON_HOST, UsageError  # noqa: F401 (UsageError: this module's callers')
 
 OFFLOADS = (*PARAMS_ON_HOST, "optimizer-state")  # --cpu-offload's values, as train.py's
 
@@ -21,10 +21,6 @@ PARALLEL = ("fsdp", "hsdp", "tp", "replicate")
 MP = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 WRAPS = ("blocks", "separate-ends")
 OPTIMIZER_STATES = {"adamw": 2, "sgd-momentum": 1, "sgd": 0}  # fp32 tensors per parameter
-
-
-class UsageError(ValueError):
-    """A flag value that does not fit (reported as one line, exit status 2)."""
 
 
 @dataclass(frozen=True)

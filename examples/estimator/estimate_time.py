@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from estimator.estimate_comm import Collective, CommEstimate
+from estimator.estimate_comm import CommEstimate, PlannedCollective
 from estimator.estimate_setup import Setup, UsageError
 from models.model import model_flops_per_token
 
@@ -46,7 +46,7 @@ class Links:
     latency_us: float = 10.0
     gpus_per_node: int = 8
 
-    def seconds(self, c: Collective) -> float:
+    def seconds(self, c: PlannedCollective) -> float:
         nodes = {r // self.gpus_per_node for r in c.group_ranks} or {0}
         bw = self.inter_gbps if len(nodes) > 1 else self.nvlink_gbps
         return (self.latency_us * 1e-6 if c.group_size > 1 else 0.0) + c.sent_bytes / (bw * 1e9)
