@@ -68,6 +68,29 @@ def _shard_devices(rank: int, world_size: int) -> dict:
     return devices
 
 
+def _clipped_smoke(rank: int, world_size: int) -> dict:
+    runs = "fully_shard,fully_shard_offload,fully_shard_offload_step_in_backward,fsdp2_offload"
+    args = benchmark.parse_args(smoke_argv("--runs", runs, "--max-norm", "0.5"))
+    rounds = benchmark.run_rounds(args, torch.device("cpu"))
+    return {run: res["loss"] for run, res in rounds[0].items()}
+
+
+@pytest.mark.filterwarnings("ignore:DTensor random operators")
+def test_clipped_contenders_train_the_same_model() -> None:
+    """--max-norm clips every contender alike: composable.clip_grad_norm_ between backward and the
+    step, and the step in backward's own (speculative) clipping."""
+    for res in run_on_ranks(_clipped_smoke, 2, timeout=300):
+        assert len(set(res.values())) == 1 and math.isfinite(res["fully_shard"]), res
+
+
+@pytest.mark.parametrize("value", ["-1", "inf", "nan"])
+def test_max_norm_must_be_finite_and_not_negative(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        benchmark.parse_args(["--max-norm", value])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.endswith(f"error: --max-norm must be a finite number >= 0 (0: no clipping), got {float(value)}"), line
+
+
 def test_offload_shards_live_on_the_host() -> None:
     """Materialised on the host (to_empty on the CPU), as the offload policies keep them; the
     contenders without them (only the optimizer state on the host) on their compute device."""

@@ -136,6 +136,13 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend for --compile")
     p.add_argument(
+        "--max-norm",
+        type=float,
+        default=0.0,
+        help="clip every contender's gradients to this norm (composable.clip_grad_norm_; the *_step_in_backward runs "
+        "through step_in_backward's max_norm); 0: no clipping",
+    )
+    p.add_argument(
         "--ac",
         choices=AC_MODES,
         default="none",
@@ -162,6 +169,8 @@ def _check_and_derive(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.warmup < 0:
         p.error(f"--warmup must be >= 0, got {args.warmup}")
+    if not args.max_norm >= 0 or args.max_norm == float("inf"):
+        p.error(f"--max-norm must be a finite number >= 0 (0: no clipping), got {args.max_norm}")
     if args.runs is None:
         args.runs = ",".join(RUNS if args.mesh == "dp" else MESH_DEFAULT_RUNS)
     unknown = [run for run in args.runs.split(",") if run not in ALL_RUNS]

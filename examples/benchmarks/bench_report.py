@@ -58,6 +58,7 @@ def describe(args: argparse.Namespace) -> str:
     float8 = ", float8 (torchao)" if getattr(args, "float8", False) else ""
     ac = f", {args.ac} activation checkpointing" if getattr(args, "ac", "none") != "none" else ""
     optimizer = f", optimizer {args.optimizer}" if getattr(args, "optimizer", "adamw") != "adamw" else ""
+    optimizer += f", clipped at {args.max_norm:g}" if getattr(args, "max_norm", 0.0) else ""
     return (
         f"model {args.model}, preset {args.preset}{shape}{float8}{ac}{optimizer}, local batch {args.batch_size}, seq {args.seq_len}, "
         f"wrap {args.wrap}, {compiled}, {args.rounds} rounds x {args.steps} steps, torch {torch.__version__}"

@@ -66,6 +66,7 @@ from benchmarks.bench_mesh import (
 )
 from benchmarks.bench_optim import build_optimizer
 from benchmarks.bench_report import report, write_trace
+from composable import clip_grad_norm_
 from composable.optim import offload_optimizer_state, step_in_backward
 from models.model import get_config, lm_loss, model_flops_per_token  # noqa: F401 (get_config: the tests')
 from trainer.launch import host_threads_for_offload, init_torchrun_rank
@@ -73,10 +74,12 @@ from trainer.launch import host_threads_for_offload, init_torchrun_rank
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0}
 
 
-def train_step(c: Contender, opt: torch.optim.Optimizer, tokens: torch.Tensor) -> torch.Tensor:
+def train_step(c: Contender, opt: torch.optim.Optimizer, tokens: torch.Tensor, max_norm: float = 0.0) -> torch.Tensor:
     with c.autocast():
         loss = lm_loss(c.logits(c.model, tokens[:, :-1]), tokens[:, 1:])
     loss.backward()
+    if max_norm > 0:  # --max-norm: the same clipping for every contender (DTensors on any mesh)
+        clip_grad_norm_(c.model.parameters(), max_norm)
     opt.step()
     opt.zero_grad(set_to_none=True)
     c.after_step(c.model)  # float8 on FSDP-style runs: the next step's weight scales
@@ -84,16 +87,16 @@ def train_step(c: Contender, opt: torch.optim.Optimizer, tokens: torch.Tensor) -
 
 
 def make_step(
-    c: Contender, opt: torch.optim.Optimizer, graphed: bool, warmup: int
+    c: Contender, opt: torch.optim.Optimizer, graphed: bool, warmup: int, max_norm: float = 0.0
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The contender's step: `train_step`, or the same through `composable.graphed_step`,
-    which runs eagerly for all but the last of the benchmark's `warmup` steps and captures in
-    the last, so that every timed step is a replay."""
+    """The contender's step: `train_step` (clipping at `max_norm` > 0), or the same through
+    `composable.graphed_step`, which runs eagerly for all but the last of the benchmark's `warmup`
+    steps and captures in the last, so that every timed step is a replay."""
     if not graphed:
-        return lambda tokens: train_step(c, opt, tokens)
+        return lambda tokens: train_step(c, opt, tokens, max_norm)
     import composable
 
-    return composable.graphed_step(lambda tokens: train_step(c, opt, tokens), warmup=max(1, warmup - 1))
+    return composable.graphed_step(lambda tokens: train_step(c, opt, tokens, max_norm), warmup=max(1, warmup - 1))
 
 
 def _sync(device: torch.device) -> None:
@@ -202,8 +205,9 @@ def time_run(
     opt = build_optimizer(c.model, args.optimizer, 1e-4, graphed)
     prefetch = c.model if run.endswith("_prefetch") else None
     state_offload = offload_optimizer_state(opt, prefetch_in_backward=prefetch) if run in STATE_OFFLOAD_RUNS else None
-    in_backward = step_in_backward(opt, c.model) if run.endswith("_step_in_backward") else None
-    step_fn = make_step(c, opt, graphed, args.warmup)
+    # The step in backward clips itself (speculatively), as clip_grad_norm_ would.
+    in_backward = step_in_backward(opt, c.model, args.max_norm or None) if run.endswith("_step_in_backward") else None
+    step_fn = make_step(c, opt, graphed, args.warmup, 0.0 if in_backward is not None else args.max_norm)
     g = tokens_generator(mesh, device)  # the tp ranks of a group train on the same tokens
     tokens = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), device=device, generator=g)
     times = []
