@@ -99,27 +99,30 @@ def test_equals_fsdp2_offload_bit_for_bit(on_device: bool, fused: bool) -> None:
     run_on_ranks(_against_fsdp2, 2, "cpu", on_device, fused)
 
 
-def _clipped_against_fsdp2(rank: int, world_size: int, max_norm: float, fused: bool) -> list[float]:
+def _clipped_against_fsdp2(
+    rank: int, world_size: int, max_norm: float, fused: bool, device: str = "cpu"
+) -> list[float]:
     """Ours stepping in backward with `max_norm` against FSDP2's offload with
     `composable.clip_grad_norm_` between backward and the step: the same total norm, losses,
     parameters and AdamW state every step, whether the norm clips or not. Returns the norms."""
     from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffloadPolicy
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = init_device_mesh(device, (world_size,))
+    pin = device == "cuda"
     torch.manual_seed(0)
-    ours = _wrap(TinyTransformer(), mesh=mesh, offload_policy=CPUOffloadPolicy())
+    ours = _wrap(TinyTransformer().to(device), mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=pin))
     torch.manual_seed(0)
-    theirs = TinyTransformer()
+    theirs = TinyTransformer().to(device)
     for layer in theirs.layers:
-        torch_fully_shard(layer, mesh=mesh, offload_policy=TorchCPUOffloadPolicy(pin_memory=False))
-    torch_fully_shard(theirs, mesh=mesh, offload_policy=TorchCPUOffloadPolicy(pin_memory=False))
+        torch_fully_shard(layer, mesh=mesh, offload_policy=TorchCPUOffloadPolicy(pin_memory=pin))
+    torch_fully_shard(theirs, mesh=mesh, offload_policy=TorchCPUOffloadPolicy(pin_memory=pin))
     models = [ours, theirs]
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, fused=fused) for m in models]
     handle = step_in_backward(opts[0], ours, max_norm=max_norm)
     norms = []
     for step in range(STEPS + 1):
-        tokens = batch_for(step, world_size, rank)
+        tokens = batch_for(step, world_size, rank).to(device)
         loss = lm_loss(ours, tokens)
         loss.backward()
         opts[0].step()
@@ -294,3 +297,12 @@ def test_gpu_equals_fsdp2_offload_bit_for_bit(on_device: bool) -> None:
     """Compute on CUDA in bf16, the gradients copied to pinned host memory as they are reduced and
     stepped there by a worker thread while backward goes on: FSDP2's numbers, fused AdamW."""
     run_on_ranks(_against_fsdp2, 1, "cuda", on_device, True, backend="cpu:gloo,cuda:nccl")
+
+
+@requires_gpus(1)
+@pytest.mark.parametrize("max_norm", [1e-3, 1e6], ids=["always_clips", "never_clips"])
+def test_gpu_clipping_equals_clip_grad_norm_bit_for_bit(max_norm: float) -> None:
+    """On CUDA: the gradients' norms taken on the host as they land, the steps speculative, taken
+    back when the norm clips; FSDP2's offload with clip_grad_norm_'s numbers."""
+    norms = run_on_ranks(_clipped_against_fsdp2, 1, max_norm, True, "cuda", backend="cpu:gloo,cuda:nccl")[0]
+    assert all((n > max_norm) == (max_norm < 1) for n in norms), norms
