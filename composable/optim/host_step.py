@@ -156,6 +156,7 @@ class HostStepInBackward:
         self._clip: tuple[list[torch.Tensor], float, float] | None = None
         self._backup = StepBackup()
         self._norms: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self._normed: list[torch.Tensor] = []
         self.total_norm: torch.Tensor | None = None
 
     def clip_as(self, params: list[torch.Tensor], max_norm: float, norm_type: float) -> None:
@@ -189,6 +190,7 @@ class HostStepInBackward:
             for param in params:
                 grad = local_tensor(cast(torch.Tensor, param.grad))
                 self._norms[(id(grad), torch.float32)] = norm_of_local(grad, p, torch.float32)
+                self._normed.append(grad)  # alive while its id keys a norm: no other tensor takes the id
             self._backup.save(params, self.optimizer.state)
         self._parts.step_part(self._parts.part_groups(params))
 
@@ -215,7 +217,6 @@ class HostStepInBackward:
         assert self._clip is not None
         params, max_norm, p = self._clip
         total = grad_norm_with_known_norms(params, p, self._norms)
-        self._norms.clear()
         self.total_norm = total
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         if bool(coef >= 1.0):
@@ -224,6 +225,8 @@ class HostStepInBackward:
         return True
 
     def _forget_stepped(self) -> None:
+        self._norms.clear()
+        self._normed.clear()
         mark_stepped_in_backward(self._stepped, False)
         self._stepped.clear()
         self._stepped_ids.clear()
