@@ -101,10 +101,11 @@ def test_equals_fsdp2_offload_bit_for_bit(on_device: bool, fused: bool) -> None:
 
 def _clipped_against_fsdp2(
     rank: int, world_size: int, max_norm: float, fused: bool, device: str = "cpu"
-) -> list[float]:
+) -> list[tuple[float, bool, int]]:
     """Ours stepping in backward with `max_norm` against FSDP2's offload with
     `composable.clip_grad_norm_` between backward and the step: the same total norm, losses,
-    parameters and AdamW state every step, whether the norm clips or not. Returns the norms."""
+    parameters and AdamW state every step, whether the norm clips or not. Returns each step's
+    norm, whether it stepped during backward, and how many steps were taken back so far."""
     from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffloadPolicy
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
@@ -137,7 +138,7 @@ def _clipped_against_fsdp2(
             f"step {step} norm {handle.total_norm} against {their_norm}"
         )
         _assert_same(ours, theirs, opts, step)
-        norms.append(float(their_norm))
+        norms.append((float(their_norm), handle.stepped_ahead, handle.steps_taken_back))
     return norms
 
 
@@ -147,10 +148,22 @@ def _clipped_against_fsdp2(
     ids=["always_clips", "never_clips_fused", "clips_sometimes_fused"],
 )
 def test_clipping_equals_clip_grad_norm_bit_for_bit(max_norm: float, fused: bool, expected: str) -> None:
-    norms = run_on_ranks(_clipped_against_fsdp2, 2, max_norm, fused)[0]
-    clipped = [norm > max_norm for norm in norms]
+    steps = run_on_ranks(_clipped_against_fsdp2, 2, max_norm, fused)[0]
+    clipped = [norm > max_norm for norm, _, _ in steps]
     seen = "always" if all(clipped) else "never" if not any(clipped) else "sometimes"
-    assert seen == expected, norms
+    assert seen == expected, steps
+    _assert_bets(steps, clipped)
+    if expected == "sometimes":  # a step that stepped ahead and then clipped: taken back and again
+        assert steps[-1][2] >= 1, steps
+
+
+def _assert_bets(steps: list[tuple[float, bool, int]], clipped: list[bool]) -> None:
+    """Each step stepped during backward exactly when the one before clipped nothing, and a
+    step was taken back exactly when it had and then clipped."""
+    ahead = [stepped_ahead for _, stepped_ahead, _ in steps]
+    assert ahead == [False] + [not c for c in clipped[:-1]], steps
+    lost = [a and c for a, c in zip(ahead, clipped)]
+    assert [taken_back for _, _, taken_back in steps] == [sum(lost[: k + 1]) for k in range(len(steps))], steps
 
 
 def _against_plain(rank: int, world_size: int, hsdp: bool, accumulate: bool) -> None:
@@ -304,5 +317,7 @@ def test_gpu_equals_fsdp2_offload_bit_for_bit(on_device: bool) -> None:
 def test_gpu_clipping_equals_clip_grad_norm_bit_for_bit(max_norm: float) -> None:
     """On CUDA: the gradients' norms taken on the host as they land, the steps speculative, taken
     back when the norm clips; FSDP2's offload with clip_grad_norm_'s numbers."""
-    norms = run_on_ranks(_clipped_against_fsdp2, 1, max_norm, True, "cuda", backend="cpu:gloo,cuda:nccl")[0]
-    assert all((n > max_norm) == (max_norm < 1) for n in norms), norms
+    steps = run_on_ranks(_clipped_against_fsdp2, 1, max_norm, True, "cuda", backend="cpu:gloo,cuda:nccl")[0]
+    clipped = [norm > max_norm for norm, _, _ in steps]
+    assert all(c == (max_norm < 1) for c in clipped), steps
+    _assert_bets(steps, clipped)

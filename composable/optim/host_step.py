@@ -10,11 +10,17 @@ backward reaches last: the first blocks and the root's own parameters) and steps
 no reduction handed over (not offloaded, HSDP's deferred replica sum, accumulated gradients).
 
 Clipping (`max_norm`) needs the norm of every gradient before any parameter moves, and that is
-known only when backward ends. So each group steps speculatively, as if no clipping were needed:
-its parameters and state are first copied aside (`StepBackup`) and its gradients' norms taken
-(on the worker too). `optimizer.step()` then has the total norm from those norms, exactly as
-`clip_grad_norm_` computes it; where it clips nothing (most steps once training settles) the
-steps stand, and otherwise they are taken back and taken again with the clipped gradients.
+known only when backward ends. Each group's gradients' norms are taken on the worker as they
+land, so `optimizer.step()` has the total norm from them, exactly as `clip_grad_norm_` computes
+it. Whether the groups step during backward is a bet on that norm, made from the last step's:
+- the last step clipped nothing: each group steps speculatively, as if no clipping were needed,
+  after its parameters and state are copied aside (`StepBackup`); where the norm clips nothing
+  (most steps once training settles) the steps stand, else they are taken back and taken again
+  with the clipped gradients;
+- the last step clipped (or this is the first): the groups wait for `optimizer.step()`, which
+  clips and steps them all, as a plain offloaded step does, without the copies aside. Early in
+  training, when most steps clip, a bet made every step would lose every step: the copies, the
+  steps taken back and the whole host step again after backward.
 
 What cannot be exact once a parameter has moved is refused, not approximated: clipping after
 backward (`composable.clip_grad_norm_` names it), a GradScaler's unscale and inf check (fp16 is
@@ -64,15 +70,19 @@ def step_in_backward(
 
     `max_norm`: clip as `composable.clip_grad_norm_(model.parameters(), max_norm, norm_type)`
     would between backward and `optimizer.step()`, bit for bit, with the same total norm (the
-    handle's `total_norm` after each step). Each group steps speculatively during backward,
-    after its parameters and state are copied aside; `optimizer.step()` takes the steps back and
-    again with the clipped gradients when the norm clips (or is not finite). That costs host
-    memory for one copy of the offloaded parameters and their state, and, on a step that clips,
-    the whole host step after backward. Without `max_norm`, `composable.clip_grad_norm_` over a
-    parameter stepped in this backward raises: a step that ran cannot be clipped.
+    handle's `total_norm` after each step). The gradients' norms are taken as they land. After
+    a step that clipped nothing, the next backward steps each group speculatively, after its
+    parameters and state are copied aside, and `optimizer.step()` takes those steps back and
+    again with the clipped gradients if the norm clips (or is not finite) after all. After a
+    step that clipped, and on the first, the groups step in `optimizer.step()` once the norm is
+    known, as plain offload does. That costs host memory for one copy of the offloaded
+    parameters and their state. Without `max_norm`, `composable.clip_grad_norm_` over a
+    parameter handed over in this backward raises: a step that ran cannot be clipped.
 
     Returns the `HostStepInBackward` (`close()`: the hooks removed, the plain step back;
-    `total_norm`: the last step's gradient norm with `max_norm`, else None).
+    `total_norm`: the last step's gradient norm with `max_norm`, else None; `stepped_ahead`:
+    whether the last step's groups stepped during backward; `steps_taken_back`: how many
+    steps so far were taken back and taken again).
 
     Raises:
         TypeError: `optimizer` is not a `torch.optim.Optimizer` or `model` not an `nn.Module`.
@@ -143,8 +153,8 @@ class HostStepInBackward:
         self._parts = StepInParts(optimizer, _OWNER_ATTR, self)
         self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="composable-host-step")
         self._pending: list[concurrent.futures.Future[None]] = []
-        self._stepped: list[torch.Tensor] = []  # since the last optimizer.step(): stepped or being stepped
-        self._stepped_ids: set[int] = set()
+        self._handed: list[torch.Tensor] = []  # since the last optimizer.step(): handed over by a reduction
+        self._handed_ids: set[int] = set()
         # The host's threads as the caller set them: a new thread starts with the process's default.
         self._threads = torch.get_num_threads()
         self._options = options
@@ -158,14 +168,20 @@ class HostStepInBackward:
         self._norms: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self._normed: list[torch.Tensor] = []
         self.total_norm: torch.Tensor | None = None
+        # Whether this backward's groups step as they land: always without clipping; with it,
+        # the bet that this step clips nothing, made when the last one clipped nothing.
+        self._step_ahead = True
+        self.stepped_ahead = False
+        self.steps_taken_back = 0
 
     def clip_as(self, params: list[torch.Tensor], max_norm: float, norm_type: float) -> None:
         """Clip as `clip_grad_norm_(params, max_norm, norm_type)` before each step (see `step_in_backward`)."""
         self._clip = (params, max_norm, norm_type)
+        self._step_ahead = False  # no norm seen yet: the first step waits for its own
 
     def _landed(self, handed: list[torch.Tensor], kept: list[torch.Tensor], ready: torch.cuda.Event | None) -> None:
         """A reduction's gradients are (or will be, at `ready`) in host memory: step them on the worker."""
-        again = next((p for p in handed + kept if id(p) in self._stepped_ids), None)
+        again = next((p for p in handed + kept if id(p) in self._handed_ids), None)
         if again is not None:
             raise RuntimeError(
                 f"{_API}: the gradient of {self._names.get(id(again), 'a parameter')!r} was reduced a second time "
@@ -174,25 +190,30 @@ class HostStepInBackward:
         mine = [p for p in handed if id(p) in self._owned]
         if not mine:
             return
+        # Marked whether or not they step now: what clip_grad_norm_ refuses does not hang on the bet.
         mark_stepped_in_backward(mine, True)
-        self._stepped_ids.update(id(p) for p in mine)
-        self._stepped += mine
-        self._pending.append(self._worker.submit(self._step_part, mine, ready))
+        self._handed_ids.update(id(p) for p in mine)
+        self._handed += mine
+        self._pending.append(self._worker.submit(self._take_part, mine, ready, self._step_ahead))
 
-    def _step_part(self, params: list[torch.Tensor], ready: torch.cuda.Event | None) -> None:
-        """On the worker: wait for the gradients' copy to the host, then step `params`."""
+    def _take_part(self, params: list[torch.Tensor], ready: torch.cuda.Event | None, step_ahead: bool) -> None:
+        """On the worker: wait for the gradients' copy to the host; take their norms when
+        clipping; step `params` if `step_ahead` (first copying aside what the step overwrites,
+        when clipping)."""
         if torch.get_num_threads() != self._threads:
             torch.set_num_threads(self._threads)
         if ready is not None:
             ready.synchronize()
-        if self._clip is not None:  # stepped speculatively: the norms, and what the step overwrites
+        if self._clip is not None:
             p = self._clip[2]
             for param in params:
                 grad = local_tensor(cast(torch.Tensor, param.grad))
                 self._norms[(id(grad), torch.float32)] = norm_of_local(grad, p, torch.float32)
                 self._normed.append(grad)  # alive while its id keys a norm: no other tensor takes the id
-            self._backup.save(params, self.optimizer.state)
-        self._parts.step_part(self._parts.part_groups(params))
+            if step_ahead:
+                self._backup.save(params, self.optimizer.state)
+        if step_ahead:
+            self._parts.step_part(self._parts.part_groups(params))
 
     def step(self, closure: Callable[[], Any] | None = None) -> None:
         """`optimizer.step`: the user's pre-hooks, the steps begun in backward finished, the
@@ -202,13 +223,20 @@ class HostStepInBackward:
         self._parts.run_pre_hooks(_API)
         self._threads = torch.get_num_threads()
         self.wait()
-        rest = [p for group in self.optimizer.param_groups for p in group["params"] if id(p) not in self._stepped_ids]
-        if self._clip is not None and self._clips():  # the speculative steps are taken back
-            self._backup.restore(self._stepped, self.optimizer.state)
-            rest += self._stepped
+        rest = [p for group in self.optimizer.param_groups for p in group["params"] if id(p) not in self._handed_ids]
+        stepped_ahead = self._step_ahead and bool(self._handed)
+        clipped = self._clip is not None and self._clips()
+        if stepped_ahead and clipped:  # the bet lost: the speculative steps are taken back
+            self._backup.restore(self._handed, self.optimizer.state)
+            self.steps_taken_back += 1
+        if not stepped_ahead or clipped:
+            rest += self._handed
         if rest:
             self._parts.step_part(self._parts.part_groups(rest))
-        self._forget_stepped()
+        self.stepped_ahead = stepped_ahead
+        if self._clip is not None:
+            self._step_ahead = not clipped
+        self._forget_handed()
         self._parts.run_post_hooks()
 
     def _clips(self) -> bool:
@@ -224,12 +252,12 @@ class HostStepInBackward:
         clip_grads_with_norm_(params, max_norm, total)
         return True
 
-    def _forget_stepped(self) -> None:
+    def _forget_handed(self) -> None:
         self._norms.clear()
         self._normed.clear()
-        mark_stepped_in_backward(self._stepped, False)
-        self._stepped.clear()
-        self._stepped_ids.clear()
+        mark_stepped_in_backward(self._handed, False)
+        self._handed.clear()
+        self._handed_ids.clear()
 
     def wait(self) -> None:
         """Wait for the steps begun in backward (re-raising the first error of one)."""
@@ -240,7 +268,7 @@ class HostStepInBackward:
     def close(self) -> None:
         """Finish what runs, remove the hooks and give `optimizer` its plain step back."""
         self.wait()
-        self._forget_stepped()
+        self._forget_handed()
         for opts in self._options:
             opts.host_grads_hook = None
         for hook in self._hooks:
