@@ -77,8 +77,10 @@ class Recorder:
         """What a graph would replay wrongly, refused before the capture: parameters outside
         the GPU (CPU offload: the CPU's share of the step, its optimizer step included, would
         run once at capture and never again), optimizers with `capturable=False` (their
-        step counters on the CPU would never advance), and models that keep a KV cache (it
-        grows at every forward, `checkpoint`'s recompute included; a graph replays fixed shapes)."""
+        step counters on the CPU would never advance) or a tensor hyperparameter off the GPU
+        (a CPU tensor lr: kernels take its value as a scalar, so the graph would keep the
+        capture's), and models that keep a KV cache (it grows at every forward, `checkpoint`'s
+        recompute included; a graph replays fixed shapes)."""
         if self.kv_cache_users:
             raise ValueError(
                 f"{_API}: {self.kv_cache_users[0]}'s forward returned a KV cache (past_key_values): a cache "
@@ -113,6 +115,13 @@ class Recorder:
                     raise ValueError(
                         f"{_API}: {type(opt).__name__}'s param_groups[{i}] steps a parameter on {off} {_OFF_GPU}"
                     )
+                for key, value in group.items():
+                    if key != "params" and isinstance(value, torch.Tensor) and value.device.type != "cuda":
+                        raise ValueError(
+                            f"{_API}: {type(opt).__name__}'s param_groups[{i}] has its {key} tensor on "
+                            f"{value.device}: kernels would take its value once, at capture; put it on the GPU "
+                            f"(torch.tensor(..., device='cuda')) and change it in place"
+                        )
 
 
 # Settings of a fully_shard/replicate state that change what a step does.
@@ -142,7 +151,7 @@ class Snapshot:
             new = _optimizer_settings(opt)
             if new != old:
                 hint = ""
-                if any(name == "lr" for name, _, _ in _differences(old, new)):
+                if any(name == "lr" and not isinstance(now, _TensorAt) for name, _, now in _differences(old, new)):
                     hint = " (for a schedule, give lr as a tensor and change it in place)"
                 raise RuntimeError(f"{_API}: {type(opt).__name__} changed {when}: {_first_difference(old, new)}{hint}")
 
@@ -173,12 +182,21 @@ def _optimizer_settings(opt: torch.optim.Optimizer) -> tuple[tuple[str, Any], ..
         params = group["params"]
         items.append((f"param_groups[{i}] parameters", tuple(_storage_id(p) for p in params)))
         for key, value in group.items():
-            if key != "params" and not isinstance(value, torch.Tensor):
-                items.append((key, value))
+            if key == "params":
+                continue
+            # A tensor is read at every replay: it may change in place, not be replaced.
+            items.append((key, _TensorAt(_storage_id(value)) if isinstance(value, torch.Tensor) else value))
         for p in params:
             state = opt.state.get(p, {})
             items.append(("state", tuple(_storage_id(v) for v in state.values() if isinstance(v, torch.Tensor))))
     return tuple(items)
+
+
+class _TensorAt(int):
+    """A tensor hyperparameter in a snapshot: the memory the graph reads it from."""
+
+    def __repr__(self) -> str:
+        return "a tensor"
 
 
 def _storage_id(t: torch.Tensor) -> int:
@@ -201,6 +219,8 @@ def _first_difference(old: tuple[Any, ...], new: tuple[Any, ...]) -> str:
             "scale tensors at every call, which a graph cannot follow; use "
             "composable.integrations.float8.precompute_float8_dynamic_scale_for_fsdp (the same scales, in place)"
         )
+    if isinstance(was, _TensorAt) and isinstance(now, _TensorAt):
+        return f"{name} replaced by another tensor (a graph reads the captured one at every replay: change it in place)"
     if name.startswith(("parameter", "param_groups", "state")):
         return f"{name} replaced by other tensors (a graph keeps using the captured ones; build a new graphed_step)"
     return f"{name} was {was!r}, is {now!r} (a graph replays what was captured; build a new graphed_step)"

@@ -47,8 +47,10 @@ def graphed_step(step: Callable[..., T], *, warmup: int = 2) -> "GraphedStep[T]"
       `fully_shard`/`replicate` states (`set_requires_gradient_sync`, reshard and prefetch
       settings...); optimizers it stepped: their parameters, state tensors and non-tensor
       hyperparameters. A change raises `RuntimeError` naming it before anything is replayed.
-      For a learning-rate schedule give the optimizer `lr` as a tensor (`torch.tensor(lr,
-      device=...)`) and change it in place: tensors are read at every replay.
+      For a learning-rate schedule give the optimizer `lr` as a tensor on the GPU
+      (`torch.tensor(lr, device="cuda")`; `composable.optim.Muon` takes one too) and change it
+      in place: tensors are read at every replay. A tensor hyperparameter on the CPU is refused
+      before the capture (`ValueError`), one replaced by another tensor before a replay.
     - Python decisions inside `step` (branches, `.item()`, data-dependent shapes) are taken
       once, at capture; a step that synchronises with the CPU cannot be captured and
       raises `RuntimeError`. Optimizers need `capturable=True` (Adam, AdamW...), and every

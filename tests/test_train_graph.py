@@ -5,8 +5,8 @@ support, is refused in one line; `auto` resolves as documented; on the CPU a run
 as the inline loop train.py had before the step moved out (every loss and gradient norm);
 and what train.py does between two steps of a graphed run (the lr set in place, an
 evaluation, a checkpoint save) leaves everything a captured graph depends on as it was,
-checked with graphed_step's own pre-replay check. Checkpoints of graphed and eager runs load
-into each other.
+checked with graphed_step's own pre-replay check (AdamW, and --optimizer muon's MuonAdamW).
+Checkpoints of graphed and eager runs load into each other.
 """
 
 from __future__ import annotations
@@ -245,7 +245,9 @@ def _between_steps(rank: int, world: int, argv: list[str], out: str) -> None:
     # The graphed run's optimizer (fused and capturable work on the CPU too); train.py's step.
     model, optimizer, scaler, dp_rank = _build(args, graph_optimizer=True)
     lr_tensor = optimizer.param_groups[0]["lr"]
-    assert isinstance(lr_tensor, torch.Tensor) and all(g["capturable"] and g["fused"] for g in optimizer.param_groups)
+    assert isinstance(lr_tensor, torch.Tensor) and all(g["lr"] is lr_tensor for g in optimizer.param_groups)
+    adamw_groups = [g for g in optimizer.param_groups if "capturable" in g]  # --optimizer muon: Muon's have none
+    assert adamw_groups and all(g["capturable"] and g["fused"] for g in adamw_groups)
     step_fn = make_train_step(model, optimizer, scaler, args, hsdp_accum=False)
     model.train()
 
@@ -258,7 +260,7 @@ def _between_steps(rank: int, world: int, argv: list[str], out: str) -> None:
     with recorder:  # the last warm-up step: what graphed_step records and then checks
         run(2)
     snapshot = _Snapshot(recorder)
-    assert len(snapshot.modules) > 3 and snapshot.optimizers == [optimizer]
+    assert len(snapshot.modules) > 3 and snapshot.optimizers[0] is optimizer  # then MuonAdamW's own two
     # What train.py does between two replays.
     set_lr(optimizer, lr_at(3, args))
     evaluate(model, corpus, args, args.seq_len, dp_rank, torch.device("cpu"))
@@ -277,15 +279,18 @@ def _between_steps(rank: int, world: int, argv: list[str], out: str) -> None:
     saved = _saved_state(optimizer)
     for graphed in (False, True):
         model2, optimizer2, _, _ = _build(args, graph_optimizer=graphed)
-        own = [{k: g[k] for k in ("lr", "capturable", "fused", "foreach")} for g in optimizer2.param_groups]
+        own = [{k: g[k] for k in ("lr", "capturable", "fused", "foreach") if k in g} for g in optimizer2.param_groups]
         with checkpoint_ready(optimizer2):
             load_checkpoint(path, model2, optimizer2)
-        assert [{k: g[k] for k in own[0]} for g in optimizer2.param_groups] == own
+        assert [{k: g[k] for k in kept} for g, kept in zip(optimizer2.param_groups, own)] == own
         got = _saved_state(optimizer2)
         assert len(got) == len(saved) and all(torch.equal(a, b) for a, b in zip(got, saved))
         set_lr(optimizer2, lr_at(3, args))
         optimizer2.step()  # steps with the run's own settings (no grads: a no-op, but it runs)
 
 
-def test_between_steps_nothing_a_graph_depends_on_changes(tmp_path: Path) -> None:
-    run_on_ranks(_between_steps, 2, [*SMALL, "--out", str(tmp_path)], str(tmp_path / "run"))
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_between_steps_nothing_a_graph_depends_on_changes(tmp_path: Path, optimizer: str) -> None:
+    """With --optimizer muon the graphed run's MuonAdamW: its Muon groups read AdamW's lr tensor."""
+    argv = [*SMALL, "--optimizer", optimizer, "--out", str(tmp_path)]
+    run_on_ranks(_between_steps, 2, argv, str(tmp_path / "run"))

@@ -7,8 +7,8 @@ blocks' matrices and AdamW on the rest, as one optimizer.
 - the main job trains with it under `fully_shard` and `replicate` (the same losses), and a run
   stopped at a checkpoint resumes to the losses of the run that never stopped, also into another
   layout (the momentum resharded);
-- the step is not captured as a CUDA graph: `--cuda-graph on` is refused with one line naming
-  the flag, `auto` runs eagerly.
+- `--cuda-graph on` captures the step (Muon's lr a tensor, as AdamW's: test_muon_graphed.py),
+  except with `--mp fp16`, refused in one line naming the flags; `auto` runs it eagerly.
 """
 
 from __future__ import annotations
@@ -109,10 +109,18 @@ def test_the_main_job_trains_with_muon_and_resumes_as_the_run_that_never_stopped
             assert losses == full, (losses, full)
 
 
-def test_muon_is_not_captured_as_a_cuda_graph(tmp_path: Path) -> None:
+def test_cuda_graph_on_takes_muon_and_auto_runs_it_eagerly(tmp_path: Path) -> None:
     args = options.parse_args(MUON + ["--steps", "2", "--out", str(tmp_path)])
-    assert options.cuda_graph_unsupported(args, "cuda") == (
-        "--optimizer muon: Muon's step (its all-to-alls to the matrices' owners) is not captured"
+    assert options.cuda_graph_unsupported(args, "cuda") is None
+    assert options.cuda_graph_mode(args, "cuda") == (
+        False,
+        "--optimizer muon: not yet measured under a graph; --cuda-graph on to try",
     )
-    assert options.cuda_graph_mode(args, "cuda")[0] is False
+    args.cuda_graph = "on"
+    assert options.cuda_graph_mode(args, "cuda") == (True, "--cuda-graph on")
+    args.mp = "fp16"  # the scaler would read found_inf on the CPU before Muon's step
+    assert options.cuda_graph_unsupported(args, "cuda") == (
+        "--optimizer muon --mp fp16: the grad scaler reads on the CPU whether it found infs before Muon's step, "
+        "which a CUDA graph cannot hold"
+    )
     assert options.cuda_graph_unsupported(options.parse_args(SMALL + ["--out", str(tmp_path)]), "cuda") is None

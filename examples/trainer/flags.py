@@ -124,7 +124,7 @@ def _add_layout_flags(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="run each training step as a replayed CUDA graph (composable.graphed_step: no host overhead per "
         "step, for small per-GPU batches); auto: on with CUDA and --parallel fsdp, hsdp or replicate, without "
-        "--cpu-offload or --mp fp16; on: also fp16, and an unsupported run is refused",
+        "--cpu-offload, --mp fp16 or --optimizer muon; on: also fp16 or Muon, and an unsupported run is refused",
     )
 
 

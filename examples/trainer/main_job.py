@@ -29,12 +29,12 @@ Parallelism (`--parallel`; parallel.py):
 leading "pp" mesh dim, each stage parallelized as above, run by torch's Schedule<NAME>.
 
 CUDA graphs (`--cuda-graph auto|on|off`, default auto; train_step.py): on CUDA with fsdp, hsdp,
-replicate or tp (--async-tp too), without --cpu-offload, --optimizer muon or hsdp's --tp-size (and, for auto, without --mp fp16), on one rank or several, each
+replicate or tp (--async-tp too), without --cpu-offload or hsdp's --tp-size (and, for auto, without --mp fp16 or --optimizer muon), on one rank or several, each
 training step runs through `composable.graphed_step`: two eager steps, then one captured step
 replayed every step, which takes the host's per-step overhead away at small per-GPU batches.
 `--optimizer muon` (muon_adamw.py): Muon on the blocks' matrices, AdamW on the rest, one optimizer.
-The optimizer of a graphed step is a fused, capturable AdamW with a tensor learning rate set in place every
-step. The first lines of the output say which mode runs and why ("cuda graph: on (auto)",
+The optimizer of a graphed step is a fused, capturable AdamW (beside Muon with --optimizer muon) with a tensor
+learning rate set in place every step. The first lines of the output say which mode runs and why ("cuda graph: on (auto)",
 "cuda graph: off (...)").
 """
 

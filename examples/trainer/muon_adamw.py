@@ -9,7 +9,8 @@ unscale, the scaler's step and the checkpoint. `MuonAdamW` is one `torch.optim.O
 
 The learning rate is AdamW's for both: Muon's groups use `adjust_lr_fn="match_rms_adamw"`
 (Moonlight's scaling, which gives Muon's update the RMS of AdamW's), so one schedule and one
-weight decay serve every parameter.
+weight decay serve every parameter. For a CUDA graph (train_step.py) the lr is one tensor both
+read, changed in place, and AdamW is capturable.
 """
 
 from __future__ import annotations
@@ -30,24 +31,26 @@ def is_hidden_matrix(name: str, param: torch.Tensor) -> bool:
 
 class MuonAdamW(torch.optim.Optimizer):
     """`muon_class` (default `composable.optim.Muon`) over `muon_groups`, `torch.optim.AdamW` over
-    `adamw_groups`, stepped, zeroed, saved and loaded as one optimizer. `lr` and `weight_decay`
-    are every group's defaults (a group may set its own); `betas`, `eps` and `fused` are AdamW's."""
+    `adamw_groups`, stepped, zeroed, saved and loaded as one optimizer. `lr` (a float, or a
+    one-element tensor both take) and `weight_decay` are every group's defaults (a group may set
+    its own); `betas`, `eps`, `fused` and `capturable` are AdamW's."""
 
     def __init__(
         self,
         muon_groups: list[dict[str, Any]],
         adamw_groups: list[dict[str, Any]],
         *,
-        lr: float,
+        lr: float | torch.Tensor,
         weight_decay: float,
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
         fused: bool | None = None,
+        capturable: bool = False,
         muon_class: type[torch.optim.Optimizer] = Muon,
     ) -> None:
         self.muon = muon_class(muon_groups, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")
         self.adamw = torch.optim.AdamW(
-            adamw_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused
+            adamw_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused, capturable=capturable
         )
         # Optimizer's own set-up (its hooks and state); the groups are then the two optimizers' own.
         super().__init__([p for g in self._inner_groups() for p in g["params"]], {"lr": lr})

@@ -30,6 +30,7 @@ from composable import ShardedGradScaler, clip_grad_norm_, fully_shard, no_sync
 from composable.optim import HostStepInBackward
 from models.model import lm_loss
 from models.moe import set_aux_grad_scale
+from trainer.muon_adamw import MuonAdamW
 from trainer.schedule import build_optimizer
 
 TrainStep = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
@@ -96,11 +97,20 @@ def build_graph_optimizer(model: nn.Module, args: argparse.Namespace, device: to
     step inside a CUDA graph: `capturable=True` (its step counters live on the GPU, where a
     replay advances them), `fused=True` (the kernel `graphed_step` was proven with, and the one
     that lets an fp16 `ShardedGradScaler` step without reading found_inf on the CPU), and `lr`
-    a tensor on `device`, which `set_lr` changes in place."""
+    a tensor on `device`, which `set_lr` changes in place. With `--optimizer muon` the same
+    `MuonAdamW`, its Muon groups reading the same lr tensor (composable.optim.Muon steps with it
+    without reading it on the host)."""
     eager = build_optimizer(model, args)
-    groups = [{k: v for k, v in g.items() if k not in _OWN_SETTINGS} for g in eager.param_groups]
     lr = torch.tensor(args.lr, dtype=torch.float32, device=device)
-    return type(eager)(groups, lr=lr, fused=True, capturable=True)
+    if isinstance(eager, MuonAdamW):
+        muon_groups, adamw_groups = (_without_own_settings(o.param_groups) for o in (eager.muon, eager.adamw))
+        return MuonAdamW(muon_groups, adamw_groups, lr=lr, weight_decay=args.weight_decay, fused=True, capturable=True)
+    return type(eager)(_without_own_settings(eager.param_groups), lr=lr, fused=True, capturable=True)
+
+
+def _without_own_settings(groups: list[dict]) -> list[dict]:
+    """Each group's parameters and hyperparameters, for a new optimizer that sets its own lr and flags."""
+    return [{k: v for k, v in g.items() if k not in _OWN_SETTINGS} for g in groups]
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
