@@ -112,6 +112,11 @@ def _args(*flags: str) -> argparse.Namespace:
         (("cuda_graph=off",), "cuda", (False, "--cuda-graph off")),
         ((), "cpu", (False, "CUDA graphs need a CUDA device, and this rank trains on the cpu")),
         (("cuda_graph=off",), "cpu", (False, "--cuda-graph off")),
+        (
+            ("parallel=hsdp", "fault_tolerant=True"),
+            "cuda",
+            (False, "--fault-tolerant: each step's quorum and vote to commit run on the host, between the GPU's work"),
+        ),
     ],
 )
 def test_mode_resolves_as_documented(flags: tuple[str, ...], device: str, expected: tuple[bool, str]) -> None:

@@ -178,6 +178,8 @@ def cuda_graph_unsupported(args: argparse.Namespace, device_type: str) -> str | 
         )
     if getattr(args, "pp", 1) > 1:
         return "--pp: a pipeline schedule's step (its sends and receives) is not captured"
+    if getattr(args, "fault_tolerant", False):
+        return "--fault-tolerant: each step's quorum and vote to commit run on the host, between the GPU's work"
     if _moe_expert_parallel(args) and not getattr(args, "moe_capacity_factor", None):
         return MOE_NOT_CAPTURABLE
     return None
