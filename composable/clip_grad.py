@@ -42,6 +42,7 @@ from torch.utils._foreach_utils import (
     _has_foreach_support,
 )
 
+from ._engine.grads.host_norms import host_norms
 from ._engine.optimizer.optim_state import first_stepped_in_backward
 
 __all__ = ["clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm"]
@@ -152,7 +153,7 @@ def _total_norm(
     and so the collectives; ``value`` (its gradient, or ``None``) only adds to a group's local
     partial value. Every rank passes the same layouts in the same order, so every rank issues
     the same collectives, whichever values it holds. ``known_norms``: norms of local values
-    already computed as `norm_of_local` computes them, by (id of the local tensor, dtype).
+    already computed as `host_norms` computes them, by (id of the local tensor, dtype).
     """
     if not entries:
         return torch.tensor(0.0)
@@ -333,11 +334,13 @@ def _local_value(
         missing = [t for t in ts if (id(t), acc_dtype) not in known] if known else ts
         if not missing:
             computed: list[torch.Tensor] = []
+        elif device.type == "cpu" and not foreach:  # the foreach norm's bits, on every core
+            computed = host_norms(missing, p, acc_dtype)
         elif _use_foreach(missing, device, foreach):
             # dtype=acc_dtype: a half-precision norm would overflow at 65504.
             computed = list(torch._foreach_norm(missing, p, dtype=acc_dtype))
         else:
-            computed = [norm_of_local(t, p, acc_dtype) for t in missing]
+            computed = [torch.linalg.vector_norm(t, p, dtype=acc_dtype) for t in missing]
         if known:
             fresh = iter(computed)
             computed = [known[(id(t), acc_dtype)] if (id(t), acc_dtype) in known else next(fresh) for t in ts]
@@ -355,12 +358,6 @@ def grad_norm_with_known_norms(
     """`clip_grad_norm_(params, _, p)`'s total norm, bit for bit, the local norms in `known`
     (`norm_of_local`'s, by id and dtype) taken as they are."""
     return _total_norm([(q, q.grad) for q in params], p, False, None, known)
-
-
-def norm_of_local(tensor: torch.Tensor, p: float, acc_dtype: torch.dtype) -> torch.Tensor:
-    """A local tensor's p-norm in ``acc_dtype`` as the total norm takes a host tensor's (the host's foreach norm)."""
-    norm: torch.Tensor = torch.linalg.vector_norm(tensor, p, dtype=acc_dtype)
-    return norm
 
 
 def _by_device_and_dtype(tensors: list[torch.Tensor]) -> list[tuple[torch.device, list[torch.Tensor]]]:

@@ -69,7 +69,10 @@ def _shard_devices(rank: int, world_size: int) -> dict:
 
 
 def _clipped_smoke(rank: int, world_size: int) -> dict:
-    runs = "fully_shard,fully_shard_offload,fully_shard_offload_step_in_backward,fsdp2_offload"
+    runs = (
+        "fully_shard,fully_shard_offload,fully_shard_offload_step_in_backward,"
+        "fully_shard_offload_step_in_backward_speculative,fsdp2_offload"
+    )
     args = benchmark.parse_args(smoke_argv("--runs", runs, "--max-norm", "0.5"))
     rounds = benchmark.run_rounds(args, torch.device("cpu"))
     return {run: res["loss"] for run, res in rounds[0].items()}
@@ -78,7 +81,7 @@ def _clipped_smoke(rank: int, world_size: int) -> dict:
 @pytest.mark.filterwarnings("ignore:DTensor random operators")
 def test_clipped_contenders_train_the_same_model() -> None:
     """--max-norm clips every contender alike: composable.clip_grad_norm_ between backward and the
-    step, and the step in backward's own (speculative) clipping."""
+    step, and the step in backward's own clipping, speculating or not."""
     for res in run_on_ranks(_clipped_smoke, 2, timeout=300):
         assert len(set(res.values())) == 1 and math.isfinite(res["fully_shard"]), res
 

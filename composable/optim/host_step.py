@@ -11,16 +11,15 @@ no reduction handed over (not offloaded, HSDP's deferred replica sum, accumulate
 
 Clipping (`max_norm`) needs the norm of every gradient before any parameter moves, and that is
 known only when backward ends. Each group's gradients' norms are taken on the worker as they
-land, so `optimizer.step()` has the total norm from them, exactly as `clip_grad_norm_` computes
-it. Whether the groups step during backward is a bet on that norm, made from the last step's:
-- the last step clipped nothing: each group steps speculatively, as if no clipping were needed,
-  after its parameters and state are copied aside (`StepBackup`); where the norm clips nothing
-  (most steps once training settles) the steps stand, else they are taken back and taken again
-  with the clipped gradients;
-- the last step clipped (or this is the first): the groups wait for `optimizer.step()`, which
-  clips and steps them all, as a plain offloaded step does, without the copies aside. Early in
-  training, when most steps clip, a bet made every step would lose every step: the copies, the
-  steps taken back and the whole host step again after backward.
+land (on all the host's cores: host_norms.py), so `optimizer.step()` has the total norm from
+them, exactly as `clip_grad_norm_` computes it, and steps every group then. `speculate=True`
+bets on that norm from the last step's: after a step that clipped nothing, each group steps as
+it lands, after its parameters and state are copied aside (`StepBackup`); where the norm clips
+nothing the steps stand, else they are taken back and taken again with the clipped gradients.
+After a step that clipped (and on the first) it waits, as without the bet: early in training,
+when most steps clip, a bet made every step would lose every step. The copy aside moves about
+as many bytes as the step itself, so the bet pays only where backward is long enough to hide
+both (on a 16-core host with the `1b` preset at batch 4 it does not: BENCHMARKS.md).
 
 What cannot be exact once a parameter has moved is refused, not approximated: clipping after
 backward (`composable.clip_grad_norm_` names it), a GradScaler's unscale and inf check (fp16 is
@@ -37,9 +36,10 @@ from typing import Any, cast
 import torch
 import torch.nn as nn
 
+from .._engine.grads.host_norms import host_norms
 from .._engine.optimizer.optim_state import STATE_ON_HOST_ATTR, mark_stepped_in_backward
 from .._engine.params.wrappers import local_tensor
-from ..clip_grad import clip_grads_with_norm_, grad_norm_with_known_norms, norm_of_local
+from ..clip_grad import clip_grads_with_norm_, grad_norm_with_known_norms
 from ..fsdp import fully_shard
 from ._step_backup import StepBackup
 from ._step_in_parts import StepInParts
@@ -50,7 +50,11 @@ _OWNER_ATTR = "_composable_step_in_backward"  # on the optimizer: its HostStepIn
 
 
 def step_in_backward(
-    optimizer: torch.optim.Optimizer, model: nn.Module, max_norm: float | None = None, norm_type: float = 2.0
+    optimizer: torch.optim.Optimizer,
+    model: nn.Module,
+    max_norm: float | None = None,
+    norm_type: float = 2.0,
+    speculate: bool = False,
 ) -> "HostStepInBackward":
     """Step `optimizer`'s CPU-offloaded parameters during backward, each group's as soon as its
     reduced gradients are in host memory.
@@ -70,14 +74,16 @@ def step_in_backward(
 
     `max_norm`: clip as `composable.clip_grad_norm_(model.parameters(), max_norm, norm_type)`
     would between backward and `optimizer.step()`, bit for bit, with the same total norm (the
-    handle's `total_norm` after each step). The gradients' norms are taken as they land. After
-    a step that clipped nothing, the next backward steps each group speculatively, after its
-    parameters and state are copied aside, and `optimizer.step()` takes those steps back and
-    again with the clipped gradients if the norm clips (or is not finite) after all. After a
-    step that clipped, and on the first, the groups step in `optimizer.step()` once the norm is
-    known, as plain offload does. That costs host memory for one copy of the offloaded
-    parameters and their state. Without `max_norm`, `composable.clip_grad_norm_` over a
-    parameter handed over in this backward raises: a step that ran cannot be clipped.
+    handle's `total_norm` after each step). The gradients' norms are taken on the host as they
+    land, beside backward, and the groups step in `optimizer.step()` once the norm is known, as
+    plain offload does, without the norm's pass after backward. `speculate=True` (with
+    `max_norm`): after a step that clipped nothing, the next backward steps each group as it
+    lands, after copying its parameters and state aside, and `optimizer.step()` takes those
+    steps back and again with the clipped gradients if the norm clips (or is not finite) after
+    all. The copy aside costs about what the step does (host memory bandwidth) and one more
+    host copy of the offloaded parameters and their state: it pays only where backward is long
+    enough to hide both. Without `max_norm`, `composable.clip_grad_norm_` over a parameter
+    handed over in this backward raises: a step that ran cannot be clipped.
 
     Returns the `HostStepInBackward` (`close()`: the hooks removed, the plain step back;
     `total_norm`: the last step's gradient norm with `max_norm`, else None; `stepped_ahead`:
@@ -86,7 +92,8 @@ def step_in_backward(
 
     Raises:
         TypeError: `optimizer` is not a `torch.optim.Optimizer` or `model` not an `nn.Module`.
-        ValueError: `max_norm` not a number >= 0 or None, `norm_type` not a number > 0 (or inf);
+        ValueError: `max_norm` not a number >= 0 or None, `norm_type` not a number > 0 (or inf),
+            `speculate` not a bool or True without `max_norm`;
             `optimizer` is a `composable.optim.Muon` (its step communicates), already
             steps in backward or has its state offloaded (`offload_optimizer_state`), none of
             its parameters is in a `fully_shard` group of `model` with `CPUOffloadPolicy`, or
@@ -102,6 +109,10 @@ def step_in_backward(
         raise ValueError(f"{_API}: 'max_norm' must be a number >= 0 or None, got {max_norm!r}")
     if not (_is_number(norm_type) and norm_type > 0):
         raise ValueError(f"{_API}: 'norm_type' must be a number > 0 (or inf), got {norm_type!r}")
+    if not isinstance(speculate, bool):
+        raise ValueError(f"{_API}: 'speculate' must be a bool, got {speculate!r}")
+    if speculate and max_norm is None:
+        raise ValueError(f"{_API}: 'speculate' needs 'max_norm': without clipping every group steps as it lands")
     if isinstance(optimizer, Muon):
         raise ValueError(
             f"{_API}: composable.optim.Muon's step sends whole matrices between ranks, which cannot run beside backward"
@@ -135,7 +146,7 @@ def step_in_backward(
     names = {id(p): name for name, p in model.named_parameters()}
     handle = HostStepInBackward(optimizer, [group.reducer.options for group in groups], names)
     if max_norm is not None:
-        handle.clip_as(list(model.parameters()), float(max_norm), float(norm_type))
+        handle.clip_as(list(model.parameters()), float(max_norm), float(norm_type), speculate)
     return handle
 
 
@@ -171,12 +182,15 @@ class HostStepInBackward:
         # Whether this backward's groups step as they land: always without clipping; with it,
         # the bet that this step clips nothing, made when the last one clipped nothing.
         self._step_ahead = True
+        self._speculate = False
         self.stepped_ahead = False
         self.steps_taken_back = 0
 
-    def clip_as(self, params: list[torch.Tensor], max_norm: float, norm_type: float) -> None:
-        """Clip as `clip_grad_norm_(params, max_norm, norm_type)` before each step (see `step_in_backward`)."""
+    def clip_as(self, params: list[torch.Tensor], max_norm: float, norm_type: float, speculate: bool) -> None:
+        """Clip as `clip_grad_norm_(params, max_norm, norm_type)` before each step, speculating
+        or not (see `step_in_backward`)."""
         self._clip = (params, max_norm, norm_type)
+        self._speculate = speculate
         self._step_ahead = False  # no norm seen yet: the first step waits for its own
 
     def _landed(self, handed: list[torch.Tensor], kept: list[torch.Tensor], ready: torch.cuda.Event | None) -> None:
@@ -205,11 +219,10 @@ class HostStepInBackward:
         if ready is not None:
             ready.synchronize()
         if self._clip is not None:
-            p = self._clip[2]
-            for param in params:
-                grad = local_tensor(cast(torch.Tensor, param.grad))
-                self._norms[(id(grad), torch.float32)] = norm_of_local(grad, p, torch.float32)
-                self._normed.append(grad)  # alive while its id keys a norm: no other tensor takes the id
+            grads = [local_tensor(cast(torch.Tensor, param.grad)) for param in params]
+            for grad, norm in zip(grads, host_norms(grads, self._clip[2], torch.float32)):
+                self._norms[(id(grad), torch.float32)] = norm
+            self._normed += grads  # alive while their ids key norms: no other tensor takes the ids
             if step_ahead:
                 self._backup.save(params, self.optimizer.state)
         if step_ahead:
@@ -235,7 +248,7 @@ class HostStepInBackward:
             self._parts.step_part(self._parts.part_groups(rest))
         self.stepped_ahead = stepped_ahead
         if self._clip is not None:
-            self._step_ahead = not clipped
+            self._step_ahead = self._speculate and not clipped
         self._forget_handed()
         self._parts.run_post_hooks()
 

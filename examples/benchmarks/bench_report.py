@@ -43,6 +43,8 @@ RATIOS = (
     ("fully_shard_offload_step_in_backward", "fsdp2_offload"),
     ("fully_shard_offload_step_in_backward", "fully_shard"),
     ("fully_shard_offload_step_in_backward", "fully_shard_offload"),
+    ("fully_shard_offload_step_in_backward_speculative", "fully_shard_offload_step_in_backward"),
+    ("fully_shard_offload_step_in_backward_speculative", "fully_shard"),
     ("fully_shard_offload_on_device_step_in_backward", "fsdp2_offload"),
     ("fully_shard_offload_on_device_step_in_backward", "fully_shard"),
     ("fully_shard_offload_on_device_step_in_backward", "fully_shard_offload_on_device"),

@@ -205,8 +205,11 @@ def time_run(
     opt = build_optimizer(c.model, args.optimizer, 1e-4, graphed)
     prefetch = c.model if run.endswith("_prefetch") else None
     state_offload = offload_optimizer_state(opt, prefetch_in_backward=prefetch) if run in STATE_OFFLOAD_RUNS else None
-    # The step in backward clips itself (speculatively), as clip_grad_norm_ would.
-    in_backward = step_in_backward(opt, c.model, args.max_norm or None) if run.endswith("_step_in_backward") else None
+    # The step in backward clips itself, as clip_grad_norm_ would.
+    in_backward = None
+    if "_step_in_backward" in run:
+        speculate = run.endswith("_speculative") and bool(args.max_norm)
+        in_backward = step_in_backward(opt, c.model, args.max_norm or None, speculate=speculate)
     step_fn = make_step(c, opt, graphed, args.warmup, 0.0 if in_backward is not None else args.max_norm)
     g = tokens_generator(mesh, device)  # the tp ranks of a group train on the same tokens
     tokens = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), device=device, generator=g)

@@ -37,9 +37,10 @@ STEP_KEY = "step"
 # Set on an optimizer whose state `composable.optim.offload_optimizer_state` keeps on the host
 # (and on the copy of it that steps each bucket): graphed_step refuses to capture its step.
 STATE_ON_HOST_ATTR = "_composable_state_on_host"
-# The ids of the parameters `composable.optim.step_in_backward` stepped during this backward,
+# Set on the parameters `composable.optim.step_in_backward` stepped during this backward,
 # until `optimizer.step()`: clipping their gradients now would come after their steps.
-_stepped_in_backward: set[int] = set()
+STEPPED_IN_BACKWARD_ATTR = "_composable_stepped_in_backward"
+_marks = 0  # parameters marked (some may have died marked: then only the fast path is lost)
 
 # Set on the sharded parameters this package makes. An attribute, not a registry: weak
 # references to parameters would forbid `torch.utils.swap_tensors` (`module.to_empty`).
@@ -66,18 +67,26 @@ DTENSOR_HAS_FOREACH_ADD_TENSOR = _dtensor_has_rule(torch.ops.aten._foreach_add_.
 
 
 def mark_stepped_in_backward(params: list[torch.Tensor], stepped: bool) -> None:
-    """Record `params` as stepped during this backward (True) or no longer (False)."""
-    if stepped:
-        _stepped_in_backward.update(id(p) for p in params)
-    else:
-        _stepped_in_backward.difference_update(id(p) for p in params)
+    """Record `params` as stepped during this backward (True) or no longer (False).
+
+    The mark is an attribute of each parameter, so it dies with it: a set of ids would outlive
+    a parameter dropped while marked (a backward that raised) and mark whichever tensor took
+    its id next. The count of marks only keeps `first_stepped_in_backward` free when none is."""
+    global _marks
+    for p in params:
+        if stepped and not getattr(p, STEPPED_IN_BACKWARD_ATTR, False):
+            setattr(p, STEPPED_IN_BACKWARD_ATTR, True)
+            _marks += 1
+        elif not stepped and getattr(p, STEPPED_IN_BACKWARD_ATTR, False):
+            delattr(p, STEPPED_IN_BACKWARD_ATTR)
+            _marks -= 1
 
 
 def first_stepped_in_backward(params: list[torch.Tensor]) -> torch.Tensor | None:
     """The first of `params` stepped during this backward, if any (free when none is)."""
-    if not _stepped_in_backward:
+    if _marks <= 0:
         return None
-    return next((p for p in params if id(p) in _stepped_in_backward), None)
+    return next((p for p in params if getattr(p, STEPPED_IN_BACKWARD_ATTR, False)), None)
 
 
 def install_step_hook() -> None:
