@@ -7,7 +7,8 @@ versions. This module computes the norm from the local tensors instead:
 
 1. group the gradients by ``(mesh, placements)``;
 2. per group, one ``torch._foreach_norm`` over the local tensors gives the group's local
-   ``sum |x|^p`` (``max |x|`` for ``inf``);
+   ``sum |x|^p`` (``max |x|`` for ``inf``); host tensors (CPU offload) take the same norms side
+   by side on a pool of threads (``host_norms``), where the foreach norm runs one core;
 3. a group's local value covers only this rank's pieces of its gradients, so it is reduced over
    exactly the mesh dimensions on which the gradients are *sharded* (``Shard``, ``_StridedShard``);
    over ``Replicate`` dimensions every rank holds the same values and summing would count them
@@ -27,7 +28,6 @@ import numbers
 import types
 import warnings
 from collections.abc import Iterable
-from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -36,13 +36,8 @@ from torch.distributed.tensor import DTensor, Placement, Replicate
 # Private; a subclass of Shard before torch 2.12, a separate placement after. (The engine
 # imports it too, so every torch composable imports on has it.)
 from torch.distributed.tensor.placement_types import _StridedShard
-from torch.utils._foreach_utils import (
-    _device_has_foreach_support,
-    _group_tensors_by_device_and_dtype,
-    _has_foreach_support,
-)
 
-from ._engine.grads.host_norms import host_norms
+from ._engine.grads.local_norms import by_device_and_dtype, local_norm_value, use_foreach
 from ._engine.optimizer.optim_state import first_stepped_in_backward
 
 __all__ = ["clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm"]
@@ -219,7 +214,7 @@ def _total_norm(
                 if ranks not in comm:
                     comm[ranks] = (pg, _comm_device(mesh.device_type))
                 pgs.append(ranks)
-        values.append(_local_value(locals_, p, acc_dtype, foreach, out_device, known_norms))
+        values.append(local_norm_value(locals_, p, acc_dtype, foreach, out_device, known_norms))
         needs.append(pgs)
 
     # 3. One all_reduce per process group. Every rank meets the groups in the order of the
@@ -284,9 +279,9 @@ def clip_grads_with_norm_(
     # Multiply even when the coefficient is 1: branching on it would sync with the device.
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     locals_ = [g._local_tensor if isinstance(g, DTensor) else g for g in grads]
-    for device, ts in _by_device_and_dtype(locals_):
+    for device, ts in by_device_and_dtype(locals_):
         coef_d = coef.to(device)
-        if _use_foreach(ts, device, foreach):
+        if use_foreach(ts, device, foreach):
             torch._foreach_mul_(ts, coef_d)
         else:
             for t in ts:
@@ -316,62 +311,12 @@ def _local_as_laid_out(layout: torch.Tensor, value: torch.Tensor) -> torch.Tenso
     return value
 
 
-def _local_value(
-    tensors: list[torch.Tensor],
-    p: float,
-    acc_dtype: torch.dtype,
-    foreach: bool | None,
-    device_if_empty: torch.device,
-    known_norms: dict[tuple[int, torch.dtype], torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """This rank's ``sum |x|^p`` (``max |x|`` for inf) over ``tensors``, 0-dim, in ``acc_dtype``."""
-    if not tensors:
-        return torch.zeros((), dtype=acc_dtype, device=device_if_empty)
-    parts: list[torch.Tensor] = []
-    first_device = tensors[0].device
-    known = known_norms or {}
-    for device, ts in _by_device_and_dtype(tensors):
-        missing = [t for t in ts if (id(t), acc_dtype) not in known] if known else ts
-        if not missing:
-            computed: list[torch.Tensor] = []
-        elif device.type == "cpu" and not foreach:  # the foreach norm's bits, on every core
-            computed = host_norms(missing, p, acc_dtype)
-        elif _use_foreach(missing, device, foreach):
-            # dtype=acc_dtype: a half-precision norm would overflow at 65504.
-            computed = list(torch._foreach_norm(missing, p, dtype=acc_dtype))
-        else:
-            computed = [torch.linalg.vector_norm(t, p, dtype=acc_dtype) for t in missing]
-        if known:
-            fresh = iter(computed)
-            computed = [known[(id(t), acc_dtype)] if (id(t), acc_dtype) in known else next(fresh) for t in ts]
-        stacked = torch.stack(computed)
-        parts.append((stacked.max() if p == math.inf else stacked.pow(p).sum()).to(first_device))
-    if len(parts) == 1:
-        return parts[0]
-    stacked = torch.stack(parts)
-    return stacked.max() if p == math.inf else stacked.sum()
-
-
 def grad_norm_with_known_norms(
     params: list[torch.Tensor], p: float, known: dict[tuple[int, torch.dtype], torch.Tensor]
 ) -> torch.Tensor:
     """`clip_grad_norm_(params, _, p)`'s total norm, bit for bit, the local norms in `known`
-    (`norm_of_local`'s, by id and dtype) taken as they are."""
+    (`host_norms`', by id and dtype) taken as they are."""
     return _total_norm([(q, q.grad) for q in params], p, False, None, known)
-
-
-def _by_device_and_dtype(tensors: list[torch.Tensor]) -> list[tuple[torch.device, list[torch.Tensor]]]:
-    """`tensors` grouped by device and dtype; torch's helper is typed for lists holding None too."""
-    grouped = _group_tensors_by_device_and_dtype([cast("list[torch.Tensor | None]", tensors)])
-    return [(device, cast("list[torch.Tensor]", ts)) for (device, _), ([ts], _) in grouped.items()]
-
-
-def _use_foreach(ts: list[torch.Tensor], device: torch.device, foreach: bool | None) -> bool:
-    if foreach is None:
-        return _has_foreach_support(ts, device)
-    if foreach and not _device_has_foreach_support(device):
-        raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
-    return bool(foreach)
 
 
 def _is_shard(pl: Placement) -> bool:

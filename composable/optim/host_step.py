@@ -155,7 +155,14 @@ def _is_number(value: object) -> bool:
 
 
 class HostStepInBackward:
-    """An optimizer whose offloaded parameters step during backward (`step_in_backward`)."""
+    """An optimizer whose offloaded parameters step during backward (`step_in_backward` makes it).
+
+    Attributes: `optimizer` (the user's, whose `step` this replaces); `total_norm` (with
+    `max_norm`: the last step's gradient norm, as `clip_grad_norm_` returns it; else None);
+    `stepped_ahead` (whether the last step's groups stepped during backward); `steps_taken_back`
+    (how many steps a lost `speculate` bet took back and took again). `wait()` waits for the
+    steps begun in backward; `close()` also removes the hooks and gives the optimizer its plain
+    step back."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, options: list[Any], names: dict[int, str]) -> None:
         self.optimizer = optimizer

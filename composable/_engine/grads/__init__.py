@@ -7,5 +7,6 @@ reduce_options  `ReduceOptions`: FSDP2's reduction knobs and the user's all-redu
 grad_dtype      the dtype gradients are made, summed and reduced in (as the installed FSDP2)
 no_sync         `NoSyncSums`: the sums no-sync micro-steps keep out of sight, dropped by `zero_grad`
 buckets         `replicate`'s DDP-style buckets, all-reduced from post-accumulate-grad hooks
-host_norms      host tensors' norms on a pool of threads, with the foreach norm's bits (clipping)
+local_norms     a rank's part of a gradient norm (clip_grad_norm_), per device and dtype
+host_norms      host tensors' norms on a pool of threads, with the foreach norm's bits
 """
