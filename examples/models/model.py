@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from models.chunked_loss import LMHead
 from models.moe import MoEFeedForward
 from models.vocab_parallel_loss import vocab_parallel_cross_entropy
 
@@ -251,7 +252,7 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    """tokens (B, T) int64 -> logits (B, T, vocab_size)."""
+    """tokens (B, T) int64 -> logits (B, T, vocab_size); with targets, the mean loss (`forward`)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -259,7 +260,8 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        # An nn.Linear whose forward can also return the chunked loss (chunked_loss.py).
+        self.output = LMHead(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # Non-persistent: derived from the config, never checkpointed, recomputed by init_weights.
@@ -296,14 +298,22 @@ class Transformer(nn.Module):
         if not cfg.tie_embeddings:
             init_random(self.output.weight, _trunc_normal(cfg.dim**-0.5))
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, targets: torch.Tensor | None = None, chunk_tokens: int | None = None
+    ) -> torch.Tensor:
+        """The logits (B, T, vocab_size) of `tokens` (B, T); with `targets` (B, T) instead the
+        mean next-token cross entropy against them, computed by the head `chunk_tokens` tokens
+        at a time, so that the logits of the whole batch never exist (chunked_loss.py): the
+        value and gradients of `lm_loss(model(tokens), targets)`, up to fp32 rounding."""
         T = tokens.shape[1]
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len {self.cfg.max_seq_len}")
         h = self.tok_embeddings(tokens)
         for block in self.layers:
             h = block(h, self.rope)
-        return self.output(self.norm(h))
+        if targets is None:
+            return self.output(self.norm(h))
+        return self.output(self.norm(h), targets, chunk_tokens)
 
 
 def _trunc_normal(std: float) -> Callable[[torch.Tensor], object]:
@@ -360,6 +370,15 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     if isinstance(logits, DTensor):
         return vocab_parallel_cross_entropy(logits, targets)
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def model_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_chunk: int = 0) -> torch.Tensor:
+    """The mean next-token loss of `model` (a `Transformer`, or a wrapper such as DDP that passes
+    its forward's arguments on) on inputs `x` and targets `y`: `lm_loss` of its logits, or with
+    `loss_chunk` > 0 the head's chunked loss, `loss_chunk` tokens at a time (`--loss-chunk`)."""
+    if loss_chunk:
+        return model(x, y, loss_chunk)
+    return lm_loss(model(x), y)
 
 
 def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
