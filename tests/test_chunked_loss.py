@@ -3,8 +3,8 @@ head computes the mean next-token cross entropy a chunk of tokens at a time, eac
 checkpointed. It is `lm_loss(model(x), y)` with the same gradients, for any chunk size; it
 trains as the plain loss does under composable's and PyTorch's fully_shard (the head a group of
 its own), replicate and DDP, gathering the head once per forward; its recompute in backward sees
-the head's weight unsharded again by the pre-backward hook; the benchmark and the main job take
-`--loss-chunk` and refuse the combinations it does not serve in one line."""
+the head's weight unsharded again by the pre-backward hook; the benchmark takes `--loss-chunk`
+and refuses the combinations it does not serve in one line."""
 
 from __future__ import annotations
 
@@ -13,8 +13,12 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
-from _harness import count_collectives, run_on_ranks
+from _harness import count_collectives, run_on_ranks, smoke_argv
+from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+from torch.distributed.tensor import DTensor
 
+import composable
+from benchmarks import side_by_side as benchmark
 from models import chunked_loss
 from models.model import ModelConfig, Transformer, lm_loss, model_loss
 
@@ -86,13 +90,8 @@ SHARDED = ("composable", "fsdp2")
 def _parallelize(model: Transformer, api: str) -> nn.Module:
     """`api` applied as the jobs apply it: fully_shard on the embeddings, the head (a group of
     its own: `--wrap separate-ends`), every block and the root; or replicate / DDP on the root."""
-    import composable
-
     if api in SHARDED:
-        if api == "composable":
-            shard = composable.fully_shard
-        else:
-            from torch.distributed.fsdp import fully_shard as shard
+        shard = composable.fully_shard if api == "composable" else fsdp2_fully_shard
         for module in (model.tok_embeddings, model.output, *model.layers, model):
             shard(module)
         return model
@@ -103,8 +102,6 @@ def _parallelize(model: Transformer, api: str) -> nn.Module:
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
     return (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
 
 
@@ -198,3 +195,42 @@ def test_recompute_sees_the_head_unsharded_again_by_its_pre_backward_hook(api: s
         assert all(res["unsharded"]), res
         assert res["one_tensor"] and res["grad"], res
         assert res["bytes_between"] == 0, res  # freed between forward and backward
+
+
+# ----------------------------------------------------------------------------- the benchmark
+
+
+def _bench_losses(rank: int, world_size: int, extra: list[str]) -> dict[str, float]:
+    args = benchmark.parse_args(smoke_argv(*extra))
+    return {run: res["loss"] for run, res in benchmark.run_rounds(args, torch.device("cpu"))[0].items()}
+
+
+@pytest.mark.filterwarnings("ignore:DTensor random operators")
+def test_benchmark_gives_every_contender_the_chunked_loss() -> None:
+    """The smoke run (16 tokens a rank, chunks of 5): every contender's loss after a step is the
+    one it has with the plain loss, to the rounding of its bf16 compute (the head's gradient,
+    summed chunk by chunk, rounds otherwise)."""
+    plain, chunked = (run_on_ranks(_bench_losses, 2, extra, timeout=300) for extra in ([], ["--loss-chunk", "5"]))
+    for want, got in zip(plain, chunked):
+        assert list(got) == list(want) == ["floor", "fully_shard", "fsdp2", "replicate", "ddp"], got
+        for run, loss in got.items():
+            assert loss == pytest.approx(want[run], rel=1e-4), (run, got, want)
+
+
+BENCH_ERRORS = [
+    (["--loss-chunk", "-1"], "--loss-chunk must be >= 0 (0: the plain loss), got -1"),
+    (["--loss-chunk", "8", "--model", "hf-llama"], "--loss-chunk 8 needs --model own (the chunked loss is its head's)"),
+    (["--loss-chunk", "8", "--mesh", "tp"], "--loss-chunk 8 with a tensor-parallel mesh (--mesh tp)"),
+    (["--loss-chunk", "8", "--mesh", "hsdp", "--tp-size", "2"], "(--mesh hsdp --tp-size): its vocabulary-sharded"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BENCH_ERRORS, ids=["negative", "hf-llama", "tp", "hsdp-tp"])
+def test_benchmark_refuses_loss_chunk_where_it_does_not_apply(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        benchmark.parse_args(smoke_argv(*argv))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert ": error: " in err[-1] and message in err[-1] and "Traceback" not in "".join(err), err

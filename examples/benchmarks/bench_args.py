@@ -149,6 +149,14 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
         default="none",
         help="activation checkpointing of every block of every contender: full, or selective (keeps the matmuls)",
     )
+    p.add_argument(
+        "--loss-chunk",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="--model own: every contender's head computes the loss TOKENS tokens at a time, each chunk "
+        "checkpointed, so no logits of the whole batch are kept (examples/models/chunked_loss.py); 0: the plain loss",
+    )
 
 
 def _add_output_flags(p: argparse.ArgumentParser) -> None:
@@ -199,6 +207,9 @@ def _check_and_derive(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
         )
     if graphed and args.optimizer != "adamw":
         p.error(f"--optimizer {args.optimizer} is not measured with --runs {graphed[0]}: choose eager or compiled runs")
+    loss_chunk_problem = _loss_chunk_problem(args)
+    if loss_chunk_problem:
+        p.error(loss_chunk_problem)
     if args.moe_capacity_factor is not None and (not args.moe or not args.moe_capacity_factor > 0):
         p.error(f"--moe-capacity-factor {args.moe_capacity_factor:g} needs --moe and a value > 0")
     if args.moe and (graphed or args.float8 or args.model != "own" or args.mesh != "dp"):
@@ -233,6 +244,23 @@ def _check_and_derive(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
     error = None if args.cpu_overhead else mesh_errors(args, cfg.n_heads, cfg.ffn_dim, world, compile_off)
     if error:
         p.error(error)
+
+
+def _loss_chunk_problem(args: argparse.Namespace) -> str | None:
+    """Why `--loss-chunk` does not fit the other flags (None when it does): the chunked loss is
+    our model's head's, on plain (not vocabulary-sharded) weights."""
+    if args.loss_chunk < 0:
+        return f"--loss-chunk must be >= 0 (0: the plain loss), got {args.loss_chunk}"
+    if not args.loss_chunk:
+        return None
+    if args.model != "own":
+        return f"--loss-chunk {args.loss_chunk} needs --model own (the chunked loss is its head's), got --model {args.model}"
+    if args.mesh == "tp" or (args.mesh == "hsdp" and args.tp_size is not None):
+        return (
+            f"--loss-chunk {args.loss_chunk} with a tensor-parallel mesh (--mesh {args.mesh}"
+            f"{' --tp-size' if args.mesh == 'hsdp' else ''}): its vocabulary-sharded head takes the plain loss"
+        )
+    return None
 
 
 def model_config(args: argparse.Namespace) -> ModelConfig:

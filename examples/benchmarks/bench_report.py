@@ -61,6 +61,7 @@ def describe(args: argparse.Namespace) -> str:
     ac = f", {args.ac} activation checkpointing" if getattr(args, "ac", "none") != "none" else ""
     optimizer = f", optimizer {args.optimizer}" if getattr(args, "optimizer", "adamw") != "adamw" else ""
     optimizer += f", clipped at {args.max_norm:g}" if getattr(args, "max_norm", 0.0) else ""
+    optimizer += f", loss in chunks of {args.loss_chunk} tokens" if getattr(args, "loss_chunk", 0) else ""
     return (
         f"model {args.model}, preset {args.preset}{shape}{float8}{ac}{optimizer}, local batch {args.batch_size}, seq {args.seq_len}, "
         f"wrap {args.wrap}, {compiled}, {args.rounds} rounds x {args.steps} steps, torch {torch.__version__}"

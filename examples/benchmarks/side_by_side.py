@@ -6,6 +6,8 @@
     torchrun --nproc_per_node 2 examples/benchmark.py --preset 1b --dim 4096 --n-layers 16 --compile --float8
     torchrun --nproc_per_node 2 examples/benchmark.py --batch-size 1 --compile \
         --runs floor,floor_graphed,fully_shard,fully_shard_graphed,fsdp2,replicate,replicate_graphed,ddp
+    torchrun --nproc_per_node 2 examples/benchmark.py --preset 1b --batch-size 4 --seq-len 8192 --loss-chunk 4096 \
+        --runs fully_shard_offload,fsdp2_offload
     torchrun --nproc_per_node 4 examples/benchmark.py --preset 1b --batch-size 4 --mesh hsdp --dp-replicate 2
     torchrun --nproc_per_node 4 examples/benchmark.py --preset 1b --batch-size 4 --mesh tp --tp-size 2
     torchrun --nproc_per_node 4 examples/benchmark.py --preset 1b --batch-size 4 --mesh tp --tp-size 2 --async-tp
@@ -32,6 +34,8 @@ tokens/s per GPU, MFU, peak memory allocated and reserved) and the ratios ours/t
 train.py's TP recipe, compiled by default on GPUs, `--async-tp` for async TP; bench_mesh.py),
 beside the floors. `--fused-projections` (on by default with `--async-tp`) gives every
 contender's blocks one wqkv and one w13 linear instead of wq/wk/wv and w1/w3 (examples/models/model.py).
+`--loss-chunk TOKENS` gives every contender the same chunked loss: the head's matmul and the
+cross entropy TOKENS tokens at a time, each chunk checkpointed (examples/models/chunked_loss.py).
 Without a GPU it runs on the CPU with gloo (timings only; a smoke test of the wiring).
 MFU is always against the bf16 peak. How contenders are built: bench_build.py; the report: bench_report.py; `--cpu-overhead`:
 bench_overhead.py.
@@ -68,15 +72,20 @@ from benchmarks.bench_optim import build_optimizer
 from benchmarks.bench_report import report, write_trace
 from composable import clip_grad_norm_
 from composable.optim import offload_optimizer_state, step_in_backward
-from models.model import get_config, lm_loss, model_flops_per_token  # noqa: F401 (get_config: the tests')
+from models.model import get_config, lm_loss, model_flops_per_token, model_loss  # noqa: F401 (get_config: the tests')
 from trainer.launch import host_threads_for_offload, init_torchrun_rank
 
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0}
 
 
-def train_step(c: Contender, opt: torch.optim.Optimizer, tokens: torch.Tensor, max_norm: float = 0.0) -> torch.Tensor:
+def train_step(
+    c: Contender, opt: torch.optim.Optimizer, tokens: torch.Tensor, max_norm: float = 0.0, loss_chunk: int = 0
+) -> torch.Tensor:
+    """One step of contender `c` on `tokens` (B, T + 1); the loss before the step. `loss_chunk`
+    > 0 (`--loss-chunk`, our model only): its head's chunked loss instead of `lm_loss` of the logits."""
+    x, y = tokens[:, :-1], tokens[:, 1:]
     with c.autocast():
-        loss = lm_loss(c.logits(c.model, tokens[:, :-1]), tokens[:, 1:])
+        loss = model_loss(c.model, x, y, loss_chunk) if loss_chunk else lm_loss(c.logits(c.model, x), y)
     loss.backward()
     if max_norm > 0:  # --max-norm: the same clipping for every contender (DTensors on any mesh)
         clip_grad_norm_(c.model.parameters(), max_norm)
@@ -87,16 +96,24 @@ def train_step(c: Contender, opt: torch.optim.Optimizer, tokens: torch.Tensor, m
 
 
 def make_step(
-    c: Contender, opt: torch.optim.Optimizer, graphed: bool, warmup: int, max_norm: float = 0.0
+    c: Contender,
+    opt: torch.optim.Optimizer,
+    graphed: bool,
+    warmup: int,
+    max_norm: float = 0.0,
+    loss_chunk: int = 0,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The contender's step: `train_step` (clipping at `max_norm` > 0), or the same through
-    `composable.graphed_step`, which runs eagerly for all but the last of the benchmark's `warmup`
-    steps and captures in the last, so that every timed step is a replay."""
+    """The contender's step: `train_step` (clipping at `max_norm` > 0, the chunked loss with
+    `loss_chunk` > 0), or the same through `composable.graphed_step`, which runs eagerly for all
+    but the last of the benchmark's `warmup` steps and captures in the last, so that every timed
+    step is a replay."""
     if not graphed:
-        return lambda tokens: train_step(c, opt, tokens, max_norm)
+        return lambda tokens: train_step(c, opt, tokens, max_norm, loss_chunk)
     import composable
 
-    return composable.graphed_step(lambda tokens: train_step(c, opt, tokens, max_norm), warmup=max(1, warmup - 1))
+    return composable.graphed_step(
+        lambda tokens: train_step(c, opt, tokens, max_norm, loss_chunk), warmup=max(1, warmup - 1)
+    )
 
 
 def _sync(device: torch.device) -> None:
@@ -210,7 +227,8 @@ def time_run(
     if "_step_in_backward" in run:
         speculate = run.endswith("_speculative") and bool(args.max_norm)
         in_backward = step_in_backward(opt, c.model, args.max_norm or None, speculate=speculate)
-    step_fn = make_step(c, opt, graphed, args.warmup, 0.0 if in_backward is not None else args.max_norm)
+    max_norm = 0.0 if in_backward is not None else args.max_norm
+    step_fn = make_step(c, opt, graphed, args.warmup, max_norm, getattr(args, "loss_chunk", 0))
     g = tokens_generator(mesh, device)  # the tp ranks of a group train on the same tokens
     tokens = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), device=device, generator=g)
     times = []
