@@ -3,17 +3,19 @@ head computes the mean next-token cross entropy a chunk of tokens at a time, eac
 checkpointed. It is `lm_loss(model(x), y)` with the same gradients, for any chunk size; it
 trains as the plain loss does under composable's and PyTorch's fully_shard (the head a group of
 its own), replicate and DDP, gathering the head once per forward; its recompute in backward sees
-the head's weight unsharded again by the pre-backward hook; the benchmark takes `--loss-chunk`
-and refuses the combinations it does not serve in one line."""
+the head's weight unsharded again by the pre-backward hook; the benchmark and the main job take
+`--loss-chunk` and refuse the combinations it does not serve in one line."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.nn as nn
 from _harness import count_collectives, run_on_ranks, smoke_argv
+from test_train_example import SMALL, _run  # its ranks and its small model
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -21,6 +23,7 @@ import composable
 from benchmarks import side_by_side as benchmark
 from models import chunked_loss
 from models.model import ModelConfig, Transformer, lm_loss, model_loss
+from trainer import options
 
 CFG = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, ffn_dim=64, max_seq_len=16)
 BATCH, SEQ = 2, 12  # 24 tokens per rank and step
@@ -234,3 +237,41 @@ def test_benchmark_refuses_loss_chunk_where_it_does_not_apply(
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert ": error: " in err[-1] and message in err[-1] and "Traceback" not in "".join(err), err
+
+
+# ----------------------------------------------------------------------------- the main job
+
+
+def test_main_job_trains_with_the_chunked_loss_as_with_the_plain_one(tmp_path: Path) -> None:
+    """Four steps and an evaluation of train.py's fsdp run (128 tokens a rank, chunks of 48):
+    the training and held-out losses of the plain loss, to fp32 rounding."""
+    argv = [*SMALL, "--steps", "4", "--eval-every", "0", "--ckpt-every", "0"]
+    runs = [
+        _run([*argv, "--out", str(tmp_path / name), *extra])
+        for name, extra in (("plain", []), ("chunked", ["--loss-chunk", "48"]))
+    ]
+    plain, chunked = ([h["loss"] for h in run["history"]] + [run["history"][-1]["val_loss"]] for run in runs)
+    assert len(chunked) == len(plain) == 5
+    torch.testing.assert_close(chunked, plain, rtol=1e-4, atol=0)
+
+
+TRAIN_ERRORS = [
+    (["--loss-chunk", "-2"], "--loss-chunk must be >= 0 (0: the plain loss), got -2"),
+    (["--loss-chunk", "8", "--parallel", "tp"], "--loss-chunk 8 with --parallel tp: the tensor-parallel head's"),
+    (["--loss-chunk", "8", "--parallel", "hsdp", "--tp-size", "2"], "--loss-chunk 8 with --parallel hsdp --tp-size:"),
+    (
+        ["--loss-chunk", "8", "--pp", "2"],
+        "--loss-chunk 8 with --pp 2: the pipeline's last stage computes the plain loss",
+    ),
+]
+
+
+@pytest.mark.parametrize("argv,line", TRAIN_ERRORS, ids=["negative", "tp", "hsdp-tp", "pp"])
+def test_main_job_refuses_loss_chunk_in_one_line(
+    argv: list[str], line: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        options.parse_args(["--out", str(tmp_path), *argv])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("train.py: error: ") and line in err, err

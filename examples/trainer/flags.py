@@ -163,6 +163,14 @@ def _add_recipe_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's decoupled weight decay")
     p.add_argument(
+        "--loss-chunk",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="the head computes the loss TOKENS tokens of a micro-batch at a time, each chunk checkpointed, so "
+        "that the micro-batch's logits are never all kept (examples/models/chunked_loss.py); 0: the plain loss",
+    )
+    p.add_argument(
         "--optimizer",
         choices=["adamw", "muon"],
         default="adamw",

@@ -13,8 +13,9 @@ from trainer.parallel import UsageError
 
 def estimate_memory_bytes(args: argparse.Namespace, cfg: ModelConfig, seq_len: int, dp_size: int) -> int:
     """A deliberately low estimate of one rank's training memory: what autograd must keep per
-    block, the logits (the compute dtype's, their fp32 copy and its gradient) and the fp32
-    parameters, gradients and AdamW moments (sharded over `dp_size` unless replicated).
+    block, the logits (the compute dtype's, their fp32 copy and its gradient; one chunk's with
+    `--loss-chunk`) and the fp32 parameters, gradients and AdamW moments (sharded over
+    `dp_size` unless replicated).
     Low on purpose: it is used to refuse what cannot fit, never what might."""
     width = 4 if args.mp in (None, "fp32") else 2
     tokens = args.batch_size * seq_len
@@ -22,7 +23,9 @@ def estimate_memory_bytes(args: argparse.Namespace, cfg: ModelConfig, seq_len: i
     # q/k, attention out, residual) and 4 ffn-wide ones (w1, w3, silu, product).
     block = tokens * (10 * cfg.dim + 4 * cfg.ffn_dim) * width
     blocks = cfg.n_layers * tokens * cfg.dim * width + block if args.activation_checkpointing else cfg.n_layers * block
-    logits = tokens * cfg.vocab_size * (width + 8)
+    # --loss-chunk: the head keeps one chunk's logits at a time.
+    logit_rows = min(tokens, args.loss_chunk) if getattr(args, "loss_chunk", 0) else tokens
+    logits = logit_rows * cfg.vocab_size * (width + 8)
     n_params = cfg.vocab_size * cfg.dim * (1 if cfg.tie_embeddings else 2) + cfg.n_layers * (
         4 * cfg.dim**2 + 3 * cfg.dim * cfg.ffn_dim
     )

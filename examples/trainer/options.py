@@ -99,6 +99,9 @@ def validate(args: argparse.Namespace) -> str | None:
     pp_problem = validate_pp(args) or fault_tolerance.problem(args)
     if pp_problem:
         return pp_problem
+    loss_chunk_problem = _loss_chunk_problem(args)
+    if loss_chunk_problem:
+        return loss_chunk_problem
     if args.tp_size is not None and args.parallel not in ("tp", "hsdp"):
         return f"--tp-size {args.tp_size} needs --parallel tp or hsdp, got --parallel {args.parallel}"
     if args.parallel == "hsdp" and args.tp_size is not None and args.pp > 1:
@@ -138,6 +141,24 @@ def validate(args: argparse.Namespace) -> str | None:
     if seq_len + 1 >= shortest:
         return f"--seq-len must be below {shortest - 1} (the held-out split has {shortest:,} bytes), got {seq_len}"
     return check_out_dir(args.out)
+
+
+def _loss_chunk_problem(args: argparse.Namespace) -> str | None:
+    """Why `--loss-chunk` does not fit the other flags (None when it does): the model's head
+    computes the chunked loss in its own forward, on plain weights, from the final hidden states."""
+    if args.loss_chunk < 0:
+        return f"--loss-chunk must be >= 0 (0: the plain loss), got {args.loss_chunk}"
+    if not args.loss_chunk:
+        return None
+    if tensor_parallel_in(args):
+        return (
+            f"--loss-chunk {args.loss_chunk} with --parallel {args.parallel}"
+            f"{' --tp-size' if args.parallel == 'hsdp' else ''}: the tensor-parallel head's vocabulary-sharded "
+            "logits take the plain loss"
+        )
+    if args.pp > 1:
+        return f"--loss-chunk {args.loss_chunk} with --pp {args.pp}: the pipeline's last stage computes the plain loss"
+    return None
 
 
 def _tp_flags_problem(args: argparse.Namespace, cfg: ModelConfig, seq_len: int) -> str | None:

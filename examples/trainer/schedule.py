@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from models.model import lm_loss
+from models.model import model_loss
 from trainer.data import ByteCorpus, get_batch
 from trainer.muon_adamw import build_muon_adamw
 
@@ -54,8 +54,8 @@ def evaluate(
     loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> float:
     """Mean loss over `--eval-batches` fixed held-out batches per data-parallel rank.
-    `loss_of(x, y)` computes a batch's loss (default `lm_loss(model(x), y)`; a pipelined
-    model passes its forward through the stages)."""
+    `loss_of(x, y)` computes a batch's loss (default `lm_loss(model(x), y)`, or the head's
+    chunked loss with `--loss-chunk`; a pipelined model passes its forward through the stages)."""
     was_training = model.training
     model.eval()
     total = torch.zeros((), device=device)
@@ -63,7 +63,7 @@ def evaluate(
         x, y = get_batch(
             corpus.val, args.batch_size, seq_len, seed=args.seed, step=i, rank=dp_rank, split_id=1, device=device
         )
-        total += loss_of(x, y) if loss_of is not None else lm_loss(model(x), y)
+        total += loss_of(x, y) if loss_of is not None else model_loss(model, x, y, getattr(args, "loss_chunk", 0))
     model.train(was_training)
     return world_mean(total / args.eval_batches)
 

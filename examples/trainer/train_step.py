@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from composable import ShardedGradScaler, clip_grad_norm_, fully_shard, no_sync
 from composable.optim import HostStepInBackward
-from models.model import lm_loss
+from models.model import model_loss
 from models.moe import set_aux_grad_scale
 from trainer.muon_adamw import MuonAdamW
 from trainer.schedule import build_optimizer
@@ -60,6 +60,7 @@ def make_train_step(
     `in_backward` (--step-in-backward): the optimizer's offloaded groups step during backward,
     and it clips with --max-norm itself (speculatively), so the step only reads its norm."""
     grad_accum, max_norm = args.grad_accum, args.max_norm  # read once: a graph freezes them anyway
+    loss_chunk = getattr(args, "loss_chunk", 0)  # --loss-chunk: the head's chunked loss
     # MoE layers' load-balancing gradient: scaled as the loss is (a fp16 scaler's scale is a tensor).
     moe = set_aux_grad_scale(model, 1.0 / grad_accum)
 
@@ -75,7 +76,7 @@ def make_train_step(
             else:
                 ctx = contextlib.nullcontext() if last else no_sync(model)
             with ctx:
-                loss = lm_loss(model(x), y) / grad_accum
+                loss = model_loss(model, x, y, loss_chunk) / grad_accum
                 scaler.scale(loss).backward()
             loss_sum += loss.detach()
         grad_norm = None
