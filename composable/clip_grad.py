@@ -277,7 +277,7 @@ def clip_grads_with_norm_(
     if isinstance(total_norm, DTensor):
         total_norm = total_norm.full_tensor()
     # Multiply even when the coefficient is 1: branching on it would sync with the device.
-    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    coef = clip_coefficient(max_norm, total_norm)
     locals_ = [g._local_tensor if isinstance(g, DTensor) else g for g in grads]
     for device, ts in by_device_and_dtype(locals_):
         coef_d = coef.to(device)
@@ -309,6 +309,11 @@ def _local_as_laid_out(layout: torch.Tensor, value: torch.Tensor) -> torch.Tenso
             value = value.redistribute(mesh, placements)
         return value._local_tensor  # not to_local(): no autograd bookkeeping per grad
     return value
+
+
+def clip_coefficient(max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
+    """What `clip_grads_with_norm_` multiplies every gradient by: min(max_norm / (total + 1e-6), 1)."""
+    return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
 
 
 def grad_norm_with_known_norms(

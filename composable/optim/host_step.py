@@ -39,7 +39,7 @@ import torch.nn as nn
 from .._engine.grads.host_norms import host_norms
 from .._engine.optimizer.optim_state import STATE_ON_HOST_ATTR, mark_stepped_in_backward
 from .._engine.params.wrappers import local_tensor
-from ..clip_grad import clip_grads_with_norm_, grad_norm_with_known_norms
+from ..clip_grad import clip_coefficient, clip_grads_with_norm_, grad_norm_with_known_norms
 from ..fsdp import fully_shard
 from ._step_backup import StepBackup
 from ._step_in_parts import StepInParts
@@ -266,8 +266,7 @@ class HostStepInBackward:
         params, max_norm, p = self._clip
         total = grad_norm_with_known_norms(params, p, self._norms)
         self.total_norm = total
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        if bool(coef >= 1.0):
+        if bool(clip_coefficient(max_norm, total) >= 1.0):
             return False  # clip_grads_with_norm_ would multiply by 1.0: the same values
         clip_grads_with_norm_(params, max_norm, total)
         return True

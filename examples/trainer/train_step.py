@@ -58,7 +58,7 @@ def make_train_step(
     all but the last micro-batch run under `no_sync` (no communication at all).
 
     `in_backward` (--step-in-backward): the optimizer's offloaded groups step during backward,
-    and it clips with --max-norm itself (speculatively), so the step only reads its norm."""
+    and it clips with --max-norm itself (exactly, as clip_grad_norm_ would), so the step only reads its norm."""
     grad_accum, max_norm = args.grad_accum, args.max_norm  # read once: a graph freezes them anyway
     loss_chunk = getattr(args, "loss_chunk", 0)  # --loss-chunk: the head's chunked loss
     # MoE layers' load-balancing gradient: scaled as the loss is (a fp16 scaler's scale is a tensor).

@@ -150,7 +150,8 @@ def build(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> Bu
         sharded = any(fully_shard.state(m) is not None for m in model.modules())
         prefetch = model if sharded and not args.activation_checkpointing else None
         offload_optimizer_state(optimizer, prefetch_in_backward=prefetch)
-    # Each group's host step as its gradients land, beside the rest of backward (clipping: speculative).
+    # Each group's host step as its gradients land, beside the rest of backward; with --max-norm
+    # the norms are taken as they land and the groups step once the total is known.
     in_backward = step_in_backward(optimizer, model, args.max_norm or None) if args.step_in_backward else None
     scaler = ShardedGradScaler(enabled=args.mp == "fp16")
     return Built(model, n_params, pipeline, optimizer, scaler, graphs, graphs_why, lighthouse, in_backward)
