@@ -39,6 +39,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from ._engine.grads.local_norms import by_device_and_dtype, local_norm_value, use_foreach
 from ._engine.optimizer.optim_state import first_stepped_in_backward
+from ._engine.params.wrappers import local_tensor
 
 __all__ = ["clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm"]
 
@@ -187,7 +188,7 @@ def _total_norm(
             entry[1].append(local)
     if out_device is None:  # no values on this rank: answer where the layouts live
         first = entries[0][0]
-        out_device = (first._local_tensor if isinstance(first, DTensor) else first).device
+        out_device = local_tensor(first).device
 
     # 2. One local partial value (sum |x|^p, or max |x|) per group, and the process groups
     # over which it must still be reduced.
@@ -278,7 +279,7 @@ def clip_grads_with_norm_(
         total_norm = total_norm.full_tensor()
     # Multiply even when the coefficient is 1: branching on it would sync with the device.
     coef = clip_coefficient(max_norm, total_norm)
-    locals_ = [g._local_tensor if isinstance(g, DTensor) else g for g in grads]
+    locals_ = [local_tensor(g) for g in grads]
     for device, ts in by_device_and_dtype(locals_):
         coef_d = coef.to(device)
         if use_foreach(ts, device, foreach):
