@@ -304,6 +304,36 @@ def test_plain_tensors_match_torch() -> None:
             assert_close_tensors([p.grad for p in ours], [p.grad for p in ref])
 
 
+def test_host_norms_on_threads_are_the_foreach_norms_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host gradients large enough for the pool of threads (CPU offload's case) get exactly the
+    norms torch's foreach norm gives one tensor at a time, and clip_grad_norm_ the total it
+    gives when every norm is taken on one thread."""
+    from composable._engine.grads import host_norms as host_norms_module
+
+    def total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+        params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+        for q, g in zip(params, grads):
+            q.grad = g.clone()
+        return clip_grad_norm_(params, 1e9, norm_type)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.manual_seed(0)
+        grads = [torch.randn(n) * (i + 1) for i, n in enumerate((1 << 21, 3 << 20, 12345, 1 << 20))]
+        for norm_type in (1.0, 2.0, 3.0, math.inf):
+            ours = host_norms_module.host_norms(grads, norm_type, torch.float32)
+            theirs = torch._foreach_norm(grads, norm_type, dtype=torch.float32)
+            assert all(torch.equal(a, b) for a, b in zip(ours, theirs)), norm_type
+            pooled = total_norm(grads, norm_type)
+            with monkeypatch.context() as m:  # every norm on this thread, one after the other
+                m.setattr(host_norms_module, "_POOL_MIN_ELEMENTS", 1 << 62)
+                assert torch.equal(pooled, total_norm(grads, norm_type)), norm_type
+        assert host_norms_module._pool is not None  # the pool ran, not only the one-thread loop
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_half_precision_norm_does_not_overflow() -> None:
     p = torch.nn.Parameter(torch.zeros(4, dtype=torch.float16))
     p.grad = torch.full((4,), 60000.0, dtype=torch.float16)
