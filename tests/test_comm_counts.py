@@ -102,6 +102,37 @@ def test_collectives_per_step(per_block: int, options: dict, extra_gathers: int)
             }, f"step {step}"
 
 
+@pytest.mark.parametrize("mesh_shape", [(1, WORLD), (WORLD, 1)], ids=["replicate_1", "shard_1"])
+def test_a_mesh_dim_of_one_rank_launches_no_collective(mesh_shape: tuple[int, int]) -> None:
+    """HSDP whose replicate dimension has one rank (each torchft replica group's mesh) reduces
+    with the reduce-scatter alone; one rank per shard group, with the all-reduce alone: a group
+    of one rank has nothing to exchange, and `replicate` over one rank launches nothing either."""
+    from composable import replicate
+
+    with fake_process_group(WORLD):
+        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+        model = Net(2)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        sharded = mesh_shape[1] > 1
+        for step in range(2):
+            counts = _counts(_step(model, opt, torch.randn(4, 8)))
+            assert counts == {
+                "forward": {"all_gather": N_BLOCKS + 1} if sharded else {},
+                "backward": {"all_gather": N_BLOCKS, "reduce_scatter": N_BLOCKS + 1}
+                if sharded
+                else {"all_reduce": N_BLOCKS + 1},
+                "optimizer": {},
+            }, f"step {step}"
+        one = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("dp", "one"))["one"]
+        replicated = replicate(Net(1), mesh=one)
+        with trace_collectives() as t:
+            replicated(torch.randn(4, 8)).sum().backward()
+        assert dict(t.counts) == {}
+
+
 def test_forward_without_grad_gathers_once_per_group() -> None:
     """Inference (no backward can follow) gathers each group once and frees it again."""
     with fake_process_group(WORLD):

@@ -10,7 +10,9 @@ exchange: its all-gather output is its input, and so is its reduce-scatter outpu
 and the average, over one rank). PyTorch FSDP2 issues neither there, so a single-GPU run costs
 no collective launches; the same here: `all_gather`, `all_gather_coalesced` and
 `reduce_scatter` copy (where output and input are not already the same memory) and return a
-finished `Done` work. A custom collective (`set_custom_all_gather` / `set_custom_reduce_scatter`)
+finished `Done` work. The all-reduce over one rank leaves its tensor as it is: `all_reduce`
+and `all_reduce_async` launch nothing there (HSDP whose replicate dimension has one rank, as
+each torchft replica group's mesh, would otherwise pay a kernel and its launch per group). A custom collective (`set_custom_all_gather` / `set_custom_reduce_scatter`)
 is skipped there too, as in FSDP2.
 """
 
@@ -124,15 +126,22 @@ def reduce_scatter(
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, average: bool, async_op: bool) -> dist.Work | None:
+    """Sum (or average) `tensor` over `group` in place: a Work with `async_op`, else None;
+    nothing to do, and None, over one rank."""
+    if group.size() == 1:
+        return None
     work = dist.all_reduce(tensor, op=_op(average), group=group, async_op=async_op)
     return cast("dist.Work | None", work)  # torch leaves the result unannotated
 
 
-def all_reduce_async(tensor: torch.Tensor, group: dist.ProcessGroup, average: bool) -> dist.Work:
+def all_reduce_async(tensor: torch.Tensor, group: dist.ProcessGroup, average: bool) -> dist.Work | Done:
     """`all_reduce(..., async_op=True)` issued on the process group itself: it runs once per
     bucket inside backward, where the front end's argument checks and wrappers (a few
     microseconds each time) are CPU time small batches wait for. The process group still
-    dispatches `c10d::allreduce_`, so dispatch modes and the fake process group see it."""
+    dispatches `c10d::allreduce_`, so dispatch modes and the fake process group see it. Over
+    one rank: nothing to do, and `Done`."""
+    if group.size() == 1:
+        return Done()
     opts = dist.AllreduceOptions()
     opts.reduceOp = cast(dist.ReduceOp, _op(average))  # the binding converts the enum member
     return group.allreduce([tensor], opts)
