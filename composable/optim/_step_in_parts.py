@@ -27,29 +27,20 @@ class StepInParts:
     def __init__(self, optimizer: torch.optim.Optimizer, owner_attr: str, owner: object) -> None:
         self.optimizer = optimizer
         self._owner_attr = owner_attr
-        self.shadow = self.new_shadow()
+        self.shadow = copy.copy(optimizer)
+        self.shadow.__dict__.pop("step", None)  # an LR scheduler's wrapper of the user's step: the class's
+        self.shadow._optimizer_step_pre_hooks = collections.OrderedDict()
+        self.shadow._optimizer_step_post_hooks = collections.OrderedDict()
         self._own_step = optimizer.__dict__.get("step")  # an instance's own step (a scheduler's wrapper), if any
         setattr(optimizer, owner_attr, owner)
         # Bound to the optimizer, as `step` is: an LR scheduler re-binds `optimizer.step.__func__`.
         setattr(optimizer, "step", types.MethodType(_replaced_step(owner_attr), optimizer))
 
-    def new_shadow(self) -> torch.optim.Optimizer:
-        """A shallow copy of the optimizer sharing its `state` and `defaults`, with hook dicts of
-        its own: one per thread that steps parts at the same time as another (each sets its own
-        `param_groups`)."""
-        shadow = copy.copy(self.optimizer)
-        shadow.__dict__.pop("step", None)  # an LR scheduler's wrapper of the user's step: the class's
-        shadow._optimizer_step_pre_hooks = collections.OrderedDict()
-        shadow._optimizer_step_post_hooks = collections.OrderedDict()
-        return shadow
-
-    def step_part(self, param_groups: list[dict[str, Any]], shadow: torch.optim.Optimizer | None = None) -> None:
+    def step_part(self, param_groups: list[dict[str, Any]]) -> None:
         """Step the parameters of `param_groups` (each a group's hyperparameters and some of its
-        parameters) with the optimizer's own code and state, through `shadow` (default: the
-        first one)."""
-        shadow = self.shadow if shadow is None else shadow
-        shadow.param_groups = param_groups
-        shadow.step()
+        parameters) with the optimizer's own code and state."""
+        self.shadow.param_groups = param_groups
+        self.shadow.step()
 
     def part_groups(self, params: list[torch.Tensor]) -> list[dict[str, Any]]:
         """The optimizer's param groups cut down to `params` (in the groups' order), empty ones dropped."""

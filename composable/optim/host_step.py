@@ -21,14 +21,6 @@ when most steps clip, a bet made every step would lose every step. The copy asid
 as many bytes as the step itself, so the bet pays only where backward is long enough to hide
 both (on a 16-core host with the `1b` preset at batch 4 it does not: BENCHMARKS.md).
 
-`finish_in_forward=True` takes the overlap further: `optimizer.step()` no longer waits for the
-host's steps. The groups not yet stepped (with clipping: all of them, once the norm is known)
-are queued in the order the next forward gathers them, and each group's forward waits only for
-its own step, so the host's arithmetic hides behind the end of backward and the next forward.
-Those steps work on aliases of the parameters (sharing their storage and state) holding the
-gradients taken at `optimizer.step()`, so a `zero_grad` right after the step frees nothing the
-worker still reads.
-
 What cannot be exact once a parameter has moved is refused, not approximated: clipping after
 backward (`composable.clip_grad_norm_` names it), a GradScaler's unscale and inf check (fp16 is
 refused here), gradients accumulated over several backwards without `no_sync` (the second
@@ -49,7 +41,6 @@ from .._engine.optimizer.optim_state import STATE_ON_HOST_ATTR, mark_stepped_in_
 from .._engine.params.wrappers import local_tensor
 from ..clip_grad import clip_coefficient, clip_grads_with_norm_, grad_norm_with_known_norms
 from ..fsdp import fully_shard
-from ._queued_steps import QueuedSteps
 from ._step_backup import StepBackup
 from ._step_in_parts import StepInParts
 from .muon import Muon
@@ -64,7 +55,6 @@ def step_in_backward(
     max_norm: float | None = None,
     norm_type: float = 2.0,
     speculate: bool = False,
-    finish_in_forward: bool = False,
 ) -> "HostStepInBackward":
     """Step `optimizer`'s CPU-offloaded parameters during backward, each group's as soon as its
     reduced gradients are in host memory.
@@ -95,16 +85,6 @@ def step_in_backward(
     enough to hide both. Without `max_norm`, `composable.clip_grad_norm_` over a parameter
     handed over in this backward raises: a step that ran cannot be clipped.
 
-    `finish_in_forward=True`: `optimizer.step()` returns without waiting for the host's steps of
-    the offloaded groups: those not begun (with `max_norm`: every group, once the norm is known)
-    are queued in `model`'s module order (the order a forward gathers them), and the next
-    forward of each `fully_shard` module waits for its own groups' steps (and its forward
-    prefetches') before gathering them. The numbers are the same. Between `optimizer.step()`
-    and that forward the offloaded parameters may not hold their new values yet: `wait()` does
-    (the model's and optimizer's `state_dict` and `load_state_dict` wait themselves). The
-    steps read the gradients `optimizer.step()` took and the hyperparameters as they were then;
-    `zero_grad(set_to_none=False)` waits for them (it zeroes those gradients in place).
-
     Returns the `HostStepInBackward` (`close()`: the hooks removed, the plain step back;
     `total_norm`: the last step's gradient norm with `max_norm`, else None; `stepped_ahead`:
     whether the last step's groups stepped during backward; `steps_taken_back`: how many
@@ -113,8 +93,7 @@ def step_in_backward(
     Raises:
         TypeError: `optimizer` is not a `torch.optim.Optimizer` or `model` not an `nn.Module`.
         ValueError: `max_norm` not a number >= 0 or None, `norm_type` not a number > 0 (or inf),
-            `speculate` not a bool or True without `max_norm`, `finish_in_forward` not a bool or
-            True with `speculate`;
+            `speculate` not a bool or True without `max_norm`;
             `optimizer` is a `composable.optim.Muon` (its step communicates), already
             steps in backward or has its state offloaded (`offload_optimizer_state`), none of
             its parameters is in a `fully_shard` group of `model` with `CPUOffloadPolicy`, or
@@ -134,12 +113,6 @@ def step_in_backward(
         raise ValueError(f"{_API}: 'speculate' must be a bool, got {speculate!r}")
     if speculate and max_norm is None:
         raise ValueError(f"{_API}: 'speculate' needs 'max_norm': without clipping every group steps as it lands")
-    if not isinstance(finish_in_forward, bool):
-        raise ValueError(f"{_API}: 'finish_in_forward' must be a bool, got {finish_in_forward!r}")
-    if finish_in_forward and speculate:
-        raise ValueError(
-            f"{_API}: 'speculate' and 'finish_in_forward' are two ways to overlap a clipped step; pass one of them"
-        )
     if isinstance(optimizer, Muon):
         raise ValueError(
             f"{_API}: composable.optim.Muon's step sends whole matrices between ranks, which cannot run beside backward"
@@ -152,10 +125,10 @@ def step_in_backward(
             "step_in_backward steps CPUOffloadPolicy's host parameters"
         )
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    states = [state for module in model.modules() if (state := fully_shard.state(module)) is not None]
     groups = [
         group
-        for state in states
+        for module in model.modules()
+        if (state := fully_shard.state(module)) is not None
         for group in state.groups
         if group.config.offload and any(id(mp.sharded) in stepped for mp in group.params)
     ]
@@ -174,8 +147,6 @@ def step_in_backward(
     handle = HostStepInBackward(optimizer, [group.reducer.options for group in groups], names)
     if max_norm is not None:
         handle.clip_as(list(model.parameters()), float(max_norm), float(norm_type), speculate)
-    if finish_in_forward:
-        handle.finish_in_forward(model, states, groups)
     return handle
 
 
@@ -190,8 +161,8 @@ class HostStepInBackward:
     `max_norm`: the last step's gradient norm, as `clip_grad_norm_` returns it; else None);
     `stepped_ahead` (whether the last step's groups stepped during backward); `steps_taken_back`
     (how many steps a lost `speculate` bet took back and took again). `wait()` waits for the
-    steps begun in backward (and, with `finish_in_forward`, those still queued); `close()` also
-    removes the hooks and gives the optimizer its plain step back."""
+    steps begun in backward; `close()` also removes the hooks and gives the optimizer its plain
+    step back."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, options: list[Any], names: dict[int, str]) -> None:
         self.optimizer = optimizer
@@ -207,7 +178,7 @@ class HostStepInBackward:
         self._options = options
         for opts in options:
             opts.host_grads_hook = self._landed
-        self._hooks: list[Any] = [optimizer.register_state_dict_pre_hook(lambda *_: self.wait())]
+        self._hooks = [optimizer.register_state_dict_pre_hook(lambda *_: self.wait())]
         # Clipping (`clip_as`): the parameters clipped, max_norm, norm_type; the steps' backup and
         # the local gradients' norms taken on the worker, by (id(local gradient), dtype).
         self._clip: tuple[list[torch.Tensor], float, float] | None = None
@@ -221,7 +192,6 @@ class HostStepInBackward:
         self._speculate = False
         self.stepped_ahead = False
         self.steps_taken_back = 0
-        self._queued: QueuedSteps | None = None  # finish_in_forward's steps left to run past optimizer.step()
 
     def clip_as(self, params: list[torch.Tensor], max_norm: float, norm_type: float, speculate: bool) -> None:
         """Clip as `clip_grad_norm_(params, max_norm, norm_type)` before each step, speculating
@@ -229,19 +199,6 @@ class HostStepInBackward:
         self._clip = (params, max_norm, norm_type)
         self._speculate = speculate
         self._step_ahead = False  # no norm seen yet: the first step waits for its own
-
-    def finish_in_forward(self, model: nn.Module, states: list[Any], groups: list[Any]) -> None:
-        """Let the steps run on past `optimizer.step()` into the next forward (see
-        `step_in_backward`): each module of `states` (fully_shard's) waits, before its forward
-        gathers, for the steps of its `groups` and of the modules it prefetches."""
-        self._queued = QueuedSteps(self._parts, self._worker, states, groups)
-        self._hooks += self._queued.hooks
-        self._hooks.append(model.register_state_dict_pre_hook(lambda *_: self.wait()))
-        self._hooks.append(model.register_load_state_dict_pre_hook(lambda *_: self.wait()))
-        self._hooks.append(self.optimizer.register_load_state_dict_pre_hook(lambda *_: self.wait()))
-        optimizer = self.optimizer
-        optimizer.zero_grad = self.zero_grad  # type: ignore[method-assign]
-        self._hooks.append(_Undo(lambda: optimizer.__dict__.pop("zero_grad", None)))
 
     def _landed(self, handed: list[torch.Tensor], kept: list[torch.Tensor], ready: torch.cuda.Event | None) -> None:
         """A reduction's gradients are (or will be, at `ready`) in host memory: step them on the worker."""
@@ -258,11 +215,7 @@ class HostStepInBackward:
         mark_stepped_in_backward(mine, True)
         self._handed_ids.update(id(p) for p in mine)
         self._handed += mine
-        if self._queued is not None and self._step_ahead:  # optimizer.step() may return before it runs
-            future = self._queued.queue_landed((mine, [p.grad for p in mine], ready), self._threads)
-        else:
-            future = self._worker.submit(self._take_part, mine, ready, self._step_ahead)
-        self._pending.append(future)
+        self._pending.append(self._worker.submit(self._take_part, mine, ready, self._step_ahead))
 
     def _take_part(self, params: list[torch.Tensor], ready: torch.cuda.Event | None, step_ahead: bool) -> None:
         """On the worker: wait for the gradients' copy to the host; take their norms when
@@ -284,17 +237,11 @@ class HostStepInBackward:
 
     def step(self, closure: Callable[[], Any] | None = None) -> None:
         """`optimizer.step`: the user's pre-hooks, the steps begun in backward finished, the
-        parameters not stepped there stepped, the user's post-hooks. With `finish_in_forward`
-        the offloaded groups' steps are left running (`_queue_for_forward`)."""
+        parameters not stepped there stepped, the user's post-hooks."""
         if closure is not None:
             raise ValueError(f"{_API}: optimizer.step(closure) is not supported: the parameters step during backward")
         self._parts.run_pre_hooks(_API)
         self._threads = torch.get_num_threads()
-        if self._queued is not None:
-            self._queue_for_forward(self._queued)
-            self._forget_handed()
-            self._parts.run_post_hooks()
-            return
         self.wait()
         rest = [p for group in self.optimizer.param_groups for p in group["params"] if id(p) not in self._handed_ids]
         stepped_ahead = self._step_ahead and bool(self._handed)
@@ -311,29 +258,6 @@ class HostStepInBackward:
             self._step_ahead = self._speculate and not clipped
         self._forget_handed()
         self._parts.run_post_hooks()
-
-    def _queue_for_forward(self, queued: QueuedSteps) -> None:
-        """finish_in_forward's `optimizer.step()`: the parameters no reduction handed over are
-        stepped here (clipped first); the handed ones still to step are queued on the worker,
-        group by group in the order the next forward gathers them."""
-        rest = [p for group in self.optimizer.param_groups for p in group["params"] if id(p) not in self._handed_ids]
-        clip = None
-        if self._clip is None:
-            todo = queued.take_back_unbegun()  # begun ones run on
-            self._pending = [f for f in self._pending if not f.cancelled()]
-        else:
-            self.wait()  # the norms, taken as the gradients landed
-            params, max_norm, p = self._clip
-            total = self.total_norm = grad_norm_with_known_norms(params, p, self._norms)
-            todo = queued.by_group(self._handed)
-            if not bool(clip_coefficient(max_norm, total) >= 1.0):  # else it would multiply by 1.0
-                clip = (max_norm, total)
-                if rest:
-                    clip_grads_with_norm_(rest, max_norm, total)
-        if rest:
-            self._parts.step_part(self._parts.part_groups(rest))
-        self._pending += [queued.queue(part, self._threads, clip) for part in queued.in_forward_order(todo)]
-        self.stepped_ahead = False
 
     def _clips(self) -> bool:
         """The total norm (as clip_grad_norm_ takes it); the gradients clipped; whether that
@@ -355,20 +279,10 @@ class HostStepInBackward:
         self._handed_ids.clear()
 
     def wait(self) -> None:
-        """Wait for the steps begun in backward, and those queued for the next forward
-        (re-raising the first error of one)."""
+        """Wait for the steps begun in backward (re-raising the first error of one)."""
         pending, self._pending = self._pending, []
         for future in pending:
             future.result()
-        if self._queued is not None:
-            self._queued.forget()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """`optimizer.zero_grad`, once the queued steps are done when it zeroes in place (they
-        read those gradients); setting them to None needs no wait."""
-        if not set_to_none:
-            self.wait()
-        type(self.optimizer).zero_grad(self.optimizer, set_to_none)
 
     def close(self) -> None:
         """Finish what runs, remove the hooks and give `optimizer` its plain step back."""
@@ -380,13 +294,3 @@ class HostStepInBackward:
             hook.remove()
         self._worker.shutdown()
         self._parts.restore()
-
-
-class _Undo:
-    """A hook handle for what is not a hook (a method set on the optimizer): `remove()` undoes it."""
-
-    def __init__(self, undo: Callable[[], Any]) -> None:
-        self._undo = undo
-
-    def remove(self) -> None:
-        self._undo()

@@ -78,7 +78,7 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
         help=f"comma list of {', '.join(ALL_RUNS)} (the *_graphed ones: the whole step in a CUDA graph; the *_offload "
         "ones: CPUOffloadPolicy, the shards, gradients and optimizer step on the host; *_offload_on_device: the bf16 "
         "shards kept on the GPU too; *_step_in_backward: each group's host step during backward (*_speculative: with --max-norm, betting that "
-        "the norm clips nothing; *_finish_in_forward: the steps not done by then finish during the next forward); *_state_offload: only "
+        "the norm clips nothing); *_state_offload: only "
         "the optimizer state on the host, stepped on the GPU; *_prefetch: its copies in during backward); "
         f"default {','.join(RUNS)}, on a 2D --mesh {','.join(MESH_DEFAULT_RUNS)}",
     )

@@ -40,14 +40,12 @@ GRAPHED_RUNS = ("floor_graphed", "fully_shard_graphed", "replicate_graphed")
 # fully_shard_offload_on_device also keeps each group's bf16 shard on the GPU between steps
 # (`CPUOffloadPolicy(compute_shard_on_device=True)`).
 # *_step_in_backward: each group's host step during backward (`composable.optim.step_in_backward`,
-# applied by benchmark.py); *_speculative: with --max-norm, its `speculate=True`; *_finish_in_forward: its
-# `finish_in_forward=True` (the steps left run on into the next forward, each group's waited for there).
+# applied by benchmark.py); *_speculative: with --max-norm, its `speculate=True`.
 OFFLOAD_RUNS = (
     "fully_shard_offload",
     "fully_shard_offload_on_device",
     "fully_shard_offload_step_in_backward",
     "fully_shard_offload_step_in_backward_speculative",
-    "fully_shard_offload_step_in_backward_finish_in_forward",
     "fully_shard_offload_on_device_step_in_backward",
     "fsdp2_offload",
 )
@@ -164,15 +162,9 @@ def build(
     if allowed is not None and run not in allowed:
         raise ValueError(f"build: run {run!r} does not run on --mesh {mesh.kind}; runs there: {allowed}")
     offload = run in OFFLOAD_RUNS
-    on_device = (
-        run.removesuffix("_speculative")
-        .removesuffix("_finish_in_forward")
-        .removesuffix("_step_in_backward")
-        .endswith("_on_device")
-    )
+    on_device = run.removesuffix("_speculative").removesuffix("_step_in_backward").endswith("_on_device")
     run = (
         run.removesuffix("_speculative")
-        .removesuffix("_finish_in_forward")
         .removesuffix("_step_in_backward")
         .removesuffix("_graphed")
         .removesuffix("_on_device")

@@ -226,10 +226,7 @@ def time_run(
     in_backward = None
     if "_step_in_backward" in run:
         speculate = run.endswith("_speculative") and bool(args.max_norm)
-        finish = run.endswith("_finish_in_forward")
-        in_backward = step_in_backward(
-            opt, c.model, args.max_norm or None, speculate=speculate, finish_in_forward=finish
-        )
+        in_backward = step_in_backward(opt, c.model, args.max_norm or None, speculate=speculate)
     max_norm = 0.0 if in_backward is not None else args.max_norm
     step_fn = make_step(c, opt, graphed, args.warmup, max_norm, getattr(args, "loss_chunk", 0))
     g = tokens_generator(mesh, device)  # the tp ranks of a group train on the same tokens

@@ -103,10 +103,9 @@ def _add_layout_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--step-in-backward",
         action="store_true",
-        help="with --cpu-offload host or compute-shard-on-device: each group's host optimizer step runs beside the "
-        "GPU's work (composable.optim.step_in_backward, finish_in_forward=True): during backward as its gradients "
-        "reach the host, and what is left (with --max-norm: every group, once the norm is known) during the next "
-        "forward, each group's step done before the forward gathers it",
+        help="with --cpu-offload host or compute-shard-on-device: each group's host optimizer step runs during "
+        "backward, as its gradients reach the host (composable.optim.step_in_backward); with --max-norm, "
+        "during backward after a step that clipped nothing (taken back and again if this one clips), after it otherwise",
     )
     p.add_argument(
         "--compile",

@@ -151,14 +151,8 @@ def build(args: argparse.Namespace, job: Job, stack: contextlib.ExitStack) -> Bu
         prefetch = model if sharded and not args.activation_checkpointing else None
         offload_optimizer_state(optimizer, prefetch_in_backward=prefetch)
     # Each group's host step as its gradients land, beside the rest of backward; with --max-norm
-    # the norms are taken as they land and the groups step once the total is known. What is left
-    # finishes during the next forward (each group's forward waits for its own step; evaluation
-    # and checkpoints wait for all of them).
-    in_backward = (
-        step_in_backward(optimizer, model, args.max_norm or None, finish_in_forward=True)
-        if args.step_in_backward
-        else None
-    )
+    # the norms are taken as they land and the groups step once the total is known.
+    in_backward = step_in_backward(optimizer, model, args.max_norm or None) if args.step_in_backward else None
     scaler = ShardedGradScaler(enabled=args.mp == "fp16")
     return Built(model, n_params, pipeline, optimizer, scaler, graphs, graphs_why, lighthouse, in_backward)
 
