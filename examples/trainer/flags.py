@@ -105,7 +105,7 @@ def _add_layout_flags(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --cpu-offload host or compute-shard-on-device: each group's host optimizer step runs during "
         "backward, as its gradients reach the host (composable.optim.step_in_backward); with --max-norm, "
-        "during backward after a step that clipped nothing (taken back and again if this one clips), after it otherwise",
+        "the gradients' norms are taken as they land and the groups step once the total norm is known",
     )
     p.add_argument(
         "--compile",
