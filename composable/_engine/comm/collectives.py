@@ -10,10 +10,11 @@ exchange: its all-gather output is its input, and so is its reduce-scatter outpu
 and the average, over one rank). PyTorch FSDP2 issues neither there, so a single-GPU run costs
 no collective launches; the same here: `all_gather`, `all_gather_coalesced` and
 `reduce_scatter` copy (where output and input are not already the same memory) and return a
-finished `Done` work. The all-reduce over one rank leaves its tensor as it is: `all_reduce`
-and `all_reduce_async` launch nothing there (HSDP whose replicate dimension has one rank, as
-each torchft replica group's mesh, would otherwise pay a kernel and its launch per group). A custom collective (`set_custom_all_gather` / `set_custom_reduce_scatter`)
-is skipped there too, as in FSDP2.
+finished `Done` work. A custom collective (`set_custom_all_gather` / `set_custom_reduce_scatter`)
+is skipped there too, as in FSDP2. The all-reduce over one rank leaves its tensor as it is:
+`all_reduce` and `all_reduce_async` launch nothing there (HSDP whose replicate dimension has
+one rank, as each torchft replica group's mesh, would otherwise pay a kernel and its launch
+per group).
 """
 
 from __future__ import annotations
