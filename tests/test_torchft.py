@@ -624,6 +624,18 @@ MAIN_JOB_ERRORS = [
         ["--parallel", "hsdp", "--fault-tolerant", "--lighthouse", "start:29510", "--min-replicas", "0"],
         "--min-replicas must be >= 1, got 0",
     ),
+    (["--heartbeat-timeout", "1"], "--heartbeat-timeout needs --fault-tolerant"),
+    (
+        ["--parallel", "hsdp", "--fault-tolerant", "--lighthouse", "http://h:1", "--heartbeat-timeout", "1.5"],
+        "--heartbeat-timeout 1.5 needs --lighthouse start:PORT",
+    ),
+    *(
+        (
+            ["--parallel", "hsdp", "--fault-tolerant", "--lighthouse", "start:29510", "--heartbeat-timeout", value],
+            f"--heartbeat-timeout must be > 0 seconds, got {value}",
+        )
+        for value in ("0", "-1")
+    ),
 ]
 
 

@@ -13,6 +13,7 @@ bench_muon_floor.py  Muon's Newton-Schulz floor on one GPU (examples/bench_muon_
 bench_muon_step.py   the optimizer step alone, Muon against AdamW (examples/bench_muon_step.py)
 bench_host_step.py   an offloaded, clipped step's host operations, each timed (examples/bench_host_step.py)
 bench_qlora.py       QLoRA throughput and memory, ours against FSDP2 (examples/bench_qlora.py)
+bench_ft_recovery.py a torchft replica group lost and restarted, timed (examples/bench_ft_recovery.py)
 trace_overlap.py     where the GPU's time goes in a benchmark trace (examples/trace_overlap.py)
 trace_nccl.py        every rank's NCCL kernels of one run, lined up (examples/trace_nccl.py)
 """

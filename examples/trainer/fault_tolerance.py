@@ -48,6 +48,7 @@ def problem(args: argparse.Namespace) -> str | None:
         ("--lighthouse", args.lighthouse),
         ("--replica-group", args.replica_group),
         ("--min-replicas", args.min_replicas),
+        ("--heartbeat-timeout", args.heartbeat_timeout),
     ):
         if value is not None and not ft:
             return f"{name} needs --fault-tolerant"
@@ -86,6 +87,13 @@ def problem(args: argparse.Namespace) -> str | None:
         )
     if args.min_replicas is not None and args.min_replicas < 1:
         return f"--min-replicas must be >= 1, got {args.min_replicas}"
+    if port is None and args.heartbeat_timeout is not None:
+        return (
+            f"--heartbeat-timeout {args.heartbeat_timeout:g} needs --lighthouse start:PORT "
+            "(a lighthouse started elsewhere has its own --heartbeat_timeout_ms)"
+        )
+    if args.heartbeat_timeout is not None and not args.heartbeat_timeout > 0:
+        return f"--heartbeat-timeout must be > 0 seconds, got {args.heartbeat_timeout:g}"
     if port is not None and (group := replica_group(args)) != 0:
         return (
             f"--lighthouse {args.lighthouse} on replica group {group}: only group 0 starts the lighthouse; "
@@ -108,7 +116,8 @@ def serve_lighthouse(args: argparse.Namespace, stack: contextlib.ExitStack) -> s
 
     With `--lighthouse start:PORT` (replica group 0: `problem` refuses it on the others) rank 0
     first starts a torchft `LighthouseServer` bound to PORT on every interface, needing
-    `--min-replicas` groups (default 1) for a quorum, which `stack` shuts down when it closes
+    `--min-replicas` groups (default 1) for a quorum and counting a silent group alive for
+    `--heartbeat-timeout` seconds (default torchft's), which `stack` shuts down when it closes
     (the end of the run); the address is then http://localhost:PORT, since only a group's rank 0
     talks to the lighthouse. Raises UsageError on every rank, in one line naming the flag and the
     port, when the port cannot be bound (another process holds it). Otherwise the address is
@@ -123,7 +132,10 @@ def serve_lighthouse(args: argparse.Namespace, stack: contextlib.ExitStack) -> s
         from torchft.coordination import LighthouseServer
 
         try:
-            server = LighthouseServer(bind=f"[::]:{port}", min_replicas=args.min_replicas or 1)
+            timeout_ms = None if args.heartbeat_timeout is None else max(1, round(args.heartbeat_timeout * 1000))
+            server = LighthouseServer(
+                bind=f"[::]:{port}", min_replicas=args.min_replicas or 1, heartbeat_timeout_ms=timeout_ms
+            )
         except RuntimeError as e:  # torchft's bind error: "Address already in use (os error 98)"
             why = "is already in use on this host" if "in use" in str(e) else f"cannot be bound ({e})"
             raise UsageError(

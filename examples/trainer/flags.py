@@ -264,6 +264,14 @@ def _add_fault_tolerance_flags(p: argparse.ArgumentParser) -> None:
         help="--lighthouse start:PORT: the groups a quorum needs (default 1: any survivor trains on)",
     )
     f.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="--lighthouse start:PORT: how long a silent group still counts as alive, which is about what a lost "
+        "group costs the others: their next quorum waits for it (default: torchft's, 5 s; each Manager beats every 0.1 s)",
+    )
+    f.add_argument(
         "--replica-group",
         type=int,
         default=None,

@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -214,9 +215,12 @@ def _train_steps(
     while step < args.steps:
         step = next_step(manager, step)
         job.watchdog.progress(step, "forward/backward")
-        # --fault (tests): die or stall here.
+        # --fault (tests, bench_ft_recovery.py): die or stall here, saying so first.
         if fault and fault[2] != "EXITHANG" and int(fault[1]) == rank and int(fault[3]) == step:
             time.sleep(0.2)  # let the heartbeat of this step land first, as it would in a real stall
+            print(
+                f"train.py: --fault: rank {rank} sends itself SIG{fault[2]} at step {step}", file=sys.stderr, flush=True
+            )
             os.kill(os.getpid(), getattr(signal, "SIG" + fault[2]))
         timed = _timed_step(args, job, built, corpus, run_step, manager, step, tokens_per_step, tally)
         if timed is None:  # a group died during it: taken again

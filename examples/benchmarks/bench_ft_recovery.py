@@ -1,0 +1,194 @@
+"""A replica group lost and started again under torchft, timed: what the loss costs the live group,
+and how long the restarted group takes to heal and rejoin (examples/bench_ft_recovery.py).
+
+Two launches of the main job (`examples/train.py --parallel hsdp --fault-tolerant`) train as two
+replica groups. Group 0 serves the lighthouse, which needs one group for a quorum, so a group left
+alone trains on. Group 1's rank 0 kills itself at `--fault-step` (the main job's `--fault`);
+`--restart-after` seconds after that launch has ended, the same command is launched again, and it
+heals from group 0 and rejoins. Every line the launches print is timestamped as it arrives. From
+the main job's line at the fault and torchft's Manager, which logs each vote to commit and a
+healing group's recovery, it reports:
+
+- the live group's step time before the fault (the median time between its commits);
+- from the fault to the live group's next committed step: what losing a group costs the others
+  (the step in flight fails and is taken again without the lost group);
+- the steps the live group committed alone;
+- the restarted group's time from its launch to its first quorum (start-up: the process, the
+  model, the Manager), from there to its first committed step (the heal: the live group's state
+  fetched and loaded, then one step), and its step time after;
+- whether the live group logged every step once, from its first (its metrics.csv).
+
+Flags it does not know go to both launches (`--batch-size 4`, `--no-compile`, ...). With two or
+more GPUs each group takes one (CUDA_VISIBLE_DEVICES); with one, both share it, which slows each
+step but not the protocol; without one, both train on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Any
+
+import torch
+
+TRAIN_PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py")
+
+# What the launches print that times the recovery: the main job at the fault, torchft's Manager
+# at each vote to commit and when a joining group must heal.
+FAULT_LINE = "train.py: --fault: rank"
+COMMITTED = "should_commit completed should_commit=true"
+NOT_COMMITTED = "should_commit completed should_commit=false"
+QUORUM = "Finished quorum for group_rank"
+HEAL = "healing is required"
+
+
+class Launch:
+    """One launch of the main job, every line it prints kept with the time it arrived."""
+
+    def __init__(self, name: str, command: list[str], env: dict[str, str], log_path: str) -> None:
+        self.name, self.lines = name, []
+        self.started = time.monotonic()
+        self.process = subprocess.Popen(
+            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+        )
+        self.ended: float | None = None
+        self._reader = threading.Thread(target=self._read, args=(self.process.stdout, log_path), daemon=True)
+        self._reader.start()
+
+    def _read(self, stream: IO[str] | None, log_path: str) -> None:
+        assert stream is not None  # stdout=PIPE
+        with open(log_path, "w") as log:
+            for line in stream:
+                now = time.monotonic()
+                self.lines.append((now, line.rstrip("\n")))
+                log.write(f"{now - self.started:10.3f} {line}")
+        self.ended = time.monotonic()
+
+    def wait(self, deadline: float) -> int:
+        """The launch's exit status; killed (and an error) if it outlasts `deadline` (monotonic)."""
+        try:
+            code = self.process.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            raise RuntimeError(f"bench_ft_recovery: {self.name} did not end in time (--timeout-s); killed") from None
+        self._reader.join()
+        return code
+
+    def times(self, marker: str) -> list[float]:
+        """When each line holding `marker` arrived."""
+        return [t for t, line in self.lines if marker in line]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the two groups, print the timings (seconds) and return them (also in OUT/ft_recovery.json)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--steps", type=int, default=60, help="steps of each launch: leave room for the restart")
+    parser.add_argument("--fault-step", type=int, default=20, help="group 1's rank 0 kills itself at this step")
+    parser.add_argument("--restart-after", type=float, default=2.0, help="seconds from group 1's end to its restart")
+    parser.add_argument("--port", type=int, default=0, help="the lighthouse's port (0: a free one)")
+    parser.add_argument(
+        "--heartbeat-timeout", type=float, default=None, help="seconds: group 0's lighthouse's (default: torchft's)"
+    )
+    parser.add_argument("--out", default="runs/ft_recovery")
+    parser.add_argument("--timeout-s", type=float, default=900.0, help="the whole measurement's limit")
+    args, train_flags = parser.parse_known_args(argv)
+    if args.fault_step < 2 or args.fault_step >= args.steps:
+        parser.error(f"--fault-step must be in 2..{args.steps - 1} (below --steps), got {args.fault_step}")
+    os.makedirs(args.out, exist_ok=True)
+    port = args.port or _free_port()
+    deadline = time.monotonic() + args.timeout_s
+    common = [sys.executable, TRAIN_PY, "--parallel", "hsdp", "--nproc", "1", "--preset", args.preset]
+    common += ["--steps", str(args.steps), "--eval-every", "0", "--ckpt-every", "0", "--fault-tolerant", *train_flags]
+    live_cmd = common + ["--lighthouse", f"start:{port}", "--min-replicas", "1", "--replica-group", "0"]
+    if args.heartbeat_timeout is not None:
+        live_cmd += ["--heartbeat-timeout", str(args.heartbeat_timeout)]
+    lost_cmd = common + ["--lighthouse", f"localhost:{port}", "--replica-group", "1"]
+    gpus = torch.cuda.device_count()
+    placement = "cpu" if gpus == 0 else ("one GPU each" if gpus > 1 else "both on one GPU")
+
+    def launch(name: str, command: list[str], group: int) -> Launch:
+        env = dict(os.environ)
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = str(group if gpus > 1 else 0)
+        return Launch(name, command + ["--out", os.path.join(args.out, f"g{group}")], env, f"{args.out}/{name}.log")
+
+    live = launch("group0", live_cmd, 0)
+    lost = launch("group1", lost_cmd + ["--fault", f"0:KILL:{args.fault_step}"], 1)
+    code = lost.wait(deadline)
+    faults = lost.times(FAULT_LINE)
+    if not faults:
+        live.process.kill()
+        raise RuntimeError(
+            f"bench_ft_recovery: group 1 ended (exit status {code}) without its fault at step {args.fault_step} "
+            f"(it may have healed past it): see {args.out}/group1.log"
+        )
+    time.sleep(args.restart_after)
+    back = launch("group1_restarted", lost_cmd, 1)
+    for each in (live, back):
+        if each.wait(deadline) != 0:
+            raise RuntimeError(f"bench_ft_recovery: {each.name} failed: see {args.out}/{each.name}.log")
+    result = _timings(live, back, faults[0], args)
+    result["placement"] = placement
+    with open(os.path.join(args.out, "ft_recovery.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    for key, value in result.items():
+        print(f"{key:40s} {value:.3f}" if isinstance(value, float) else f"{key:40s} {value}")
+    return result
+
+
+def _timings(live: Launch, back: Launch, fault: float, args: argparse.Namespace) -> dict[str, Any]:
+    """The report's numbers from the launches' timestamped lines (see the module doc)."""
+    commits = live.times(COMMITTED)
+    before = [t for t in commits if t < fault]
+    after = [t for t in commits if t > fault]
+    back_quorum = back.times(QUORUM)
+    back_commits = back.times(COMMITTED)
+    if not after or not back_quorum or not back_commits:
+        raise RuntimeError(
+            "bench_ft_recovery: the live group did not commit after the fault, or the restarted group never "
+            f"joined or committed (raise --steps to leave room for the restart): see {args.out}/*.log"
+        )
+    joined = back_quorum[0]
+    return {
+        "live step before the fault (median)": statistics.median(b - a for a, b in zip(before, before[1:])),
+        "fault to the live group's next commit": after[0] - fault,
+        "live steps that failed (taken again)": sum(1 for t in live.times(NOT_COMMITTED) if t > fault),
+        "live steps committed alone": sum(1 for t in after if t < joined),
+        "restart: launch to first quorum": joined - back.started,
+        "restart: healed": bool(back.times(HEAL)),
+        "restart: first quorum to first commit": back_commits[0] - joined,
+        "restart: launch to first commit": back_commits[0] - back.started,
+        "restarted step after (median)": statistics.median(b - a for a, b in zip(back_commits, back_commits[1:]))
+        if len(back_commits) > 2
+        else float("nan"),
+        "live group logged every step once": _every_step_once(os.path.join(args.out, "g0"), args.steps),
+    }
+
+
+def _every_step_once(out: str, steps: int) -> bool:
+    """Whether the live group's metrics.csv (its run's, under `out`) has every step from its first
+    to `steps` once (the first may be past 1: a group that joins a step late heals to it)."""
+    (path,) = glob.glob(os.path.join(out, "*", "metrics.csv"))
+    with open(path) as f:
+        logged = [int(row["step"]) for row in csv.DictReader(f)]
+    return bool(logged) and logged == list(range(logged[0], steps + 1))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+if __name__ == "__main__":
+    main()
