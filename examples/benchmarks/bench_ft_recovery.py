@@ -19,8 +19,8 @@ healing group's recovery, it reports:
 - whether the live group logged every step once, from its first (its metrics.csv).
 
 Flags it does not know go to both launches (`--batch-size 4`, `--no-compile`, ...). With two or
-more GPUs each group takes one (CUDA_VISIBLE_DEVICES); with one, both share it, which slows each
-step but not the protocol; without one, both train on the CPU.
+more GPUs each group takes one (CUDA_VISIBLE_DEVICES); without one, both train on the CPU. One GPU
+is refused: the groups' NCCL communicator takes no two ranks on one GPU.
 """
 
 from __future__ import annotations
@@ -104,6 +104,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args, train_flags = parser.parse_known_args(argv)
     if args.fault_step < 2 or args.fault_step >= args.steps:
         parser.error(f"--fault-step must be in 2..{args.steps - 1} (below --steps), got {args.fault_step}")
+    gpus = torch.cuda.device_count()
+    if gpus == 1:
+        parser.error(
+            "needs a GPU per replica group, two, or none (NCCL takes no two ranks of one communicator on one GPU); "
+            "CUDA_VISIBLE_DEVICES= runs both groups on the CPU"
+        )
     os.makedirs(args.out, exist_ok=True)
     port = args.port or _free_port()
     deadline = time.monotonic() + args.timeout_s
@@ -113,13 +119,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.heartbeat_timeout is not None:
         live_cmd += ["--heartbeat-timeout", str(args.heartbeat_timeout)]
     lost_cmd = common + ["--lighthouse", f"localhost:{port}", "--replica-group", "1"]
-    gpus = torch.cuda.device_count()
-    placement = "cpu" if gpus == 0 else ("one GPU each" if gpus > 1 else "both on one GPU")
+    placement = "one GPU each" if gpus else "cpu"
 
     def launch(name: str, command: list[str], group: int) -> Launch:
         env = dict(os.environ)
         if gpus:
-            env["CUDA_VISIBLE_DEVICES"] = str(group if gpus > 1 else 0)
+            env["CUDA_VISIBLE_DEVICES"] = str(group)
         return Launch(name, command + ["--out", os.path.join(args.out, f"g{group}")], env, f"{args.out}/{name}.log")
 
     live = launch("group0", live_cmd, 0)
