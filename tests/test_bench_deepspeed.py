@@ -8,10 +8,12 @@ its `DeepSpeedCPUAdam` with the other contenders' AdamW hyperparameters."""
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import math
 import os
+import weakref
 from pathlib import Path
 
 import pytest
@@ -133,7 +135,8 @@ def test_deepspeed_starts_from_the_same_loss_as_the_other_contenders() -> None:
 
 def _train(rank: int, world_size: int) -> dict:
     """DeepSpeed's contender stepped by hand (its losses, its optimizer's hyperparameters beside
-    fused AdamW's), then DDP and it side by side through the benchmark, clipped."""
+    fused AdamW's, whether its engine is collected once closed), then DDP and it side by side
+    through the benchmark, clipped."""
     _as_torchrun(rank)
     argv = smoke_argv("--runs", "ddp,deepspeed_offload", "--max-norm", "1.0", batch_size=2, warmup=3)
     args = benchmark.parse_args(argv)
@@ -148,18 +151,22 @@ def _train(rank: int, world_size: int) -> dict:
     step = bench_deepspeed.DeepSpeedStep(
         bench_build.build("deepspeed_offload", cfg, torch.device("cpu")), benchmark.LR, 2, args.max_norm
     )
+    keys = ("lr", "betas", "eps", "weight_decay")
     try:
         losses = [float(step(tokens)) for _ in range(4)]
-        group = step.optimizer.param_groups[0]
+        group = {k: step.optimizer.param_groups[0][k] for k in keys}
+        engine = weakref.ref(step.engine)
     finally:
         step.close()
-    keys = ("lr", "betas", "eps", "weight_decay")
+    del step
+    gc.collect()
     rounds = benchmark.run_rounds(args, torch.device("cpu"))
     return {
         "losses": losses,
         "floor_loss": floor_loss,
+        "engine_collected": engine() is None,
         "hyperparameters": (
-            {k: tuple(group[k]) if k == "betas" else group[k] for k in keys},
+            {**group, "betas": tuple(group["betas"])},
             {k: fused[k] for k in keys},
         ),
         "last": {run: res["loss"] for run, res in rounds[0].items()},
@@ -170,7 +177,8 @@ def test_deepspeed_trains_as_data_parallel_training_does() -> None:
     """Two gloo ranks: the loss falls at every step from the floor's initial loss (the same
     model built the same way), the host optimizer is AdamW with the other contenders'
     hyperparameters, and after four steps on the same data it is where DDP's is (the same data
-    parallelism; bf16 parameters against DDP's fp32 under autocast)."""
+    parallelism; bf16 parameters against DDP's fp32 under autocast). Closed, the engine is
+    collected, so the contenders after it are not charged with its memory."""
     pytest.importorskip("deepspeed")
     for res in run_on_ranks(_train, 2, timeout=600, fresh=True):
         losses = res["losses"]
@@ -180,3 +188,6 @@ def test_deepspeed_trains_as_data_parallel_training_does() -> None:
         assert ours == fused, res
         assert res["last"]["deepspeed_offload"] == pytest.approx(res["last"]["ddp"], rel=3e-3), res
         assert res["last"]["deepspeed_offload"] < losses[0]
+        assert res["engine_collected"], (
+            "the engine outlived close(): its model and buffers would be charged to later runs"
+        )

@@ -124,4 +124,21 @@ class DeepSpeedStep:
         return loss.detach()
 
     def close(self) -> None:
+        """Release the engine: its hooks and buffers (`destroy`), and the two references to the
+        model that DeepSpeed 0.19.8 keeps past it. Without them the model, and through its hooks
+        the engine with its optimizer, GPU shards and pinned host buffers, outlive the run (seen
+        on the CPU: the engine is never collected), charged to every later contender."""
+        from deepspeed.runtime.zero import parameter_offload, partitioned_param_coordinator
+
         self.engine.destroy()
+        # ZeRO-3 pushes the model onto a module-level stack when it wraps it, and never pops it.
+        stack = parameter_offload.FWD_MODULE_STACK
+        stack[:] = [module for module in stack if module is not self.engine.module]
+        # Its parameter coordinator caches which parameters each module releases in an
+        # lru_cache on the class, keyed by the coordinator and the module (filled from the
+        # second forward on, once the modules' order is traced); under an NVTX wrapper.
+        coordinator = partitioned_param_coordinator.PartitionedParameterCoordinator
+        release = vars(coordinator).get("_PartitionedParameterCoordinator__params_to_release")
+        cached = inspect.getclosurevars(release).nonlocals.get("func", release) if release else None
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
