@@ -40,6 +40,7 @@ def test_graphed_contenders_are_held_against_both_floors(
 def test_graphed_runs_are_opt_in_and_graph_all_but_the_last_warmup_step() -> None:
     assert benchmark.parse_args([]).runs.split(",") == list(bench_build.RUNS)
     runs = bench_build.RUNS + bench_build.GRAPHED_RUNS + bench_build.OFFLOAD_RUNS + bench_build.STATE_OFFLOAD_RUNS
+    runs += bench_build.DEEPSPEED_RUNS
     assert bench_build.ALL_RUNS == runs
     # `--warmup 3`: 2 eager steps, the capture in the third, replays from the first timed step
     step = benchmark.make_step(None, None, True, 3)  # type: ignore[arg-type]  # nothing runs before a call

@@ -6,6 +6,7 @@ bench_build.py       the contenders: one model parallelised each way (ours, FSDP
 bench_mesh.py        --mesh: the device mesh of the sharded contenders, the tokens per GPU
 bench_optim.py       --optimizer: fused AdamW, or Muon beside AdamW
 bench_float8.py      --float8: torchao float8 training for every contender
+bench_deepspeed.py   --runs deepspeed_offload: DeepSpeed ZeRO-3 with ZeRO-Offload, the contender's engine and step
 bench_overhead.py    --cpu-overhead: the CPU cost of the hooks per step
 bench_report.py      the table, the ours/theirs ratios, the JSON file, the Chrome trace
 bench_links.py       each group of a 2D mesh timed alone (examples/bench_links.py)

@@ -11,6 +11,7 @@ import torch
 from benchmarks.bench_build import (
     AC_MODES,
     ALL_RUNS,
+    DEEPSPEED_RUNS,
     GRAPHED_RUNS,
     HF_MISSING,
     MODELS,
@@ -20,6 +21,7 @@ from benchmarks.bench_build import (
     WRAPS,
     hf_available,
 )
+from benchmarks.bench_deepspeed import deepspeed_problem
 from benchmarks.bench_float8 import FLOAT8_MISSING, float8_available
 from benchmarks.bench_mesh import MESH_DEFAULT_RUNS, add_mesh_args, mesh_errors
 from benchmarks.bench_optim import OPTIMIZERS
@@ -79,7 +81,8 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
         "ones: CPUOffloadPolicy, the shards, gradients and optimizer step on the host; *_offload_on_device: the bf16 "
         "shards kept on the GPU too; *_step_in_backward: each group's host step during backward (*_speculative: with --max-norm, betting that "
         "the norm clips nothing); *_state_offload: only "
-        "the optimizer state on the host, stepped on the GPU; *_prefetch: its copies in during backward); "
+        "the optimizer state on the host, stepped on the GPU; *_prefetch: its copies in during backward; "
+        "deepspeed_offload: DeepSpeed ZeRO-3 with ZeRO-Offload and DeepSpeedCPUAdam, needs deepspeed); "
         f"default {','.join(RUNS)}, on a 2D --mesh {','.join(MESH_DEFAULT_RUNS)}",
     )
     p.add_argument(
@@ -198,7 +201,7 @@ def _check_and_derive(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
             f"--warmup must be >= 2 with --runs {graphed[0]} (graphed_step's eager warm-up, then the capture, "
             f"so that every timed step is a replay), got {args.warmup}"
         )
-    offloaded = [run for run in args.runs.split(",") if run in OFFLOAD_RUNS + STATE_OFFLOAD_RUNS]
+    offloaded = [run for run in args.runs.split(",") if run in OFFLOAD_RUNS + STATE_OFFLOAD_RUNS + DEEPSPEED_RUNS]
     if offloaded and (args.float8 or args.moe or args.model != "own" or args.optimizer != "adamw" or args.mesh != "dp"):
         p.error(
             f"--runs {offloaded[0]} runs with --model own, --mesh dp and --optimizer adamw, without --float8 or --moe "
@@ -240,6 +243,9 @@ def _check_and_derive(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
     compile_off = "--no-compile" if args.compile is False else "no --compile (off by default without a GPU)"
     if args.compile is None:
         args.compile = args.mesh == "tp" and torch.cuda.is_available() and not args.cpu_overhead
+    error = deepspeed_problem(args)  # after --compile's default
+    if error:
+        p.error(error)
     world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None  # torchrun's
     error = None if args.cpu_overhead else mesh_errors(args, cfg.n_heads, cfg.ffn_dim, world, compile_off)
     if error:

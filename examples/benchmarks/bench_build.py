@@ -6,15 +6,17 @@ Every contender is built the same way, in the order the APIs need:
 3. with `compile_backend`, every block (`TransformerBlock` / `LlamaDecoderLayer`) `.compile()`d,
    before any API is applied, as torchtitan does; with `ac` "full" or "selective" every block
    checkpointed (composable's `checkpoint` for our contenders, torch's `checkpoint_wrapper`
-   for FSDP2 and DDP; "selective" keeps the matmuls: `composable.checkpoint.save_matmuls`);
-4. the API: nothing (floor), `fully_shard` on every sharding unit bottom-up (ours or FSDP2;
-   the `*_offload` runs with `CPUOffloadPolicy`: shards, gradients and the step on the host),
+   for FSDP2, DDP and DeepSpeed; "selective" keeps the matmuls: `composable.checkpoint.save_matmuls`);
+4. the API: nothing (floor; and `deepspeed_offload`, whose engine shards the materialised
+   model later: bench_deepspeed.py), `fully_shard` on every sharding unit bottom-up (ours or FSDP2;
+   its `*_offload` runs with `CPUOffloadPolicy`: shards, gradients and the step on the host),
    or `replicate` on the root; on `--mesh hsdp` / `tp` (bench_mesh.py) the FSDP-style ones
    shard over its data-parallel mesh, under `tp` after train.py's tensor-parallel recipe;
 5. materialised on the device and initialised *after* sharding (each rank fills its shards);
 6. DDP last: it broadcasts rank 0's initialised parameters when it is constructed.
 The floor and DDP compute in fp32 under bf16 autocast; fully_shard, FSDP2 and replicate keep
-fp32 sharded parameters and compute in bf16 (`param_dtype`), reducing in fp32.
+fp32 sharded parameters and compute in bf16 (`param_dtype`), reducing in fp32; DeepSpeed's
+engine computes in bf16 parameters over fp32 master weights on the host.
 """
 
 from __future__ import annotations
@@ -53,7 +55,14 @@ OFFLOAD_RUNS = (
 # (`composable.optim.offload_optimizer_state`, applied by benchmark.py); *_prefetch: the state's
 # copies in during backward (`prefetch_in_backward=model`).
 STATE_OFFLOAD_RUNS = ("fully_shard_state_offload", "fully_shard_state_offload_prefetch")
-ALL_RUNS = RUNS + GRAPHED_RUNS + OFFLOAD_RUNS + STATE_OFFLOAD_RUNS
+# DeepSpeed ZeRO-3 with ZeRO-Offload (its optimizer state and step on the host); opt-in, needs the
+# deepspeed package. `build` makes its model as the floor's (nothing applied, on the device);
+# benchmark.py hands it to DeepSpeed's engine, which shards it (bench_deepspeed.py).
+DEEPSPEED_RUNS = ("deepspeed_offload",)
+ALL_RUNS = RUNS + GRAPHED_RUNS + OFFLOAD_RUNS + STATE_OFFLOAD_RUNS + DEEPSPEED_RUNS
+# Runs whose blocks torch's `checkpoint_wrapper` checkpoints under --ac (PyTorch's and DeepSpeed's
+# contenders; composable's take composable.checkpoint), named as `build` strips them.
+TORCH_CHECKPOINTED = ("fsdp2", "ddp", "deepspeed")
 MODELS = ("own", "hf-llama")
 AC_MODES = ("none", "full", "selective")  # activation checkpointing of every block
 WRAPS = ("separate-ends", "blocks")  # how fully_shard/FSDP2 group the model: see `sharding_units`
@@ -180,7 +189,7 @@ def build(
         net = Transformer(cfg) if model == "own" else hf_llama(cfg)
     if float8:
         bench_float8.to_float8(net, head(net), run)
-    wrapped = ac != "none" and run in ("fsdp2", "ddp")  # their blocks become checkpoint wrappers
+    wrapped = ac != "none" and run in TORCH_CHECKPOINTED  # their blocks become checkpoint wrappers
     if compile_backend is not None and not wrapped:
         for block in blocks(net):
             block.compile(backend=compile_backend)
@@ -231,12 +240,12 @@ def build(
 
 def _checkpoint_blocks(net: nn.Module, run: str, ac: str, compile_backend: str | None) -> None:
     """Every block checkpointed: ours by `composable.checkpoint` (after `.compile()`: the
-    checkpoint goes into the block's graph); FSDP2's and DDP's as torchtitan does, each block
+    checkpoint goes into the block's graph); FSDP2's, DDP's and DeepSpeed's as torchtitan does, each block
     replaced by torch's `checkpoint_wrapper`, then the wrapper compiled, so the checkpoint is in
     the graph there too (torch's composable checkpoint with a `context_fn` trips over FSDP2's
     backward prefetch on torch 2.15: the recompute meets ops the forward did not record)."""
     options = {"context_fn": composable.checkpoint.save_matmuls()} if ac == "selective" else {}
-    if run not in ("fsdp2", "ddp"):
+    if run not in TORCH_CHECKPOINTED:
         for block in blocks(net):
             composable.checkpoint(block, **options)
         return

@@ -49,6 +49,17 @@ RATIOS = (
     ("fully_shard_offload_on_device_step_in_backward", "fully_shard"),
     ("fully_shard_offload_on_device_step_in_backward", "fully_shard_offload_on_device"),
     ("fsdp2_offload", "fsdp2"),
+    # DeepSpeed's ZeRO-Offload (bench_deepspeed.py): each of ours against it, and its own cost
+    # against no offload.
+    ("fully_shard_offload", "deepspeed_offload"),
+    ("fully_shard_offload_on_device", "deepspeed_offload"),
+    ("fully_shard_offload_step_in_backward", "deepspeed_offload"),
+    ("fully_shard_offload_step_in_backward_speculative", "deepspeed_offload"),
+    ("fully_shard_offload_on_device_step_in_backward", "deepspeed_offload"),
+    ("fully_shard_state_offload", "deepspeed_offload"),
+    ("fully_shard_state_offload_prefetch", "deepspeed_offload"),
+    ("deepspeed_offload", "fully_shard"),
+    ("fsdp2_offload", "deepspeed_offload"),
 )
 
 

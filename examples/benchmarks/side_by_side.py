@@ -8,6 +8,8 @@
         --runs floor,floor_graphed,fully_shard,fully_shard_graphed,fsdp2,replicate,replicate_graphed,ddp
     torchrun --nproc_per_node 2 examples/benchmark.py --preset 1b --batch-size 4 --seq-len 8192 --loss-chunk 4096 \
         --runs fully_shard_offload,fsdp2_offload
+    torchrun --nproc_per_node 1 examples/benchmark.py --preset 1b --batch-size 4 --seq-len 8192 --max-norm 1.0 \
+        --runs fully_shard,fully_shard_offload_step_in_backward,fsdp2_offload,deepspeed_offload
     torchrun --nproc_per_node 4 examples/benchmark.py --preset 1b --batch-size 4 --mesh hsdp --dp-replicate 2
     torchrun --nproc_per_node 4 examples/benchmark.py --preset 1b --batch-size 4 --mesh tp --tp-size 2
     torchrun --nproc_per_node 4 examples/benchmark.py --preset 1b --batch-size 4 --mesh tp --tp-size 2 --async-tp
@@ -34,6 +36,8 @@ tokens/s per GPU, MFU, peak memory allocated and reserved) and the ratios ours/t
 train.py's TP recipe, compiled by default on GPUs, `--async-tp` for async TP; bench_mesh.py),
 beside the floors. `--fused-projections` (on by default with `--async-tp`) gives every
 contender's blocks one wqkv and one w13 linear instead of wq/wk/wv and w1/w3 (examples/models/model.py).
+`--runs ...,deepspeed_offload` adds DeepSpeed ZeRO-3 with ZeRO-Offload (bench_deepspeed.py: its engine
+takes the model `build` makes and steps it its own way) beside the CPU-offload runs.
 `--loss-chunk TOKENS` gives every contender the same chunked loss: the head's matmul and the
 cross entropy TOKENS tokens at a time, each chunk checkpointed (examples/models/chunked_loss.py).
 Without a GPU it runs on the CPU with gloo (timings only; a smoke test of the wiring).
@@ -56,12 +60,14 @@ from torch import nn
 
 from benchmarks.bench_args import model_config, parse_args, width_overrides  # noqa: F401 (the tests' entry points)
 from benchmarks.bench_build import (
+    DEEPSPEED_RUNS,
     GRAPHED_RUNS,
     OFFLOAD_RUNS,
     STATE_OFFLOAD_RUNS,
     Contender,
     build,
 )
+from benchmarks.bench_deepspeed import DeepSpeedStep
 from benchmarks.bench_mesh import (
     BenchMesh,
     build_mesh,
@@ -76,6 +82,7 @@ from models.model import get_config, lm_loss, model_flops_per_token, model_loss 
 from trainer.launch import host_threads_for_offload, init_torchrun_rank
 
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0}
+LR = 1e-4  # every contender's
 
 
 def train_step(
@@ -219,7 +226,12 @@ def time_run(
         mesh=mesh,
     )
     graphed = run in GRAPHED_RUNS
-    opt = build_optimizer(c.model, args.optimizer, 1e-4, graphed)
+    engine_step = None
+    if run in DEEPSPEED_RUNS:  # DeepSpeed's engine takes the model, with its own optimizer and step
+        engine_step = DeepSpeedStep(c, LR, args.batch_size, args.max_norm, getattr(args, "loss_chunk", 0))
+        c, opt = engine_step.contender, engine_step.optimizer
+    else:
+        opt = build_optimizer(c.model, args.optimizer, LR, graphed)
     prefetch = c.model if run.endswith("_prefetch") else None
     state_offload = offload_optimizer_state(opt, prefetch_in_backward=prefetch) if run in STATE_OFFLOAD_RUNS else None
     # The step in backward clips itself, as clip_grad_norm_ would.
@@ -228,7 +240,8 @@ def time_run(
         speculate = run.endswith("_speculative") and bool(args.max_norm)
         in_backward = step_in_backward(opt, c.model, args.max_norm or None, speculate=speculate)
     max_norm = 0.0 if in_backward is not None else args.max_norm
-    step_fn = make_step(c, opt, graphed, args.warmup, max_norm, getattr(args, "loss_chunk", 0))
+    loss_chunk = getattr(args, "loss_chunk", 0)
+    step_fn = engine_step if engine_step is not None else make_step(c, opt, graphed, args.warmup, max_norm, loss_chunk)
     g = tokens_generator(mesh, device)  # the tp ranks of a group train on the same tokens
     tokens = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), device=device, generator=g)
     times = []
@@ -266,11 +279,11 @@ def time_run(
         "host_rss_gib": _host_rss_bytes() / 2**30,
         "loss": float(loss),
     }
-    for replaced_step in (state_offload, in_backward):
+    for replaced_step in (state_offload, in_backward, engine_step):
         if replaced_step is not None:
             replaced_step.close()
     teardown(c.model, opt)
-    del c, opt, loss, step_fn, state_offload, in_backward
+    del c, opt, loss, step_fn, state_offload, in_backward, engine_step
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -367,7 +380,7 @@ def run_rounds(args: argparse.Namespace, device: torch.device) -> list[dict[str,
 def main(args: argparse.Namespace) -> None:
     """Under torchrun: NCCL on the local GPU, or gloo on the CPU where there is none."""
     device = init_torchrun_rank()
-    if any(run in OFFLOAD_RUNS for run in (args.runs or "").split(",")):
+    if any(run in OFFLOAD_RUNS + DEEPSPEED_RUNS for run in (args.runs or "").split(",")):
         host_threads_for_offload()
     try:
         prewarm_libraries(device)
