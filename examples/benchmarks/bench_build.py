@@ -31,7 +31,7 @@ from torch import nn
 import composable
 from benchmarks import bench_float8
 from benchmarks.bench_mesh import MESH_RUNS, BenchMesh, tensor_parallel
-from models.model import ModelConfig, Transformer
+from models.model import ModelConfig, Transformer, lm_loss, model_loss
 from trainer.parallel import expert_mesh, shard_experts
 
 RUNS = ("floor", "fully_shard", "fsdp2", "replicate", "ddp")
@@ -74,6 +74,14 @@ class Contender(NamedTuple):
     autocast: Callable[[], AbstractContextManager[object]]
     logits: Callable[[nn.Module, torch.Tensor], torch.Tensor]  # (model, tokens) -> logits
     after_step: Callable[[nn.Module], None] = lambda model: None  # (model) after each optimizer step
+
+    def loss(self, tokens: torch.Tensor, loss_chunk: int = 0) -> torch.Tensor:
+        """The forward's mean loss on `tokens` (B, T + 1), under the contender's autocast:
+        `lm_loss` of the logits, or with `loss_chunk` > 0 (`--loss-chunk`, our model only) the
+        head's chunked loss."""
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        with self.autocast():
+            return model_loss(self.model, x, y, loss_chunk) if loss_chunk else lm_loss(self.logits(self.model, x), y)
 
 
 def hf_available() -> bool:

@@ -35,7 +35,6 @@ from typing import Any
 import torch
 
 from benchmarks.bench_build import DEEPSPEED_RUNS, Contender
-from models.model import lm_loss, model_loss
 
 DEEPSPEED_MISSING = (
     "--runs deepspeed_offload needs the deepspeed package, which is not installed: pip install deepspeed"
@@ -111,14 +110,7 @@ class DeepSpeedStep:
         self.contender = c._replace(model=engine)
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
-        x, y = tokens[:, :-1], tokens[:, 1:]
-        c = self.contender
-        with c.autocast():
-            loss = (
-                model_loss(self.engine, x, y, self.loss_chunk)
-                if self.loss_chunk
-                else lm_loss(c.logits(self.engine, x), y)
-            )
+        loss = self.contender.loss(tokens, self.loss_chunk)  # its model is the engine
         self.engine.backward(loss)
         self.engine.step()
         return loss.detach()

@@ -78,7 +78,7 @@ from benchmarks.bench_optim import build_optimizer
 from benchmarks.bench_report import report, write_trace
 from composable import clip_grad_norm_
 from composable.optim import offload_optimizer_state, step_in_backward
-from models.model import get_config, lm_loss, model_flops_per_token, model_loss  # noqa: F401 (get_config: the tests')
+from models.model import get_config, lm_loss, model_flops_per_token  # noqa: F401 (get_config, lm_loss: the tests')
 from trainer.launch import host_threads_for_offload, init_torchrun_rank
 
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0}
@@ -90,9 +90,7 @@ def train_step(
 ) -> torch.Tensor:
     """One step of contender `c` on `tokens` (B, T + 1); the loss before the step. `loss_chunk`
     > 0 (`--loss-chunk`, our model only): its head's chunked loss instead of `lm_loss` of the logits."""
-    x, y = tokens[:, :-1], tokens[:, 1:]
-    with c.autocast():
-        loss = model_loss(c.model, x, y, loss_chunk) if loss_chunk else lm_loss(c.logits(c.model, x), y)
+    loss = c.loss(tokens, loss_chunk)
     loss.backward()
     if max_norm > 0:  # --max-norm: the same clipping for every contender (DTensors on any mesh)
         clip_grad_norm_(c.model.parameters(), max_norm)
