@@ -34,6 +34,9 @@ def test_refuses_a_fault_step_outside_the_run(capsys: pytest.CaptureFixture[str]
     with pytest.raises(SystemExit):
         bench_ft_recovery.main(["--steps", "10", "--fault-step", "10"])
     assert "--fault-step must be in 2..9 (below --steps), got 10" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_ft_recovery.main(["--steps-after-rejoin", "0"])
+    assert "--steps-after-rejoin must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_refuses_one_gpu_for_two_groups(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

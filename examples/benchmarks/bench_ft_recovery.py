@@ -60,7 +60,7 @@ class Launch:
     def __init__(self, name: str, command: list[str], env: dict[str, str], log_path: str) -> None:
         self.name, self.lines = name, []
         self.started = time.monotonic()
-        # A session of its own: `stop` ends the launch with the ranks it spawned.
+        # Its own process group (start_new_session): `stop` ends the launch with the ranks it spawned.
         self.process = subprocess.Popen(
             command,
             env=env,
@@ -132,6 +132,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args, train_flags = parser.parse_known_args(argv)
     if args.fault_step < 2 or args.fault_step >= args.steps:
         parser.error(f"--fault-step must be in 2..{args.steps - 1} (below --steps), got {args.fault_step}")
+    if args.steps_after_rejoin < 1:  # the restarted group's step time needs two commits
+        parser.error(f"--steps-after-rejoin must be >= 1, got {args.steps_after_rejoin}")
     gpus = torch.cuda.device_count()
     if gpus == 1:
         parser.error(
